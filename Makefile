@@ -1,0 +1,37 @@
+# The two commands a user needs: `make run` and `make test`. Everything else is plumbing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.baton-installed
+EXTRAS ?= model,dev
+
+.PHONY: run test setup lint typecheck unit bench clean
+
+setup: $(STAMP)
+
+# Re-install only when the dependency list changes.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+# Starts baton on its embedded defaults: the built-in baton-tiny model (created on first use),
+# no etcd, no GPU.
+run: setup
+	$(VENV)/bin/baton run
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+lint: setup
+	$(VENV)/bin/ruff check engine kvcache cluster bench tests
+
+test: setup typecheck lint
+	$(VENV)/bin/pytest -q
+
+bench: setup
+	$(VENV)/bin/baton bench --offline
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
