@@ -25,3 +25,11 @@ class UnsupportedModelError(BatonError):
 
 class CheckpointError(BatonError):
     """The checkpoint directory cannot be loaded safely (missing, pickle-only, corrupt)."""
+
+
+class RequestError(BatonError):
+    """A request the engine cannot accept (too long, empty, bad token ids); `field` names why."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field

@@ -1,0 +1,164 @@
+"""The `baton` command line.
+
+    baton run                         start on embedded defaults (today: offline generation
+                                      with the built-in baton-tiny; the server comes later)
+    baton generate --model M --prompt P
+    baton model create {tiny,small} DIR
+    baton bench ...                   from the `baton.commands` entry point (bench/)
+
+Errors meant for the user (BatonError) print one line and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from engine.errors import BatonError
+
+logger = logging.getLogger("baton")
+
+DEMO_PROMPTS = (
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Request:\n    def __init__(self",
+    "# Parse the command line arguments",
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except BatonError as exc:
+        print(f"baton: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(metavar="COMMAND")
+
+    run = sub.add_parser("run", help="start baton on its embedded defaults (built-in model)")
+    _add_engine_args(run)
+    run.set_defaults(func=_cmd_run)
+
+    gen = sub.add_parser("generate", help="generate text offline from one prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True, help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_cmd_generate)
+
+    model = sub.add_parser("model", help="built-in models")
+    model_sub = model.add_subparsers(metavar="ACTION")
+    create = model_sub.add_parser("create", help="write baton-tiny or baton-small in Hugging Face layout")
+    create.add_argument("name", choices=["tiny", "small"])
+    create.add_argument("dir", type=Path)
+    create.set_defaults(func=_cmd_model_create)
+
+    for ep in entry_points(group="baton.commands"):
+        ep.load()(sub)
+    return parser
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="baton-tiny", help="baton-tiny, baton-small or a checkpoint directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for the engine")
+
+
+def _engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from engine.engine import Engine
+    from engine.engine_config import EngineConfig
+
+    return Engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine.sampling import SamplingParams
+
+    engine = _engine(args)
+    text = args.prompt
+    if args.chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    _stream(engine, engine.tokenizer.encode(text), params)
+    return 0
+
+
+def _stream(engine, prompt_ids: list[int], params) -> None:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    engine.add_request("cli", prompt_ids, params)
+    n = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            n = out.num_output_tokens
+    elapsed = time.perf_counter() - start
+    print(f"\n[{len(prompt_ids)} prompt tokens, {n} generated in {elapsed:.2f} s]", file=sys.stderr)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from engine.sampling import SamplingParams
+
+    print(f"baton: loading {args.model} (created on first use) ...", file=sys.stderr)
+    engine = _engine(args)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    if sys.stdin.isatty():
+        print("baton: offline generation; type a prompt, an empty line to quit.", file=sys.stderr)
+        while True:
+            try:
+                line = input("prompt> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            _stream(engine, engine.tokenizer.encode(line), params)
+        return 0
+    # Not interactive: a short demo batch through continuous batching.
+    start = time.perf_counter()
+    prompts = [engine.tokenizer.encode(p) for p in DEMO_PROMPTS]
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(DEMO_PROMPTS, outputs, strict=True):
+        print(f"--- {prompt!r}\n{engine.tokenizer.decode(out)}")
+    total = sum(len(o) for o in outputs)
+    print(f"[{len(prompts)} requests, {total} tokens in {elapsed:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def _cmd_model_create(args: argparse.Namespace) -> int:
+    from engine.builtin import BUILTIN_SPECS, create_model
+
+    start = time.perf_counter()
+    path = create_model(BUILTIN_SPECS[f"baton-{args.name}"], args.dir)
+    print(f"wrote baton-{args.name} to {path} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The asyncio face of an Engine: the step loop runs on its own thread.
+
+    event loop                         step thread
+    ----------                         -----------
+    generate() -> commands.append ──▶  drain commands (add / abort)
+                                       step()  (torch releases the GIL in the forward)
+    queue.put_nowait(out) ◀─────────── loop.call_soon_threadsafe(dispatch, outputs)  one call per step
+
+The engine itself is only ever touched by the step thread. A consumer that stops iterating
+(disconnect, cancellation) aborts its request, which frees its pages on the next step.
+`heartbeat` is the time of the loop's last turn, for a liveness probe that means "the step
+loop is alive", not just "the socket answers".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import NamedTuple
+
+from engine.engine import Engine
+from engine.errors import RequestError
+from engine.outputs import StepOutput, StepStats
+from engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Add(NamedTuple):
+    req_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    priority: int
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.5) -> None:
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: deque[_Add | str] = deque()  # a str is an abort
+        self._wake = threading.Event()
+        self._queues: dict[str, asyncio.Queue[StepOutput | _Failed]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.heartbeat = time.monotonic()
+        self.last_stats: StepStats | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="baton-step-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    async def generate(
+        self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[StepOutput]:
+        """Stream a request's outputs; raises the engine's RequestError if it is refused."""
+        if not self.is_alive:
+            raise RuntimeError("the engine's step loop is not running")
+        if req_id in self._queues:
+            raise RequestError("req_id", f"request {req_id!r} is already running")
+        queue: asyncio.Queue[StepOutput | _Failed] = asyncio.Queue()
+        self._queues[req_id] = queue
+        self._commands.append(_Add(req_id, prompt_ids, sampling, priority))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(req_id, None)
+            if not finished:
+                self.abort(req_id)
+
+    def abort(self, req_id: str) -> None:
+        self._commands.append(req_id)
+        self._wake.set()
+
+    # -- the step thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self.heartbeat = time.monotonic()
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self.last_stats = self.engine.last_stats
+                if outputs:
+                    self._post(self._dispatch, outputs)
+        except BaseException as exc:  # the loop must report its death, not vanish
+            logger.exception("step loop died")
+            self.error = exc
+            self._post(self._fail_all, exc)
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if isinstance(command, str):
+                self.engine.abort(command)
+                continue
+            try:
+                self.engine.add_request(*command)
+            except Exception as exc:  # refused: tell that caller only
+                self._post(self._deliver, command.req_id, _Failed(exc))
+
+    def _post(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- on the event loop ------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self._deliver(out.req_id, out)
+
+    def _deliver(self, req_id: str, item: StepOutput | _Failed) -> None:
+        queue = self._queues.get(req_id)
+        if queue is not None:
+            queue.put_nowait(item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(_Failed(RuntimeError(f"engine failed: {exc!r}")))

@@ -1,0 +1,117 @@
+"""Paged attention over the KV pool, in plain torch (the CPU path and the reference).
+
+A step's tokens are flattened into one batch, prefill tokens first, then decode tokens:
+
+    tokens: [ seq A: 5 new tokens | seq B: 3 new tokens | dec C | dec D | dec E ]
+             <----- prefill (looped per sequence) ----> <--- decode (batched) --->
+
+Every new token's K and V are first written to its slot in the pool; attention then reads a
+sequence's whole context (cached prefix + new tokens) back from its pages. So a prefill with
+a cached prefix and a chunk of a long prompt are the same case: queries at positions
+[ctx - n, ctx) attend causally to keys [0, ctx).
+
+Decode is the hot path: one query per sequence, so the batch gathers every sequence's pages
+with one index op per layer and attends with one masked SDPA call, with GQA expressed as
+a reshape (no repeat of K/V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSeq:
+    """One sequence whose new tokens (more than one, or a first token) run as a prefill."""
+
+    start: int  # first index of its new tokens in the flat batch
+    num_new: int  # new tokens this step
+    context_len: int  # cached + new tokens, i.e. keys attended
+    page_ids: torch.Tensor  # [ceil(context_len / page_size)] int64
+
+
+@dataclass(frozen=True, slots=True)
+class AttnMetadata:
+    """Everything attention needs to know about a step, passed explicitly to the model."""
+
+    slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset of each new token
+    prefills: tuple[PrefillSeq, ...]
+    num_prefill_tokens: int
+    decode_page_table: torch.Tensor  # [B_d, max_pages] int64, padded with page 0
+    decode_bias: torch.Tensor  # [B_d, 1, 1, max_pages * page_size]: 0 where attended, -inf beyond
+    scale: float
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_page_table.shape[0])
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store new K/V ([T, kv_heads, head_dim]) into the pages ([pages, page_size, kv_heads, head_dim])."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMetadata,
+) -> torch.Tensor:
+    """q [T, heads, head_dim] -> [T, heads, head_dim]; K/V of the new tokens already written."""
+    out = torch.empty_like(q)
+    for seq in meta.prefills:
+        end = seq.start + seq.num_new
+        out[seq.start : end] = _prefill_one(q[seq.start : end], k_cache, v_cache, seq, meta.scale)
+    if meta.num_decodes:
+        out[meta.num_prefill_tokens :] = _decode_batch(
+            q[meta.num_prefill_tokens :], k_cache, v_cache, meta
+        )
+    return out
+
+
+def _prefill_one(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float
+) -> torch.Tensor:
+    num_new, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
+    # [pages, page_size, kv_heads, hd] -> [ctx, kv_heads, hd]
+    k = k_cache.index_select(0, seq.page_ids).flatten(0, 1)[: seq.context_len]
+    v = v_cache.index_select(0, seq.page_ids).flatten(0, 1)[: seq.context_len]
+    # [heads, n, hd] against [kv_heads, ctx, hd]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = num_heads != num_kv_heads
+    if seq.context_len == num_new:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        # Bottom-right causal: query i sits at position ctx - n + i.
+        q_pos = torch.arange(seq.context_len - num_new, seq.context_len, device=q.device)
+        k_pos = torch.arange(seq.context_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)
+
+
+def _decode_batch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata
+) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    table = meta.decode_page_table
+    num_keys = table.shape[1] * k_cache.shape[1]
+    flat = table.flatten()
+    # One gather per layer: [B * max_pages, page_size, kvh, hd] -> [B, kvh, L, hd]
+    k = k_cache.index_select(0, flat).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    # GQA as a reshape: query head h reads KV head h // group, so the `group` query heads of
+    # one KV head become the query rows of one attention ([B, kvh, group, hd]); measured ~3x
+    # faster on CPU than expanding K/V (see BENCHMARKS.md's decode-step profile).
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_bias, scale=meta.scale)
+    return o.reshape(batch, num_heads, head_dim)

@@ -1,0 +1,198 @@
+"""The engine: one model on one device, stepping a continuous batch.
+
+    add_request(...)  -> validated, queued
+    step()            -> schedule -> run -> update  -> list[StepOutput]
+    abort(req_id)     -> frees every page the request holds, in any state
+
+Prefill and decode are not phases here (see engine.request): the same step serves a
+prefill-only worker, a decode worker and a colocated one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.builtin import resolve_model_dir
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.errors import RequestError
+from engine.loader import load_state_dict
+from engine.model import CausalLM
+from engine.outputs import StepOutput, StepStats
+from engine.request import FinishReason, Request, RequestStatus
+from engine.runner import ModelRunner, RunResult
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.textstate import TextState
+from engine.tokenizer import Tokenizer
+from kvcache.pool import DevicePool, KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device)
+        model_dir = resolve_model_dir(cfg.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.dtype = cfg.resolve_dtype(self.model_config.torch_dtype)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        weights = load_state_dict(model_dir, self.model_config, self.dtype, self.device)
+        self.model = CausalLM(self.model_config, weights, self.device)
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_model_len,
+                                 self.model_config.max_model_len)
+        mc = self.model_config
+        layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.page_size)
+        num_pages = cfg.num_pages or layout.num_pages_for_budget(cfg.kv_bytes(self.device), self.dtype)
+        self.pool = DevicePool(layout, num_pages, self.dtype, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size),
+            self.pool.pages,
+        )
+        self.eos_ids = self.tokenizer.eos_token_ids or mc.eos_token_ids
+        self.runner = ModelRunner(self.model, self.pool, Sampler(mc.vocab_size, seed=cfg.seed), self.eos_ids)
+        self._arrivals = 0
+        self.last_stats: StepStats | None = None
+        logger.info(
+            "engine ready: %s (%s, %s), %d pages x %d tokens, max_model_len %d",
+            model_dir.name, self.dtype, self.device, num_pages, cfg.page_size, self.max_model_len,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queue a request; RequestError if it can never run here (checked before any allocation)."""
+        self._validate(req_id, prompt_ids, sampling)
+        request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
+        self._arrivals += 1
+        if self.cfg.detokenize:
+            request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), sampling.stop)
+        self.scheduler.add(request)
+
+    def _validate(self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
+        if self.scheduler.get(req_id) is not None:
+            raise RequestError("req_id", f"request {req_id!r} is already running")
+        if not prompt_ids:
+            raise RequestError("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        total = len(prompt_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"the model's context of {self.max_model_len} tokens",
+            )
+        if -(-total // self.cfg.page_size) > self.pool.num_pages:
+            raise RequestError("max_tokens", "the request needs more KV pages than this worker has")
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request in any state and free its pages; False if it was not here."""
+        return self.scheduler.abort(req_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_requests > 0
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched)
+        outputs = self._update(sched.scheduled, result)
+        pages = self.pool.pages
+        self.last_stats = StepStats(
+            step_s=time.perf_counter() - start,
+            forward_s=result.forward_s,
+            num_prefill_tokens=result.num_prefill_tokens,
+            num_decode_tokens=result.num_decode_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            num_preempted=len(sched.preempted),
+            num_finished=sum(o.finished for o in outputs),
+            pages_used=pages.num_used,
+            pages_total=pages.num_pages,
+        )
+        return outputs
+
+    def _update(self, scheduled: Sequence[tuple[Request, int]], result: RunResult) -> list[StepOutput]:
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+        outputs = []
+        for request, row in result.sampled:
+            token = result.samples.token_ids[row]
+            logprob = result.samples.logprobs[row]
+            request.output_ids.append(token)
+            text, reason = self._check_finish(request, token)
+            if reason is not None:
+                self.scheduler.finish(request)
+            outputs.append(
+                StepOutput(
+                    req_id=request.req_id,
+                    token_ids=(token,),
+                    text=text,
+                    logprobs=(logprob,) if logprob is not None else (),
+                    finish_reason=reason,
+                    num_prompt_tokens=len(request.prompt_ids),
+                    num_output_tokens=len(request.output_ids),
+                    num_cached_tokens=0,
+                )
+            )
+        return outputs
+
+    def _check_finish(self, request: Request, token: int) -> tuple[str, FinishReason | None]:
+        params = request.sampling
+        num_out = len(request.output_ids)
+        can_stop = num_out >= params.min_tokens
+        text = ""
+        if request.text is not None:
+            delta = request.text.push(token, check_stop=can_stop)
+            if delta.stopped:
+                return delta.text, FinishReason.STOP
+            text = delta.text
+        reason: FinishReason | None = None
+        if can_stop and not params.ignore_eos and token in self.eos_ids:
+            reason = FinishReason.STOP
+        elif can_stop and token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None and request.text is not None:
+            text += request.text.finish()
+        return text, reason
+
+    # -- conveniences -----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[list[int]]:
+        """Run prompts to completion (offline use and tests): output token ids per prompt."""
+        ids = [f"gen-{self._arrivals + i}" for i in range(len(prompts))]
+        for req_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(req_id, prompt, sampling)
+        tokens: dict[str, list[int]] = {req_id: [] for req_id in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                tokens[out.req_id].extend(out.token_ids)
+        return [tokens[req_id] for req_id in ids]
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held = sum(len(r.page_ids) for r in self.scheduler.running)
+        if held != self.pool.pages.num_used:
+            raise AssertionError(f"running requests hold {held} pages, pool says {self.pool.pages.num_used}")
+        if not any(r.status == RequestStatus.RUNNING for r in self.scheduler.running) and self.scheduler.running:
+            raise AssertionError("a non-running request is in the running list")

@@ -1,0 +1,75 @@
+"""Configuration of one engine (one model on one device)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "baton-tiny"  # a built-in name or a Hugging Face checkpoint directory
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    page_size: int = 16
+    kv_memory_bytes: int | None = None  # KV pool budget; None: a share of free memory
+    num_pages: int | None = None  # overrides kv_memory_bytes (tests use it to force pressure)
+    max_model_len: int | None = None  # None: the model's own limit
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    detokenize: bool = True
+    seed: int = 0  # seeds the generator of requests without their own seed
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        for name in ("kv_memory_bytes", "num_pages", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(name, f"must be a positive integer or unset, got {value!r}")
+        if not self.device.startswith(("cpu", "cuda")):
+            raise ConfigError("device", f"unsupported device {self.device!r}; use cpu or cuda[:N]")
+
+    def resolve_dtype(self, checkpoint_dtype: str) -> torch.dtype:
+        """The compute dtype: explicit, or float32 on CPU and the checkpoint's half type on CUDA."""
+        if self.dtype != "auto":
+            dtype = _DTYPES[self.dtype]
+        elif self.device.startswith("cuda"):
+            dtype = torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+        else:
+            dtype = torch.float32
+        if dtype == torch.float16 and self.device == "cpu":
+            raise ConfigError("dtype", "float16 is not supported on CPU; use float32 or bfloat16")
+        return dtype
+
+    def kv_bytes(self, device: torch.device) -> int:
+        """The KV pool budget: configured, or 85% of free device memory / 1 GiB of host RAM."""
+        if self.kv_memory_bytes is not None:
+            return self.kv_memory_bytes
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return int(free * 0.85)
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return min(GiB, available // 4)

@@ -1,0 +1,22 @@
+"""The one place the engine reads environment variables (all prefixed BATON_)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where built-in models and other generated files live (BATON_CACHE_DIR)."""
+    raw = os.environ.get("BATON_CACHE_DIR")
+    if raw:
+        return Path(raw).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "baton"
+
+
+def num_threads() -> int | None:
+    """Torch intra-op threads for one engine (BATON_NUM_THREADS); None keeps torch's default."""
+    raw = os.environ.get("BATON_NUM_THREADS")
+    return int(raw) if raw else None

@@ -1,0 +1,111 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Plain tensors and `F.linear`, no framework: the weights are a dict loaded from safetensors,
+with q/k/v and gate/up fused at load time so each layer runs four matmuls. Numerics follow
+Hugging Face's modeling code (RMSNorm in float32, RoPE tables in float32) so greedy tokens
+match `transformers` under the parity contract.
+
+    forward(input_ids [T], positions [T], attn_meta) -> hidden [T, hidden]
+    compute_logits(hidden [N, hidden]) -> logits [N, vocab] (float32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttnMetadata, paged_attention, write_kv
+from engine.config import ModelConfig
+from engine.rope import RotaryEmbedding, apply_rotary
+from kvcache.pool import DevicePool
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class CausalLM:
+    """One model's weights and its forward pass; the KV pool is owned by the caller."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.layers = [self._fuse_layer(weights, i) for i in range(cfg.num_layers)]
+        self.rope = RotaryEmbedding(cfg, device)
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def _fuse_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
+        bias = None
+        if self.cfg.attention_bias:
+            bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], dim=0)
+        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], dim=0)
+        return LayerWeights(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=qkv.contiguous(),
+            qkv_bias=bias,
+            o=w[p + "self_attn.o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=gate_up.contiguous(),
+            down=w[p + "mlp.down_proj.weight"],
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMetadata,
+        pool: DevicePool,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rope.cos_sin(positions)  # [T, head_dim] each
+        for idx, layer in enumerate(self.layers):
+            residual = h
+            x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            k_cache, v_cache = pool.layer(idx)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads, head_dim]
+            h = residual + F.linear(attn.reshape(-1, self.q_size), layer.o)
+            residual = h
+            x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = residual + F.linear(F.silu(gate) * up, layer.down)
+        return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()  # [N, vocab]

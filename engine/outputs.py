@@ -1,0 +1,42 @@
+"""What the engine hands back each step: per-request deltas and one stats record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import FinishReason
+from engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """New output of one request in one step (a token, its text, or the finish)."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprobs, ...]  # one per token in token_ids when requested, else ()
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, including token_ids
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One step, for metrics (aggregated in cluster/) and for the offline benchmark."""
+
+    step_s: float  # wall time of the whole step
+    forward_s: float  # model forward + logits
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    num_finished: int
+    pages_used: int
+    pages_total: int

@@ -1,0 +1,76 @@
+"""A request inside the engine: counters, not phases.
+
+    num_tokens          = len(prompt_ids) + len(output_ids)
+    num_computed_tokens = tokens whose K/V are in this request's pages
+
+Each step computes some of the `num_tokens - num_computed_tokens` pending tokens; when a step
+catches up (computed == num_tokens) the engine samples one more token. A prefill, a chunk of a
+long prompt, a decode step and a re-prefill after preemption are all that one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.textstate import TextState
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the model's context
+    ABORT = 2  # aborted by the caller
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort")[self]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    priority: int  # lower runs first; FCFS inside a class
+    arrival: int  # admission order, the FCFS tie-break
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    text: TextState | None = None  # detokenizer + stop strings; None when not detokenizing
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+    def token_at(self, index: int) -> int:
+        n_prompt = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n_prompt else self.output_ids[index - n_prompt]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]

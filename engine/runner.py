@@ -1,0 +1,133 @@
+"""Model runner: turns a SchedulerOutput into tensors, runs the forward pass, samples.
+
+Flat batch layout (prefill first, then decode — the layout engine.attention expects):
+
+    input_ids  [T]   tokens each request computes this step
+    positions  [T]   their positions in their sequences
+    slots      [T]   page_id * page_size + position % page_size
+    sample_idx [S]   index in T of the last token of each request that catches up this step
+
+A request "catches up" when its computed tokens reach num_tokens; only those are sampled
+(a partial chunk of a long prompt has nothing to sample yet).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from engine.attention import AttnMetadata, PrefillSeq
+from engine.model import CausalLM
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvcache.pool import DevicePool
+
+
+class RunResult(NamedTuple):
+    sampled: list[tuple[Request, int]]  # (request, index into sampler output)
+    samples: SamplerOutput
+    forward_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: DevicePool, sampler: Sampler, eos_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.pool = pool
+        self.sampler = sampler
+        self.eos_ids = eos_ids
+        self.page_size = pool.layout.page_size
+        self.device = model.device
+
+    def execute(self, out: SchedulerOutput) -> RunResult:
+        prefills = [s for s in out.scheduled if s.num_new > 1]
+        decodes = [s for s in out.scheduled if s.num_new == 1]
+        ordered = prefills + decodes
+        input_ids, positions, slots = self._flat_inputs(ordered)
+        meta = self._metadata(prefills, decodes, slots)
+        sample_idx: list[int] = []
+        sampled: list[tuple[Request, int]] = []
+        offset = 0
+        for request, num_new in ordered:
+            offset += num_new
+            if request.num_computed_tokens + num_new == request.num_tokens:
+                sampled.append((request, len(sample_idx)))
+                sample_idx.append(offset - 1)
+
+        start = time.perf_counter()
+        hidden = self.model.forward(input_ids, positions, meta, self.pool)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+        forward_s = time.perf_counter() - start
+
+        rows = [self._sampling_row(request) for request, _ in sampled]
+        samples = self.sampler(logits, rows) if rows else SamplerOutput([], [])
+        num_prefill = sum(s.num_new for s in prefills)
+        return RunResult(sampled, samples, forward_s, num_prefill, len(decodes))
+
+    def _flat_inputs(
+        self, ordered: Sequence[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        ps = self.page_size
+        for request, num_new in ordered:
+            start = request.num_computed_tokens
+            ids.extend(request.token_slice(start, start + num_new))
+            pages = request.page_ids
+            for p in range(start, start + num_new):
+                pos.append(p)
+                slots.append(pages[p // ps] * ps + p % ps)
+        to = self._tensor
+        return to(ids), to(pos), to(slots)
+
+    def _metadata(
+        self,
+        prefills: Sequence[ScheduledRequest],
+        decodes: Sequence[ScheduledRequest],
+        slots: torch.Tensor,
+    ) -> AttnMetadata:
+        seqs: list[PrefillSeq] = []
+        start = 0
+        for request, num_new in prefills:
+            context = request.num_computed_tokens + num_new
+            num_pages = -(-context // self.page_size)
+            page_ids = self._tensor(request.page_ids[:num_pages])
+            seqs.append(PrefillSeq(start, num_new, context, page_ids))
+            start += num_new
+        max_pages = max((len(r.page_ids) for r, _ in decodes), default=0)
+        table = [r.page_ids + [0] * (max_pages - len(r.page_ids)) for r, _ in decodes]
+        page_table = self._tensor(table).view(len(decodes), max_pages)
+        seq_lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
+        key_pos = torch.arange(max_pages * self.page_size, device=self.device)
+        bias = torch.zeros(len(decodes), 1, 1, key_pos.numel(), dtype=self.model.dtype, device=self.device)
+        bias.masked_fill_((key_pos[None, :] >= seq_lens[:, None]).view(bias.shape), float("-inf"))
+        return AttnMetadata(
+            slot_mapping=slots,
+            prefills=tuple(seqs),
+            num_prefill_tokens=start,
+            decode_page_table=page_table,
+            decode_bias=bias,
+            scale=self.model.scale,
+        )
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.sampling
+        blocked: tuple[int, ...] = ()
+        if len(request.output_ids) < params.min_tokens:
+            blocked = self.eos_ids + params.stop_token_ids
+        return SamplingRow(
+            params=params,
+            position=request.num_tokens,
+            output_ids=request.output_ids,
+            prompt_ids=request.prompt_ids,
+            blocked_ids=blocked,
+        )
+
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64, device=self.device)
