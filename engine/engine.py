@@ -27,7 +27,7 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ModelRunner, RunResult
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.textstate import TextState
 from engine.tokenizer import Tokenizer
 from kvcache.pool import DevicePool, KVLayout
@@ -189,10 +189,29 @@ class Engine:
                 tokens[out.req_id].extend(out.token_ids)
         return [tokens[req_id] for req_id in ids]
 
+    def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """Logits [vocab] for the token after `prompt_ids`, from one whole-prompt prefill.
+
+        For scoring and parity checks; runs outside the continuous batch, so only when idle.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        self._validate("score", prompt_ids, SamplingParams(max_tokens=1))
+        request = Request("score", list(prompt_ids), SamplingParams(max_tokens=1), 0, -1)
+        pages = self.pool.pages.allocate(-(-len(prompt_ids) // self.cfg.page_size))
+        if pages is None:
+            raise RequestError("prompt", "not enough free KV pages to score this prompt")
+        request.page_ids = pages
+        try:
+            sched = SchedulerOutput((ScheduledRequest(request, len(prompt_ids)),), ())
+            return self.runner.forward(sched).logits[0]
+        finally:
+            self.pool.pages.free(pages)
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         held = sum(len(r.page_ids) for r in self.scheduler.running)
         if held != self.pool.pages.num_used:
             raise AssertionError(f"running requests hold {held} pages, pool says {self.pool.pages.num_used}")
-        if not any(r.status == RequestStatus.RUNNING for r in self.scheduler.running) and self.scheduler.running:
-            raise AssertionError("a non-running request is in the running list")
+        if any(r.status != RequestStatus.RUNNING for r in self.scheduler.running):
+            raise AssertionError("a request that is not running is in the running list")

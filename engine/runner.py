@@ -27,6 +27,14 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvcache.pool import DevicePool
 
 
+class ForwardResult(NamedTuple):
+    logits: torch.Tensor  # [S, vocab] float32, row i for sampled[i]
+    sampled: list[tuple[Request, int]]  # (request, row in logits) for each request that caught up
+    forward_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
 class RunResult(NamedTuple):
     sampled: list[tuple[Request, int]]  # (request, index into sampler output)
     samples: SamplerOutput
@@ -45,6 +53,14 @@ class ModelRunner:
         self.device = model.device
 
     def execute(self, out: SchedulerOutput) -> RunResult:
+        """Forward the scheduled tokens and sample for every request that caught up."""
+        fwd = self.forward(out)
+        rows = [self._sampling_row(request) for request, _ in fwd.sampled]
+        samples = self.sampler(fwd.logits, rows) if rows else SamplerOutput([], [])
+        return RunResult(fwd.sampled, samples, fwd.forward_s, fwd.num_prefill_tokens, fwd.num_decode_tokens)
+
+    def forward(self, out: SchedulerOutput) -> ForwardResult:
+        """The forward pass alone: logits [S, vocab] of the requests that caught up."""
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
         ordered = prefills + decodes
@@ -61,13 +77,10 @@ class ModelRunner:
 
         start = time.perf_counter()
         hidden = self.model.forward(input_ids, positions, meta, self.pool)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+        logits = self.model.compute_logits(hidden[self._tensor(sample_idx)])
         forward_s = time.perf_counter() - start
-
-        rows = [self._sampling_row(request) for request, _ in sampled]
-        samples = self.sampler(logits, rows) if rows else SamplerOutput([], [])
         num_prefill = sum(s.num_new for s in prefills)
-        return RunResult(sampled, samples, forward_s, num_prefill, len(decodes))
+        return ForwardResult(logits, sampled, forward_s, num_prefill, len(decodes))
 
     def _flat_inputs(
         self, ordered: Sequence[ScheduledRequest]

@@ -13,6 +13,21 @@ from engine.stop import StopChecker
 
 
 class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class TextDelta(NamedTuple):
+    text: str
+    stopped: bool  # a stop string matched; the request must finish with reason "stop"
+
+
+class TextState:
+    def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...]) -> None:
+        self._detok = detokenizer
+        self._stop = StopChecker(stop) if stop else None
+
     def push(self, token_id: int, check_stop: bool) -> TextDelta:
         """Text released by one more output token.
 

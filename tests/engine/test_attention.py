@@ -38,7 +38,9 @@ def test_mixed_prefill_and_decode_batch_matches_reference() -> None:
         full_v.append(torch.randn(ctx, KV_HEADS, DIM))
     # The cached prefix of each sequence is already in its pages.
     for (ctx, new), pg, k, v in zip(seqs, pages, full_k, full_v, strict=True):
-        slots = torch.tensor([pg[p // PAGE] * PAGE + p % PAGE for p in range(ctx - new)], dtype=torch.int64)
+        slots = torch.tensor(
+            [pg[p // PAGE] * PAGE + p % PAGE for p in range(ctx - new)], dtype=torch.int64
+        )
         write_kv(k_cache, v_cache, k[: ctx - new], v[: ctx - new], slots)
 
     qs = [torch.randn(new, HEADS, DIM) for _, new in seqs]
@@ -56,11 +58,15 @@ def test_mixed_prefill_and_decode_batch_matches_reference() -> None:
     table = torch.tensor([pg + [0] * (max_pages - len(pg)) for _, pg in decodes])
     lens = torch.tensor([ctx for ctx, _ in decodes])
     bias = torch.zeros(len(decodes), 1, 1, max_pages * PAGE)
-    bias.masked_fill_((torch.arange(max_pages * PAGE)[None, :] >= lens[:, None]).view(bias.shape), float("-inf"))
+    bias.masked_fill_(
+        (torch.arange(max_pages * PAGE)[None, :] >= lens[:, None]).view(bias.shape), float("-inf")
+    )
     meta = AttnMetadata(torch.tensor(slots), tuple(prefills), start, table, bias, DIM**-0.5)
 
     write_kv(k_cache, v_cache, torch.cat(new_k), torch.cat(new_v), meta.slot_mapping)
     out = paged_attention(torch.cat(qs), k_cache, v_cache, meta)
 
-    expected = torch.cat([_reference(q, k, v, DIM**-0.5) for q, k, v in zip(qs, full_k, full_v, strict=True)])
+    expected = torch.cat(
+        [_reference(q, k, v, DIM**-0.5) for q, k, v in zip(qs, full_k, full_v, strict=True)]
+    )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,12 @@ PARAMS = SamplingParams(max_tokens=100, temperature=0.0)
 
 
 def make(num_pages: int = 8, **cfg: int) -> Scheduler:
-    defaults = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_prefill_chunk": 64, "page_size": 4}
+    defaults = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "max_prefill_chunk": 64,
+        "page_size": 4,
+    }
     defaults.update(cfg)
     return Scheduler(SchedulerConfig(**defaults), PagePool(num_pages))
 

@@ -1,0 +1,179 @@
+"""Token parity with Hugging Face `transformers` on the same weights (STYLE.md's contract).
+
+In float32, baton's greedy tokens must equal the reference's token by token for as long as
+the reference's top-1/top-2 logit margin stays above MARGIN_EPS. At the first near-tie a
+sequence's comparison stops (a different summation order may legitimately flip it); the share
+of sequences that stop early is reported and must stay under MAX_EARLY_SHARE. Any other
+mismatch fails.
+
+Each model runs four ways: (a) one request at a time, (b) 16 at once with staggered arrivals,
+(c) with chunked prefill (chunk 64), (d) under page pressure that forces preemption (the test
+checks preemption happened).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.builtin import RandomModelSpec, create_model
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MARGIN_EPS = 2e-3  # logits: near-tie threshold on the reference top-1 minus top-2 (~100x the first-step error)
+MAX_EARLY_SHARE = 0.10  # of sequences per model and scenario
+FIRST_LOGITS_ATOL = 2e-3  # max |baton - transformers| over the first step's logits
+NEW_TOKENS = 64
+PROMPT_LENS = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 255, 400, 640, 900, 1200, 1500)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+QWEN2_STYLE = RandomModelSpec(
+    architecture="qwen2",
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    attention_bias=True,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    seed=7,
+)
+
+
+@dataclass(frozen=True)
+class Reference:
+    tokens: list[int]
+    margins: list[float]
+    first_logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    model_dir: Path
+    prompts: list[list[int]]
+    refs: list[Reference]
+
+
+def _reference(model: torch.nn.Module, prompt: list[int]) -> Reference:
+    tokens, margins = [], []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        first = out.logits[0, -1].float().clone()
+        logits = first
+        for _ in range(NEW_TOKENS):
+            top = torch.topk(logits, 2)
+            margins.append(float(top.values[0] - top.values[1]))
+            token = int(top.indices[0])
+            tokens.append(token)
+            out = model(
+                torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+            )
+            logits = out.logits[0, -1].float()
+    return Reference(tokens, margins, first)
+
+
+@pytest.fixture(scope="module", params=["baton-tiny", "qwen2-style"])
+def case(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> ParityCase:
+    from transformers import AutoModelForCausalLM
+
+    if request.param == "baton-tiny":
+        model_dir = tiny_model_dir
+    else:
+        model_dir = create_model(QWEN2_STYLE, tmp_path_factory.mktemp("qwen2-style"))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    rng = np.random.default_rng(1234)
+    prompts = [rng.integers(4, 16_384, size=n).tolist() for n in PROMPT_LENS]
+    return ParityCase(model_dir, prompts, [_reference(model, p) for p in prompts])
+
+
+def _engine(case: ParityCase, **overrides: int) -> Engine:
+    return Engine(EngineConfig(model=str(case.model_dir), dtype="float32", **overrides))
+
+
+def _compare(case: ParityCase, outputs: list[list[int]], label: str) -> None:
+    early = 0
+    for idx, (ref, got) in enumerate(zip(case.refs, outputs, strict=True)):
+        assert len(got) == NEW_TOKENS, f"{label}: prompt {idx} produced {len(got)} tokens"
+        for pos, (want, margin) in enumerate(zip(ref.tokens, ref.margins, strict=True)):
+            if margin < MARGIN_EPS:
+                early += 1
+                break
+            assert got[pos] == want, (
+                f"{label}: prompt {idx} (len {len(case.prompts[idx])}) differs at token {pos}: "
+                f"baton {got[pos]} vs transformers {want} (reference margin {margin:.3f})"
+            )
+    share = early / len(outputs)
+    print(f"[parity] {label}: {early}/{len(outputs)} sequences stopped early at a near-tie")
+    assert share <= MAX_EARLY_SHARE, f"{label}: {early} of {len(outputs)} sequences hit near-ties"
+
+
+def _staggered(
+    engine: Engine, prompts: list[list[int]], every: int = 3
+) -> tuple[list[list[int]], int]:
+    """Add one request every `every` steps while the others run; (outputs, preemptions)."""
+    tokens: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = preempted = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            idx, prompt = pending.pop(0)
+            tokens[f"r{idx}"] = []
+            engine.add_request(f"r{idx}", prompt, GREEDY)
+        for out in engine.step():
+            tokens[out.req_id].extend(out.token_ids)
+        if engine.last_stats is not None:
+            preempted += engine.last_stats.num_preempted
+        step += 1
+        engine.check_integrity()
+    return [tokens[f"r{i}"] for i in range(len(prompts))], preempted
+
+
+def test_first_step_logits_match(case: ParityCase) -> None:
+    engine = _engine(case)
+    worst = 0.0
+    for prompt, ref in zip(case.prompts, case.refs, strict=True):
+        diff = (engine.prompt_logits(prompt) - ref.first_logits).abs().max().item()
+        worst = max(worst, diff)
+    print(f"[parity] first-step logits: max |diff| = {worst:.2e}")
+    assert worst <= FIRST_LOGITS_ATOL
+
+
+def test_one_at_a_time(case: ParityCase) -> None:
+    engine = _engine(case)
+    outputs = [engine.generate([p], GREEDY)[0] for p in case.prompts]
+    _compare(case, outputs, "one at a time")
+
+
+def test_sixteen_at_once_staggered(case: ParityCase) -> None:
+    engine = _engine(case)
+    outputs, _ = _staggered(engine, case.prompts)
+    _compare(case, outputs, "16 staggered")
+    assert engine.pool.pages.num_free == engine.pool.num_pages
+
+
+def test_chunked_prefill(case: ParityCase) -> None:
+    engine = _engine(case, max_prefill_chunk=64, max_num_batched_tokens=128)
+    outputs, _ = _staggered(engine, case.prompts, every=1)
+    _compare(case, outputs, "chunked prefill (64)")
+
+
+def test_page_pressure_preemption(case: ParityCase) -> None:
+    engine = _engine(case, num_pages=130, max_prefill_chunk=256)
+    outputs, preempted = _staggered(engine, case.prompts, every=1)
+    assert preempted > 0, "the pool was meant to be too small: no request was preempted"
+    print(f"[parity] page pressure: {preempted} preemptions")
+    _compare(case, outputs, "page pressure")
+    assert engine.pool.pages.num_free == engine.pool.num_pages
