@@ -105,7 +105,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    _stream(engine, engine.tokenizer.encode(text), params)
+    # A chat template writes its own BOS; encoding must not add a second one.
+    _stream(engine, engine.tokenizer.encode(text, add_special_tokens=not args.chat), params)
     return 0
 
 
