@@ -44,8 +44,8 @@ class Engine:
         model_dir = resolve_model_dir(cfg.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = cfg.resolve_dtype(self.model_config.torch_dtype)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
         weights = load_state_dict(model_dir, self.model_config, self.dtype, self.device)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
         self.model = CausalLM(self.model_config, weights, self.device)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)

@@ -53,7 +53,8 @@ def _refusal(model_dir: Path, cache: Path) -> str:
 def test_pickle_only_checkpoint_is_refused(
     tiny_model_dir: Path, tmp_path: Path, baton_cache_dir: Path
 ) -> None:
-    (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((tiny_model_dir / name).read_text())
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
     message = _refusal(tmp_path, baton_cache_dir)
     assert "pytorch_model.bin" in message and "safetensors" in message
@@ -84,3 +85,14 @@ def test_unsupported_architecture_is_refused(
 def test_missing_directory_is_refused(tmp_path: Path, baton_cache_dir: Path) -> None:
     message = _refusal(tmp_path / "nope", baton_cache_dir)
     assert "nope" in message
+
+
+def test_run_without_a_terminal_generates_a_demo_batch(tiny_model_dir: Path, baton_cache_dir: Path) -> None:
+    env = {**os.environ, "BATON_CACHE_DIR": str(baton_cache_dir), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "run"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("--- ") == 4  # one block per demo prompt
+    assert "4 requests, 192 tokens" in proc.stderr  # 48 tokens each: LM-head rows of EOS are zero

@@ -1,0 +1,87 @@
+"""Shared fixtures (a private model cache, baton-tiny) and the suite time budgets.
+
+Each suite (tests/<suite>/) has a time budget.
+
+Budgets live in pyproject.toml under [tool.baton.test-budgets]. The summary prints each
+suite's total time; a suite over its budget fails the session, so CI's 20-minute bound
+cannot erode one slow test at a time. (This is a budget on the suite, not a performance
+claim: speed is measured by the benchmarks.)
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.builtin import resolve_model_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# transformers is only the parity reference here: it must never reach for the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def baton_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point BATON_CACHE_DIR at a fresh directory, so tests neither read nor fill the
+    developer's cache."""
+    path = tmp_path_factory.mktemp("baton-cache")
+    previous = os.environ.get("BATON_CACHE_DIR")
+    os.environ["BATON_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("BATON_CACHE_DIR", None)
+    else:
+        os.environ["BATON_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(baton_cache_dir: Path) -> Path:
+    """baton-tiny, created once per session in the test cache (the built-in path)."""
+    path = resolve_model_dir("baton-tiny")
+    assert path.is_relative_to(baton_cache_dir)
+    return path
+
+_durations: dict[str, float] = defaultdict(float)
+
+
+def _budgets() -> dict[str, float]:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {k: float(v) for k, v in data["tool"]["baton"]["test-budgets"].items()}
+
+
+def _suite(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[_suite(report.nodeid)] += report.duration
+
+
+def _over_budget() -> list[tuple[str, float, float]]:
+    budgets = _budgets()
+    return [(s, t, budgets[s]) for s, t in sorted(_durations.items()) if s in budgets and t > budgets[s]]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _durations:
+        return
+    budgets = _budgets()
+    terminalreporter.section("suite time budgets")
+    for suite, total in sorted(_durations.items()):
+        budget = budgets.get(suite)
+        mark = "" if budget is None or total <= budget else "  OVER BUDGET"
+        limit = f"{budget:.0f} s" if budget is not None else "no budget"
+        terminalreporter.write_line(f"{suite:<10} {total:7.1f} s of {limit}{mark}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == 0 and _over_budget():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
