@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import jinja2
-import jinja2.exceptions
-import jinja2.ext
-import jinja2.nodes
-import jinja2.parser
-import jinja2.sandbox
-import jinja2.utils
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.errors import BatonError, CheckpointError
+from engine.chat_template import ChatTemplate
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +27,6 @@ DEFAULT_CHAT_TEMPLATE_PATH = Path(__file__).resolve().parent / "assets" / "chat_
 
 # Hugging Face's "no limit" sentinel for model_max_length is int(1e30).
 _UNBOUNDED_MAX_LENGTH = 10**12
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,195 +223,3 @@ def read_settings(directory: Path) -> TokenizerSettings:
         eos_token_ids=tuple(eos_ids),
         config_bos_token_id=bos_ids[0] if bos_ids else None,
     )
-
-
-# --- chat templates ---------------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """HF's `{% generation %}…{% endgeneration %}` marks assistant text; we just render it."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        body: list[jinja2.nodes.Node] = parser.parse_statements(
-            ("name:endgeneration",), drop_needle=True
-        )
-        return body
-
-
-class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The immutable sandbox, failing at once on an unsafe attribute instead of returning an
-    undefined that renders as empty text (so a probing template is an error, not a no-op)."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
-        raise jinja2.exceptions.SecurityError(
-            f"access to attribute {attribute!r} of a {type(obj).__name__} is not allowed"
-        )
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace()` that refuses underscore names, as Hugging Face's does."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _check_namespace_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_namespace_name(name)
-        super().__setitem__(name, value)
-
-
-def _check_namespace_name(name: object) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson HTML-escapes; HF templates expect plain JSON.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class ChatTemplate:
-    """A compiled chat template; rendering errors become BatonError with the template's message."""
-
-    def __init__(self, source: str) -> None:
-        env = _StrictSandbox(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        env.globals["namespace"] = _TemplateNamespace
-        try:
-            self._template = env.from_string(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise BatonError(
-                f"chat template is invalid (line {exc.lineno}): {exc.message}"
-            ) from None
-
-    def render(self, variables: Mapping[str, Any]) -> str:
-        try:
-            return self._template.render(**variables)
-        except jinja2.exceptions.SecurityError as exc:
-            raise BatonError(f"chat template tried an unsafe operation: {exc}") from None
-        except jinja2.TemplateError as exc:
-            raise BatonError(f"chat template failed: {exc.message}") from None
-        except Exception as exc:  # a template is arbitrary code: any failure is the template's
-            raise BatonError(f"chat template failed: {type(exc).__name__}: {exc}") from None
-
-
-# --- streaming detokenization ----------------------------------------------------------------
-
-# Prompt tokens decoded as context before the first output token (leading-space rules).
-_PROMPT_CONTEXT_TOKENS = 4
-# Held-back tokens after which the window is cut (only undecodable byte runs get here).
-_MAX_HELD_TOKENS = 8
-# Cut points tried: an unfinished UTF-8 character spans at most 3 bytes, so 3 byte tokens.
-_MAX_CUT_LOOKBACK = 4
-# A window that cannot be cut cleanly (text-less tokens inside an unfinished character) is
-# emitted as it decodes once it reaches this size, keeping each push bounded.
-_MAX_WINDOW_TOKENS = 64
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas, never splitting a UTF-8 character.
-
-    It decodes a small window of ids per token (the prefix-offset/read-offset scheme of vLLM
-    and TGI). The window's first `read_offset` ids are context whose text, `prefix`, was
-    returned earlier; decoding them again makes leading-space rules (sentencepiece's "▁")
-    come out as in a full decode:
-
-        window: [ context ids | new ids ]      decode(window) = prefix + new text
-                               ^ read_offset
-
-    While the window's text ends in U+FFFD the new ids may be an unfinished character, so
-    nothing is returned; once it ends cleanly the new text is returned and the new ids become
-    the next context. The concatenated output equals the full decode, except that for an
-    invalid byte sequence a byte-fallback decoder (which decodes a run of <0xNN> tokens as a
-    whole) may show fewer U+FFFD than a full decode.
-    """
-
-    def __init__(
-        self,
-        decode: Callable[[Sequence[int]], str],
-        prompt_ids: Sequence[int],
-        is_skipped: Callable[[int], bool] = lambda token_id: False,
-    ) -> None:
-        self._decode = decode
-        self._is_skipped = is_skipped
-        self._ids: list[int] = list(prompt_ids[max(0, len(prompt_ids) - _PROMPT_CONTEXT_TOKENS) :])
-        self._read_offset = len(self._ids)
-        self._prefix = decode(self._ids) if self._ids else ""
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes (usually its own text, maybe '')."""
-        if self._is_skipped(token_id):
-            return ""  # decode drops special tokens before its decoders see them
-        self._ids.append(token_id)
-        text = self._decode(self._ids)
-        if not text.endswith(_REPLACEMENT_CHAR):
-            return self._take_all(text)
-        if len(self._ids) - self._read_offset <= _MAX_HELD_TOKENS:
-            return ""
-        delta = self._cut(text)
-        if delta is None and len(self._ids) > _MAX_WINDOW_TOKENS:
-            delta = self._take_all(text)
-        return delta or ""
-
-    def flush(self) -> str:
-        """The held-back text at the end of the stream, as the full decode shows it."""
-        return self._take_all(self._decode(self._ids))
-
-    def _take_all(self, text: str) -> str:
-        """Return the window's new text and slide: the new ids become the next context."""
-        delta = text[len(self._prefix) :]
-        new_ids = self._ids[self._read_offset :]
-        new_prefix = self._decode(new_ids) if new_ids else ""
-        if new_prefix or self._read_offset == 0:
-            self._ids, self._read_offset, self._prefix = new_ids, len(new_ids), new_prefix
-        else:
-            # The new ids have no text of their own (skipped special tokens, a lone "▁"), so
-            # they cannot stand in as context: keep the old context and drop them.
-            del self._ids[self._read_offset :]
-        return delta
-
-    def _cut(self, text: str) -> str | None:
-        """Bound a window held back by a long undecodable run: return the text before a token
-        boundary where decoding the two sides apart gives the same text (so no character is
-        split there), and keep the rest, with the token before the cut as context."""
-        lowest = max(self._read_offset + 1, len(self._ids) - _MAX_CUT_LOOKBACK)
-        for cut in range(len(self._ids) - 1, lowest - 1, -1):
-            context = self._decode(self._ids[cut - 1 : cut])
-            tail_text = self._decode(self._ids[cut - 1 :])
-            tail = tail_text[len(context) :]
-            if not tail or not tail_text.startswith(context):
-                continue
-            head = self._decode(self._ids[:cut])
-            if head + tail == text:
-                self._ids = self._ids[cut - 1 :]
-                self._read_offset = 1
-                delta, self._prefix = head[len(self._prefix) :], context
-                return delta
-        return None

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
 
+from engine.chat_template import ChatTemplate
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import BatonError, CheckpointError
-from engine.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 TEXTS = [
     "hello world",
