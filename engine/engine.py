@@ -47,8 +47,9 @@ class Engine:
         weights = load_state_dict(model_dir, self.model_config, self.dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.model = CausalLM(self.model_config, weights, self.device)
-        self.max_model_len = min(cfg.max_model_len or self.model_config.max_model_len,
-                                 self.model_config.max_model_len)
+        self.max_model_len = min(
+            cfg.max_model_len or self.model_config.max_model_len, self.model_config.max_model_len
+        )
         mc = self.model_config
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.page_size)
         num_pages = cfg.num_pages or layout.num_pages_for_budget(cfg.kv_bytes(self.device), self.dtype)
@@ -57,7 +58,8 @@ class Engine:
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size),
             self.pool.pages,
         )
-        self.eos_ids = self.tokenizer.eos_token_ids or mc.eos_token_ids
+        # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
+        self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
         self.runner = ModelRunner(self.model, self.pool, Sampler(mc.vocab_size, seed=cfg.seed), self.eos_ids)
         self._arrivals = 0
         self.last_stats: StepStats | None = None

@@ -8,16 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ConfigError
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+from engine.loader import parse_dtype
 
 GiB = 1 << 30
 
@@ -39,8 +30,8 @@ class EngineConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES and self.dtype != "auto":
-            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)  # raises ConfigError("dtype", ...) naming the choices
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -55,12 +46,12 @@ class EngineConfig:
     def resolve_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         """The compute dtype: explicit, or float32 on CPU and the checkpoint's half type on CUDA."""
         if self.dtype != "auto":
-            dtype = _DTYPES[self.dtype]
+            dtype = parse_dtype(self.dtype)
         elif self.device.startswith("cuda"):
             dtype = torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
         else:
             dtype = torch.float32
-        if dtype == torch.float16 and self.device == "cpu":
+        if dtype == torch.float16 and not self.device.startswith("cuda"):
             raise ConfigError("dtype", "float16 is not supported on CPU; use float32 or bfloat16")
         return dtype
 
