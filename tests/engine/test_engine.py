@@ -95,3 +95,16 @@ def test_engine_config_is_validated(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
         EngineConfig(**{field: value})  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+def test_bfloat16_on_cpu_runs_and_stays_close_to_float32(tiny_model_dir: Path, engine: Engine) -> None:
+    import torch
+
+    bf16 = Engine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", max_model_len=256))
+    assert bf16.pool.kv.dtype == torch.bfloat16
+    ref = engine.prompt_logits(PROMPT)
+    got = bf16.prompt_logits(PROMPT)
+    cos = torch.nn.functional.cosine_similarity(ref, got, dim=0).item()
+    assert cos > 0.99, f"bf16 logits drifted: cosine {cos:.4f}"
+    outs = _run(bf16, SamplingParams(max_tokens=8, temperature=0.0))
+    assert sum(len(o.token_ids) for o in outs) == 8

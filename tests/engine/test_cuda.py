@@ -1,0 +1,30 @@
+"""The engine on CUDA (bf16): runs where a GPU is present, skipped elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_cuda_bf16_engine_tracks_the_cpu_float32_engine(tiny_model_dir: Path) -> None:
+    cpu = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=1024))
+    gpu = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=1024))
+    assert gpu.dtype == torch.bfloat16
+    prompt = list(range(100, 700))
+    ref = cpu.prompt_logits(prompt)
+    got = gpu.prompt_logits(prompt).cpu()
+    assert torch.nn.functional.cosine_similarity(ref, got, dim=0).item() > 0.99
+    outputs = gpu.generate([prompt, prompt[:50], [7]], SamplingParams(max_tokens=16, temperature=0.0))
+    assert [len(o) for o in outputs] == [16, 16, 16]
+    assert gpu.pool.pages.num_free == gpu.pool.num_pages
