@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.baton-installed
-EXTRAS ?= model,dev
+EXTRAS ?= model,serve,bench,dev
 
 .PHONY: run test setup lint typecheck unit bench clean
 
@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # Starts baton on its embedded defaults: the built-in baton-tiny model (created on first use),
-# no etcd, no GPU.
+# OpenAI HTTP on 127.0.0.1:8000 and gRPC on 127.0.0.1:50051; no etcd, no GPU.
 run: setup
-	$(VENV)/bin/baton run
+	$(VENV)/bin/baton up
 
 typecheck: setup
 	$(VENV)/bin/mypy

@@ -59,6 +59,17 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_engine_args(run)
     run.set_defaults(func=_cmd_run)
 
+    up = sub.add_parser("up", help="serve the OpenAI HTTP API and gRPC on one machine (embedded defaults)")
+    _add_engine_args(up)
+    up.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
+    up.add_argument("--port", type=int, default=8000, help="HTTP port")
+    up.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0 disables gRPC")
+    up.add_argument("--api-keys", type=Path, default=None, help="API key file (or BATON_API_KEYS)")
+    up.add_argument("--served-model-name", default=None)
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget")
+    up.set_defaults(func=_cmd_up)
+
     gen = sub.add_parser("generate", help="generate text offline from one prompt")
     _add_engine_args(gen)
     gen.add_argument("--prompt", required=True, help="prompt text")
@@ -150,6 +161,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     total = sum(len(o) for o in outputs)
     print(f"[{len(prompts)} requests, {total} tokens in {elapsed:.2f} s]", file=sys.stderr)
     return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from cluster.http_api import HttpConfig
+    from cluster.server import ServerConfig, run
+    from engine.engine_config import EngineConfig
+
+    kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
+    engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
+                          max_model_len=args.max_model_len, kv_memory_bytes=kv)
+    cfg = ServerConfig(
+        engine=engine,
+        http=HttpConfig(host=args.host, port=args.port),
+        grpc_port=args.grpc_port or None,
+        api_keys_file=args.api_keys,
+        served_model_name=args.served_model_name,
+    )
+    return run(cfg)
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 from engine.engine import Engine
-from engine.errors import RequestError
+from engine.errors import RequestError, SlowReaderError
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
 
@@ -42,9 +42,12 @@ class _Failed(NamedTuple):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.5) -> None:
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.5, max_buffered: int = 4096) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
+        # A consumer more than this many step outputs behind is cancelled: its buffer is
+        # bounded and the batch never waits for it.
+        self._max_buffered = max_buffered
         self._commands: deque[_Add | str] = deque()  # a str is an abort
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue[StepOutput | _Failed]] = {}
@@ -145,8 +148,16 @@ class AsyncEngine:
 
     def _deliver(self, req_id: str, item: StepOutput | _Failed) -> None:
         queue = self._queues.get(req_id)
-        if queue is not None:
-            queue.put_nowait(item)
+        if queue is None:
+            return
+        if queue.qsize() >= self._max_buffered:
+            logger.warning("cancelling %s: its reader is %d outputs behind", req_id, queue.qsize())
+            del self._queues[req_id]
+            self.abort(req_id)
+            while not queue.empty():
+                queue.get_nowait()
+            item = _Failed(SlowReaderError(f"request {req_id} cancelled: the client reads too slowly"))
+        queue.put_nowait(item)
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():

@@ -33,3 +33,7 @@ class RequestError(BatonError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class SlowReaderError(BatonError):
+    """A consumer fell so far behind that its buffered output passed the bound: cancelled."""

@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn + uvloop).
+
+Why FastAPI: the request bodies are pydantic models, so validation, bounds and /openapi.json
+come from one declaration (and schemathesis tests the server against that very schema);
+Starlette's StreamingResponse cancels the body iterator when a client disconnects, which is
+how a dropped stream aborts its engine request.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
+/live, /ready, /metrics, /openapi.json. Every error body is OpenAI-shaped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.edge_guard import EdgeGuard
+from cluster.errors import EdgeError, Kind, classify, invalid
+from cluster.frontend import Frontend, GenerateRequest
+from cluster.openai_render import ChoiceState, Renderer, error_body, sse
+from cluster.openai_schema import ChatCompletionRequest, CompletionRequest
+from cluster.tenants import ApiKeys, Tenant
+from engine.outputs import StepOutput
+from engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_HEADER = "x-request-timeout"
+_DONE = b"data: [DONE]\n\n"
+_BIG_PROMPT_CHARS = 20_000  # tokenized off the event loop beyond this
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 8 << 20
+    allow_priority_field: bool = False  # let clients set `priority` (else it comes from the key)
+
+
+def error_response(err: EdgeError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after_s + 0.499)))
+    return JSONResponse(error_body(err), status_code=err.kind.http_status, headers=headers)
+
+
+def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
+    app = FastAPI(title="baton", version="0.1.0", docs_url=None, redoc_url=None)
+    app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes, open_paths=("/live", "/ready"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(EdgeError)
+    async def _edge(_: Request, exc: EdgeError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Framework-level errors (unparseable body, unknown route, wrong method), OpenAI-shaped.
+        kind = {404: Kind.NOT_FOUND, 401: Kind.UNAUTHENTICATED}.get(exc.status_code, Kind.INVALID_ARGUMENT)
+        message = "the request body is not valid JSON" if exc.status_code == 400 else str(exc.detail)
+        return JSONResponse(error_body(EdgeError(kind, message)), status_code=exc.status_code)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serve(frontend, cfg, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _serve(frontend, cfg, request, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "baton",
+                "max_model_len": frontend.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        ok = frontend.is_live()
+        return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = frontend.is_ready()
+        return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        frontend.refresh_gauges()
+        return Response(frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _validation_error(exc: RequestValidationError) -> EdgeError:
+    errors = exc.errors()
+    if not errors:
+        return invalid("invalid request body")
+    first = errors[0]
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return invalid("the request body is not valid JSON")
+    # loc is like ("body", "prompt", "constrained-str"): keep the field path, drop the
+    # union-member tags pydantic adds, which mean nothing to a client.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and (isinstance(p, int) or str(p).isidentifier())]
+    param = ".".join(loc) or None
+    message = "not valid UTF-8" if kind == "string_unicode" else str(first.get("msg", "invalid value"))
+    return invalid(f"{param}: {message}" if param else message, param)
+
+
+# -- one call ----------------------------------------------------------------------------------
+
+
+async def _serve(
+    frontend: Frontend, cfg: HttpConfig, request: Request, body: CompletionRequest | ChatCompletionRequest,
+    chat: bool,
+) -> Response:
+    if body.model != frontend.model_name:
+        raise EdgeError(Kind.NOT_FOUND, f"model {body.model!r} does not exist", "model")
+    if isinstance(body, CompletionRequest) and body.echo:
+        raise invalid("echo is not supported", "echo")
+    tenant: Tenant = request.state.tenant
+    deadline = frontend.deadline(_timeout_header(request))
+    prompts = await _prompts(frontend, body)
+    reqs = _requests(frontend, cfg, body, prompts, tenant, deadline)
+    tickets = []
+    try:
+        for req in reqs:  # admission is per engine request: n x prompts of them
+            ticket = frontend.admit()
+            tickets.append(ticket)
+            frontend.check_tenant(ticket, req)
+    except EdgeError:
+        for ticket in tickets:
+            ticket.release()
+        raise
+    want_logprobs = (body.logprobs is not None) if isinstance(body, CompletionRequest) else body.logprobs
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    renderer = Renderer(chat, prefix + uuid.uuid4().hex, frontend.model_name, int(time.time()),
+                        lambda t: frontend.tokenizer.decode([t], skip_special_tokens=False), want_logprobs)
+    streams = [frontend.stream(r, t, "http") for r, t in zip(reqs, tickets, strict=True)]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _EventStream(
+            _sse(renderer, streams, len(prompts), include_usage),
+            on_close=lambda: [t.release() for t in tickets],
+        )
+    try:
+        return JSONResponse(await _collect(request, renderer, streams, len(prompts)))
+    finally:
+        for ticket in tickets:
+            ticket.release()
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that releases its admission tickets however the response ends (even when
+    the client leaves before the body iterator was ever started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], object]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _timeout_header(request: Request) -> float | None:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise invalid(f"{TIMEOUT_HEADER} must be a number of seconds", TIMEOUT_HEADER) from None
+    if not 0 < value < 1e7:
+        raise invalid(f"{TIMEOUT_HEADER} must be positive", TIMEOUT_HEADER)
+    return value
+
+
+async def _prompts(frontend: Frontend, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    tok = frontend.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        return [await _encode(frontend, text, special=False)]
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [await _encode(frontend, prompt, special=True)]
+    if prompt and isinstance(prompt[0], int):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [await _encode(frontend, p, special=True) if isinstance(p, str) else list(p) for p in prompt]
+
+
+async def _encode(frontend: Frontend, text: str, special: bool) -> list[int]:
+    if len(text) > _BIG_PROMPT_CHARS:
+        return await asyncio.to_thread(frontend.tokenizer.encode, text, special)
+    return frontend.tokenizer.encode(text, special)
+
+
+def _requests(
+    frontend: Frontend, cfg: HttpConfig, body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]], tenant: Tenant, deadline: float,
+) -> list[GenerateRequest]:
+    if len(prompts) * body.n > 16:
+        raise invalid(f"{len(prompts)} prompts x n={body.n} exceeds 16 choices per call", "n")
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    sampling = _sampling(body, max_tokens or frontend.max_model_len)
+    if cfg.allow_priority_field and body.priority is not None:
+        tenant = replace(tenant, priority=body.priority)
+    reqs = []
+    for prompt in prompts:
+        for i in range(body.n):
+            params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+            reqs.append(frontend.prepare(prompt, params, tenant, deadline, max_tokens is not None))
+    return reqs
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    if isinstance(body, CompletionRequest):
+        logprobs = body.logprobs
+    else:
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=min(body.min_tokens, max_tokens),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k if body.top_k and body.top_k > 0 else 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+# -- streams -------------------------------------------------------------------------------------
+
+
+async def _merge(streams: Sequence[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """Interleave the choices' streams; leaving early cancels (and so aborts) all of them."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StepOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+            queue.put_nowait((index, None))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _sse(
+    renderer: Renderer, streams: list[AsyncIterator[StepOutput]], prompts: int, include_usage: bool
+) -> AsyncIterator[bytes]:
+    choices = [ChoiceState() for _ in streams]
+    try:
+        async for index, out in _merge(streams):
+            first = not choices[index].completion_tokens and not choices[index].text
+            choices[index].add(out)
+            yield sse(renderer.chunk(index, out, first))
+        if include_usage:
+            yield sse(renderer.usage_chunk(choices, prompts))
+    except Exception as exc:  # the status line is gone: report in-band, then end the stream
+        yield sse(error_body(classify(exc)))
+    yield _DONE
+
+
+async def _collect(
+    request: Request, renderer: Renderer, streams: list[AsyncIterator[StepOutput]], prompts: int
+) -> dict[str, Any]:
+    choices = [ChoiceState() for _ in streams]
+
+    async def run() -> None:
+        async for index, out in _merge(streams):
+            choices[index].add(out)
+
+    task = asyncio.create_task(run())
+    # A non-streaming client that hangs up must not keep its requests running.
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise EdgeError(Kind.CANCELLED, "client disconnected")
+    task.result()
+    return renderer.body(choices, prompts)

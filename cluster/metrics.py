@@ -1,0 +1,34 @@
+"""Prometheus metrics of the serving edge (one registry per server; the full per-node set
+arrives with the operations work). Names follow Prometheus conventions."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class EdgeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "baton_requests_total", "Requests by API and outcome", ["api", "outcome"], registry=r
+        )
+        self.tenant_tokens = Counter(
+            "baton_tenant_tokens_total", "Tokens per tenant: prompt, cached, generated",
+            ["tenant", "kind"], registry=r,
+        )
+        self.ttft = Histogram("baton_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("baton_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "baton_request_duration_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.waiting = Gauge("baton_queue_waiting_requests", "Admitted requests without a first token", registry=r)
+        self.inflight = Gauge("baton_inflight_requests", "Admitted, unfinished requests", registry=r)
+        self.running = Gauge("baton_running_batch", "Requests in the engine's running batch", registry=r)
+        self.pages_used = Gauge("baton_kv_pages_used", "KV pages in use", ["tier"], registry=r)
+        self.pages_total = Gauge("baton_kv_pages_total", "KV pages in the pool", ["tier"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,149 @@
+"""Response shapes of the OpenAI API, from StepOutputs (no I/O here)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.errors import EdgeError
+from engine.outputs import StepOutput
+from engine.sampler import TokenLogprobs
+
+TokenText = Callable[[int], str]
+
+
+def error_body(err: EdgeError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.kind.openai_type,
+            "param": err.param,
+            "code": err.kind.name.lower(),
+        }
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice has produced so far (for non-streaming bodies and usage)."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: StepOutput) -> None:
+        self.text.append(out.text)
+        self.logprobs.extend(out.logprobs)
+        self.prompt_tokens = out.num_prompt_tokens
+        self.cached_tokens = out.num_cached_tokens
+        self.completion_tokens = out.num_output_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.openai_name
+
+
+def usage(choices: Sequence[ChoiceState], prompts: int) -> dict[str, Any]:
+    # Each prompt counts once even when n > 1 fans it out (as OpenAI reports it).
+    per_prompt = len(choices) // max(prompts, 1)
+    prompt_tokens = sum(c.prompt_tokens for c in choices[::per_prompt]) if choices else 0
+    cached = sum(c.cached_tokens for c in choices[::per_prompt]) if choices else 0
+    completion = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_logprobs(items: Sequence[TokenLogprobs], token_text: TokenText, offset: int) -> dict[str, Any]:
+    """The legacy completions format: parallel lists."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in items:
+        text = token_text(lp.token_id)
+        tokens.append(text)
+        values.append(lp.logprob)
+        tops.append({token_text(t): v for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(items: Sequence[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in items
+        ]
+    }
+
+
+class Renderer:
+    """Builds completion or chat bodies/chunks for one call."""
+
+    def __init__(self, chat: bool, call_id: str, model: str, created: int, token_text: TokenText,
+                 want_logprobs: bool) -> None:
+        self.chat = chat
+        self.id = call_id
+        self.model = model
+        self.created = created
+        self.token_text = token_text
+        self.want_logprobs = want_logprobs
+        self._offsets: dict[int, int] = {}
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, index: int, out: StepOutput | None, first: bool) -> dict[str, Any]:
+        finish = out.finish_reason.openai_name if out and out.finish_reason is not None else None
+        text = out.text if out else ""
+        logprobs = None
+        if self.want_logprobs and out is not None and out.logprobs:
+            if self.chat:
+                logprobs = chat_logprobs(out.logprobs, self.token_text)
+            else:
+                offset = self._offsets.get(index, 0)
+                logprobs = completion_logprobs(out.logprobs, self.token_text, offset)
+                self._offsets[index] = offset + len(text)
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._envelope(True), "choices": [choice]}
+
+    def usage_chunk(self, choices: Sequence[ChoiceState], prompts: int) -> dict[str, Any]:
+        return {**self._envelope(True), "choices": [], "usage": usage(choices, prompts)}
+
+    def body(self, choices: Sequence[ChoiceState], prompts: int) -> dict[str, Any]:
+        rendered = []
+        for index, c in enumerate(choices):
+            text = "".join(c.text)
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = (
+                    chat_logprobs(c.logprobs, self.token_text)
+                    if self.chat else completion_logprobs(c.logprobs, self.token_text, 0)
+                )
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                rendered.append({"index": index, "message": message, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason})
+            else:
+                rendered.append({"index": index, "text": text, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason})
+        return {**self._envelope(False), "choices": rendered, "usage": usage(choices, prompts)}

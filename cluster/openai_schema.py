@@ -1,0 +1,132 @@
+"""Pydantic models of the OpenAI-compatible request bodies (the only place pydantic is used).
+
+Types are checked strictly and every field is bounded, so /openapi.json documents exactly
+what is accepted. Unknown fields are ignored, except fields that would run code on the
+server (logits processors by name), which are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_TOP_K
+
+MAX_CHOICES = 16
+MAX_PROMPT_CHARS = 4_000_000  # the body limit bounds it first; this keeps the schema honest
+MAX_PROMPT_TOKENS = 1_000_000
+MAX_MESSAGES = 2048
+REFUSED_FIELDS = frozenset(
+    {"logits_processors", "logits_processor", "logit_processors", "processors", "custom_logits_processors"}
+)
+
+Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+
+
+def _no_surrogates(text: str, field: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} is not valid UTF-8 (lone surrogate)") from None
+    return text
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    min_tokens: int = Field(default=0, ge=0, le=2**31 - 1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K, description="-1 or 0: off")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: StopStr | list[StopStr] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[Int32] | None = Field(default=None, max_length=64)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = Field(default=None, max_length=256)
+    priority: int | None = Field(default=None, ge=-100, le=100, description="operator-enabled extension")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_code(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refused = sorted(REFUSED_FIELDS & data.keys())
+            if refused:
+                raise ValueError(f"field {refused[0]!r} would run code on the server and is refused")
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_utf8(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for text in [value] if isinstance(value, str) else value or []:
+            _no_surrogates(text, "stop")
+        return value
+
+
+class CompletionRequest(_Sampling):
+    prompt: (
+        Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+        | Annotated[list[Int32], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+        | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]], Field(min_length=1, max_length=MAX_CHOICES)]
+        | Annotated[list[Annotated[list[Int32], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]], Field(min_length=1, max_length=MAX_CHOICES)]
+    )
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_utf8(cls, value: Any) -> Any:
+        texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
+        for text in texts:
+            _no_surrogates(text, "prompt")
+        return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(default=None)
+    name: str | None = Field(default=None, max_length=256)
+
+    @field_validator("content")
+    @classmethod
+    def _content_utf8(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        for text in [value] if isinstance(value, str) else [p.text for p in value or []]:
+            _no_surrogates(text, "messages.content")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True

@@ -1,0 +1,118 @@
+"""A real baton server (uvicorn + the real engine) on 127.0.0.1, run on its own thread and
+event loop, so tests can talk HTTP to it and still inspect the engine's pages."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvloop
+
+from cluster.server import Running, ServerConfig, start
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    running: Running
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def engine(self) -> Engine:
+        return self.running.engine
+
+    def pages_free(self) -> bool:
+        pool = self.engine.pool.pages
+        return pool.num_free == pool.num_pages
+
+    def wait_idle(self, timeout_s: float = 2.0) -> bool:
+        """True once no request is in the engine and every page is free (bounded wait)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.engine.has_unfinished() and self.pages_free():
+                return True
+            time.sleep(0.01)
+        return False
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=30, **kwargs)
+
+    def stop(self) -> None:
+        self.running.http.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_server(cfg: ServerConfig, engine: Engine) -> ServerHandle:
+    port = free_port()
+    cfg = replace(cfg, http=replace(cfg.http, port=port))
+    loop = uvloop.new_event_loop()
+    box: dict[str, Running] = {}
+    started = threading.Event()
+
+    def main() -> None:
+        asyncio.set_event_loop(loop)
+
+        async def go() -> None:
+            running = await start(cfg, engine)
+            box["running"] = running
+            serving = asyncio.ensure_future(running.http.serve())
+            while not running.http.started and not serving.done():
+                await asyncio.sleep(0.01)
+            started.set()
+            try:
+                await serving
+            finally:
+                await running.stop()
+
+        loop.run_until_complete(go())
+
+    thread = threading.Thread(target=main, name="baton-test-server", daemon=True)
+    thread.start()
+    if not started.wait(30):
+        raise RuntimeError("test server did not start")
+    return ServerHandle(f"http://127.0.0.1:{port}", box["running"], loop, thread)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_config(tiny_model_dir: Path) -> EngineConfig:
+    return EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512, num_pages=256)
+
+
+@pytest.fixture(scope="session")
+def make_server(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
+    """Start servers with config overrides; each gets its own engine; all stop at session end."""
+    handles: list[ServerHandle] = []
+
+    def make(**overrides: Any) -> ServerHandle:
+        engine_cfg = overrides.pop("engine", tiny_engine_config)
+        cfg = replace(ServerConfig(engine=engine_cfg, grpc_port=None, served_model_name="baton-tiny"), **overrides)
+        handle = start_server(cfg, Engine(engine_cfg))
+        handles.append(handle)
+        return handle
+
+    yield make
+    for handle in handles:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+    """The shared default server: no keys, default admission."""
+    return make_server()

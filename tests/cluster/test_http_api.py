@@ -1,0 +1,170 @@
+"""The OpenAI-compatible HTTP API over real HTTP, against a real engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster.conftest import ServerHandle
+
+MODEL = "baton-tiny"
+
+
+def _post(server: ServerHandle, path: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
+    with server.client() as client:
+        if isinstance(body, (bytes, str)):
+            headers = {"content-type": "application/json", **(headers or {})}
+            return client.post(path, content=body, headers=headers)
+        return client.post(path, json=body, headers=headers)
+
+
+# -- the official client, unmodified -----------------------------------------------------------
+
+
+def test_openai_client_completions_and_chat(server: ServerHandle) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    done = client.completions.create(model=MODEL, prompt="def fib(n):", max_tokens=8, temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.choices[0].text
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    streamed = client.completions.create(
+        model=MODEL, prompt="def fib(n):", max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert server.wait_idle()
+
+
+def test_n_choices_logprobs_and_seed(server: ServerHandle) -> None:
+    body = {"model": MODEL, "prompt": [11, 12, 13, 14], "max_tokens": 5, "n": 3, "temperature": 0.9,
+            "seed": 7, "logprobs": 2}
+    first = _post(server, "/v1/completions", body).json()
+    again = _post(server, "/v1/completions", body).json()
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+    assert len(first["choices"]) == 3 and first["usage"]["prompt_tokens"] == 4
+    lp = first["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 5 and all(len(top) <= 2 for top in lp["top_logprobs"])
+    chat = _post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+        "logprobs": True, "top_logprobs": 3, "temperature": 0,
+    }).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and len(content[0]["top_logprobs"]) == 3
+
+
+def test_absent_max_tokens_defaults_to_the_rest_of_the_context(server: ServerHandle) -> None:
+    body = {"model": MODEL, "prompt": list(range(100, 600)), "ignore_eos": True, "temperature": 0}
+    reply = _post(server, "/v1/completions", body).json()
+    assert reply["usage"]["completion_tokens"] == 12  # context 512 - 500 prompt tokens
+
+
+# -- validation: every case a 4xx with an OpenAI-shaped body, and the server stays healthy --------
+
+PROMPT = [5, 6, 7]
+CASES: list[tuple[str, str, Any, int, str]] = [
+    ("malformed json", "/v1/completions", b'{"model": "baton-tiny", "prompt": ', 400, "not valid JSON"),
+    ("invalid utf-8", "/v1/completions", b'{"model": "baton-tiny", "prompt": "\xff\xfe"}', 400, "JSON"),
+    ("lone surrogate", "/v1/completions", '{"model": "baton-tiny", "prompt": "a\\ud800b"}', 400, "UTF-8"),
+    ("wrong type", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("empty token prompt", "/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("prompt fills context", "/v1/completions", {"model": MODEL, "prompt": [9] * 512}, 400, "512 tokens"),
+    ("prompt + max_tokens", "/v1/completions", {"model": MODEL, "prompt": [9] * 500, "max_tokens": 20},
+     400, "prompt (500 tokens) + max_tokens (20)"),
+    ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": -4}, 400, "max_tokens"),
+    ("n 0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 0}, 400, "n"),
+    ("n 17", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 17}, 400, "n"),
+    ("logprobs 21", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
+    ("top_logprobs 21", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("temperature < 0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "temperature": -0.5}, 400, "temperature"),
+    ("top_p 0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "top_p": 0}, 400, "top_p"),
+    ("top_p > 1", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
+    ("top_k invalid", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "top_k": -7}, 400, "top_k"),
+    ("presence penalty", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency penalty", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("repetition penalty", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("too many stops", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "stop": ["x"] * 17}, 400, "stop"),
+    ("stop too long", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "stop": "y" * 300}, 400, "stop"),
+    ("token id >= vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 16384]}, 400, "prompt"),
+    ("token id negative", "/v1/completions", {"model": MODEL, "prompt": [1, -1]}, 400, "prompt"),
+    ("seed > int64", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "seed": 2**63}, 400, "seed"),
+    ("seed negative", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "seed": -1}, 400, "seed"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": PROMPT}, 404, "gpt-9"),
+    ("code-running field", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logits_processors": ["x.y"]},
+     400, "logits_processors"),
+    ("echo unsupported", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True}, 400, "echo"),
+    ("bad timeout header", "/v1/completions", {"model": MODEL, "prompt": PROMPT}, 400, "x-request-timeout"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_a_clear_error_and_loses_nothing(
+    server: ServerHandle, name: str, path: str, body: Any, status: int, needle: str
+) -> None:
+    headers = {"x-request-timeout": "soon"} if name == "bad timeout header" else {}
+    reply = _post(server, path, body, headers=headers)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert needle in error["message"] or needle == error.get("param"), error
+    assert set(error) == {"message", "type", "param", "code"}
+    assert server.wait_idle()
+    ok = _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_body_over_the_limit_is_refused_before_parsing(server: ServerHandle) -> None:
+    big = json.dumps({"model": MODEL, "prompt": "a" * (9 << 20)})
+    reply = _post(server, "/v1/completions", big)
+    assert reply.status_code == 413 and "bytes" in reply.json()["error"]["message"]
+
+
+# -- health, metrics, auth -------------------------------------------------------------------------
+
+
+def test_health_and_metrics(server: ServerHandle) -> None:
+    with server.client() as client:
+        assert client.get("/live").json() == {"status": "ok"}
+        assert client.get("/ready").status_code == 200
+        _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        text = client.get("/metrics").text
+        assert 'baton_requests_total{api="http",outcome="ok"}' in text
+        assert "baton_ttft_seconds_bucket" in text and "baton_kv_pages_total" in text
+        spec = client.get("/openapi.json").json()
+        assert "/v1/completions" in spec["paths"] and "/v1/chat/completions" in spec["paths"]
+
+
+def test_api_keys_guard_every_route_but_health(make_server: Any, tmp_path: Any) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("k" * 24 + " acme priority=1 rps=1000\n")
+    guarded = make_server(api_keys_file=keys)
+    with guarded.client() as client:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 401
+        wrong = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer " + "x" * 24})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/live").status_code == 200 and client.get("/ready").status_code == 200
+        good = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer " + "k" * 24})
+        assert good.status_code == 200
+        metrics = client.get("/metrics", headers={"x-api-key": "k" * 24}).text
+        assert 'baton_tenant_tokens_total{kind="generated",tenant="acme"} 2.0' in metrics
