@@ -31,6 +31,7 @@ from cluster.frontend import Frontend, GenerateRequest
 from cluster.openai_render import ChoiceState, Renderer, error_body, sse
 from cluster.openai_schema import ChatCompletionRequest, CompletionRequest
 from cluster.tenants import ApiKeys, Tenant
+from engine.errors import BatonError
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
 
@@ -67,6 +68,16 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     @app.exception_handler(EdgeError)
     async def _edge(_: Request, exc: EdgeError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(BatonError)
+    async def _baton(_: Request, exc: BatonError) -> JSONResponse:
+        # e.g. a checkpoint's chat template refusing the messages: the caller's input, a 400.
+        return error_response(classify(exc))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        return error_response(EdgeError(Kind.INTERNAL, "internal error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

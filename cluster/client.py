@@ -1,0 +1,334 @@
+"""A small typed Python client of the gRPC API (`baton.v1.Generation`), sync and asyncio.
+
+    with BatonClient("127.0.0.1:50051", model="baton-tiny", api_key=KEY) as client:
+        for delta in client.generate("Once upon", sampling=Sampling(max_tokens=32)):
+            print(delta.text, end="")
+
+    async with AsyncBatonClient(...) as client:
+        async with contextlib.aclosing(client.generate(...)) as deltas:
+            async for delta in deltas: ...
+
+Values are frozen dataclasses, not protobuf messages, so callers do not depend on the
+generated stubs. Every failure is a BatonClientError carrying the gRPC status code, the
+server's message and, when the server is overloaded, how long to wait before retrying.
+Leaving a stream early cancels the call, which aborts the request on the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from batonpb.baton.v1 import generation_pb2 as pb
+from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
+
+_FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling fields; None means the server's default (max_tokens: the rest of the context).
+    The server checks the bounds (see proto/baton/v1/generation.proto)."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None  # default 1.0; 0 is greedy
+    top_p: float | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str  # system, developer, user, assistant or tool
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One streamed step; finish_reason and usage are set on the last one only."""
+
+    request_id: str  # on the first delta only
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[Logprob, ...]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    usage: Usage | None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[Logprob, ...]
+    finish_reason: str | None
+    usage: Usage | None
+
+
+class BatonClientError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s  # set when the server asks to retry later
+
+
+# -- shared by both clients -------------------------------------------------------------------
+
+
+def build_request(
+    model: str, prompt: str | Sequence[int] | None, messages: Sequence[Message] | None,
+    sampling: Sampling | None,
+) -> pb.GenerateRequest:
+    """The request message; a value protobuf cannot hold (a negative count) is INVALID_ARGUMENT."""
+    try:
+        request = pb.GenerateRequest(model=model, sampling=_sampling(sampling or Sampling()))
+        if messages is not None:
+            request.chat = True
+            request.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in messages)
+        if isinstance(prompt, str):
+            request.text = prompt
+        elif prompt is not None:
+            request.token_ids.ids.extend(prompt)
+    except (TypeError, ValueError) as exc:
+        raise BatonClientError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    return request
+
+
+def _sampling(s: Sampling) -> pb.Sampling:
+    msg = pb.Sampling(
+        min_tokens=s.min_tokens, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, stop=s.stop, stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+    )
+    # proto3 `optional` fields: set only when given, so absence keeps the server's default.
+    for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs"):
+        value = getattr(s, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def _logprobs(items: Sequence[pb.TokenLogprob]) -> tuple[Logprob, ...]:
+    return tuple(
+        Logprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in items
+    )
+
+
+def _usage(msg: pb.GenerateResponse | pb.CompleteResponse) -> Usage | None:
+    if not msg.HasField("usage"):
+        return None
+    u = msg.usage
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+
+def to_delta(msg: pb.GenerateResponse) -> Delta:
+    return Delta(
+        msg.request_id, tuple(msg.token_ids), msg.text, _logprobs(msg.logprobs),
+        _FINISH_NAMES.get(msg.finish_reason), _usage(msg),
+    )
+
+
+def to_completion(msg: pb.CompleteResponse) -> Completion:
+    return Completion(
+        msg.request_id, tuple(msg.token_ids), msg.text, _logprobs(msg.logprobs),
+        _FINISH_NAMES.get(msg.finish_reason), _usage(msg),
+    )
+
+
+def client_error(exc: grpc.RpcError) -> BatonClientError:
+    """The error of a failed call, with the server's retry hint when it sent one."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
+    return BatonClientError(code, details or "", retry_after(trailing or ()))
+
+
+def retry_after(metadata: Sequence[tuple[str, Any]]) -> float | None:
+    values = {key: value for key, value in metadata if isinstance(value, str)}
+    try:
+        if "grpc-retry-pushback-ms" in values:
+            return int(values["grpc-retry-pushback-ms"]) / 1000
+        if "retry-after" in values:
+            return float(values["retry-after"])
+    except ValueError:
+        return None
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Connection:
+    metadata: tuple[tuple[str, str], ...]
+    options: tuple[tuple[str, int], ...]
+    credentials: grpc.ChannelCredentials | None
+
+
+def _connection(
+    api_key: str | None, tls: bool, root_certificates: bytes | None, max_message_bytes: int
+) -> _Connection:
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    options = (
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    )
+    credentials = grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates else None
+    return _Connection(metadata, options, credentials)
+
+
+# -- the clients --------------------------------------------------------------------------------
+
+
+class BatonClient:
+    """Blocking client over a grpc.Channel (thread-safe, like the channel)."""
+
+    def __init__(
+        self, target: str, *, model: str, api_key: str | None = None, timeout_s: float | None = None,
+        tls: bool = False, root_certificates: bytes | None = None, max_message_bytes: int = 64 << 20,
+    ) -> None:
+        conn = _connection(api_key, tls, root_certificates, max_message_bytes)
+        if conn.credentials is None:
+            self.channel = grpc.insecure_channel(target, options=conn.options)
+        else:
+            self.channel = grpc.secure_channel(target, conn.credentials, options=conn.options)
+        self._stub = pb_grpc.GenerationStub(self.channel)
+        self._metadata = conn.metadata
+        self.model = model
+        self.timeout_s = timeout_s
+
+    def generate(
+        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None,
+    ) -> Iterator[Delta]:
+        request = build_request(self.model, prompt, messages, sampling)
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        try:
+            for msg in call:
+                yield to_delta(msg)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+        finally:
+            call.cancel()  # a no-op once finished; aborts the request if the caller left early
+
+    def complete(
+        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None,
+    ) -> Completion:
+        request = build_request(self.model, prompt, messages, sampling)
+        try:
+            reply = self._stub.Complete(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+        return to_completion(reply)
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True, timeout_s: float | None = None) -> list[int]:
+        request = pb.TokenizeRequest(model=self.model, text=text, add_special_tokens=add_special_tokens)
+        try:
+            reply = self._stub.Tokenize(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+        return list(reply.token_ids)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> BatonClient:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class AsyncBatonClient:
+    """asyncio client over a grpc.aio channel; use it from one event loop."""
+
+    def __init__(
+        self, target: str, *, model: str, api_key: str | None = None, timeout_s: float | None = None,
+        tls: bool = False, root_certificates: bytes | None = None, max_message_bytes: int = 64 << 20,
+    ) -> None:
+        conn = _connection(api_key, tls, root_certificates, max_message_bytes)
+        if conn.credentials is None:
+            self.channel = grpc.aio.insecure_channel(target, options=conn.options)
+        else:
+            self.channel = grpc.aio.secure_channel(target, conn.credentials, options=conn.options)
+        self._stub = pb_grpc.GenerationStub(self.channel)
+        self._metadata = conn.metadata
+        self.model = model
+        self.timeout_s = timeout_s
+
+    async def generate(
+        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Stream deltas. Close it (contextlib.aclosing) to cancel the call when leaving early."""
+        request = build_request(self.model, prompt, messages, sampling)
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        try:
+            async for msg in call:
+                yield to_delta(msg)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def complete(
+        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None,
+    ) -> Completion:
+        request = build_request(self.model, prompt, messages, sampling)
+        try:
+            reply = await self._stub.Complete(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+        return to_completion(reply)
+
+    async def tokenize(
+        self, text: str, *, add_special_tokens: bool = True, timeout_s: float | None = None
+    ) -> list[int]:
+        request = pb.TokenizeRequest(model=self.model, text=text, add_special_tokens=add_special_tokens)
+        try:
+            reply = await self._stub.Tokenize(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+        return list(reply.token_ids)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncBatonClient:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
