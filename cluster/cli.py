@@ -68,6 +68,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget")
+    up.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS and gRPC over TLS")
+    up.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="generate text offline from one prompt")
@@ -173,7 +175,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
                           max_model_len=args.max_model_len, kv_memory_bytes=kv)
     cfg = ServerConfig(
         engine=engine,
-        http=HttpConfig(host=args.host, port=args.port),
+        http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),
         grpc_port=args.grpc_port or None,
         api_keys_file=args.api_keys,
         served_model_name=args.served_model_name,

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.admission import Ticket
 from cluster.edge_guard import EdgeGuard
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.frontend import Frontend, GenerateRequest
@@ -48,6 +49,8 @@ class HttpConfig:
     port: int = 8000
     max_body_bytes: int = 8 << 20
     allow_priority_field: bool = False  # let clients set `priority` (else it comes from the key)
+    tls_certfile: str | None = None  # both set: HTTPS (and TLS on gRPC)
+    tls_keyfile: str | None = None
 
 
 def error_response(err: EdgeError) -> JSONResponse:
@@ -168,20 +171,24 @@ async def _serve(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(
             _sse(renderer, streams, len(prompts), include_usage),
-            on_close=lambda: [t.release() for t in tickets],
+            on_close=lambda: _release(tickets),
         )
     try:
         return JSONResponse(await _collect(request, renderer, streams, len(prompts)))
     finally:
-        for ticket in tickets:
-            ticket.release()
+        _release(tickets)
+
+
+def _release(tickets: Sequence[Ticket]) -> None:
+    for ticket in tickets:
+        ticket.release()
 
 
 class _EventStream(StreamingResponse):
     """SSE response that releases its admission tickets however the response ends (even when
     the client leaves before the body iterator was ever started)."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], object]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(
             content, media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -217,9 +224,15 @@ async def _prompts(frontend: Frontend, body: CompletionRequest | ChatCompletionR
     prompt = body.prompt
     if isinstance(prompt, str):
         return [await _encode(frontend, prompt, special=True)]
-    if prompt and isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [await _encode(frontend, p, special=True) if isinstance(p, str) else list(p) for p in prompt]
+    if all(isinstance(t, int) for t in prompt):
+        return [[t for t in prompt if isinstance(t, int)]]
+    out: list[list[int]] = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(await _encode(frontend, p, special=True))
+        elif isinstance(p, list):
+            out.append(list(p))
+    return out
 
 
 async def _encode(frontend: Frontend, text: str, special: bool) -> list[int]:

@@ -66,7 +66,8 @@ class Running:
 
 async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     """Build and start everything but the HTTP accept loop (`running.http.serve()`)."""
-    engine = engine or await asyncio.to_thread(Engine, cfg.engine)
+    if engine is None:
+        engine = await asyncio.to_thread(Engine, cfg.engine)
     front = AsyncEngine(engine)
     front.start()
     name = cfg.served_model_name or Path(cfg.engine.model).name
@@ -76,7 +77,8 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     grpc_server = await _start_grpc(frontend, keys, cfg)
     http = uvicorn.Server(
         uvicorn.Config(app, host=cfg.http.host, port=cfg.http.port, loop="none", log_level="warning",
-                       lifespan="off", timeout_graceful_shutdown=5)
+                       lifespan="off", timeout_graceful_shutdown=5,
+                       ssl_certfile=cfg.http.tls_certfile, ssl_keyfile=cfg.http.tls_keyfile)
     )
     return Running(engine, front, frontend, http, grpc_server)
 
@@ -91,7 +93,7 @@ async def serve(cfg: ServerConfig) -> None:
         await running.stop()
 
 
-async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> object | None:
+async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> Any | None:
     if cfg.grpc_port is None:
         return None
     try:
@@ -105,7 +107,8 @@ async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> o
 
 
 def _announce(cfg: ServerConfig, name: str, auth: bool, grpc_on: bool) -> None:
-    url = f"http://{cfg.http.host}:{cfg.http.port}"
+    scheme = "https" if cfg.http.tls_certfile else "http"
+    url = f"{scheme}://{cfg.http.host}:{cfg.http.port}"
     key = ' -H "Authorization: Bearer $KEY"' if auth else ""
     lines = [
         f"baton is serving {name} on {url}" + (f" (gRPC on {cfg.http.host}:{cfg.grpc_port})" if grpc_on else ""),

@@ -168,3 +168,30 @@ def test_api_keys_guard_every_route_but_health(make_server: Any, tmp_path: Any) 
         assert good.status_code == 200
         metrics = client.get("/metrics", headers={"x-api-key": "k" * 24}).text
         assert 'baton_tenant_tokens_total{kind="generated",tenant="acme"} 2.0' in metrics
+
+
+def test_tenant_request_rate_limit(make_server: Any, tmp_path: Any) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("r" * 24 + " limited rps=0.5\n")
+    limited = make_server(api_keys_file=keys)
+    with limited.client(headers={"Authorization": "Bearer " + "r" * 24}) as client:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+        first = client.post("/v1/completions", json=body)
+        second = client.post("/v1/completions", json=body)
+    assert first.status_code == 200
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+    assert "limited" in second.json()["error"]["message"]
+    assert limited.running.frontend.admission.num_inflight == 0
+
+
+def test_live_reports_a_dead_step_loop(make_server: Any) -> None:
+    import asyncio
+
+    doomed = make_server()
+    with doomed.client() as client:
+        assert client.get("/live").status_code == 200
+        asyncio.run_coroutine_threadsafe(doomed.running.front.stop(), doomed.loop).result(10)
+        assert client.get("/live").status_code == 503
+        assert client.get("/ready").status_code == 503
+        refused = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"

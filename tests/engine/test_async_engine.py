@@ -84,3 +84,26 @@ async def test_refused_request_raises_for_its_caller_only(sync_engine: Engine) -
         assert len(ok) == 3
     finally:
         await front.stop()
+
+
+async def test_a_reader_that_falls_behind_is_cancelled_without_stalling(sync_engine: Engine) -> None:
+    from engine.errors import SlowReaderError
+
+    front = AsyncEngine(sync_engine, max_buffered=4)
+    front.start()
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        slow = front.generate("slow", list(range(20, 40)), params)
+        await anext(slow)  # then stop reading
+        fast = await _collect(front, "fast", [11, 12, 13], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        assert len(fast) == 30  # the batch kept stepping while "slow" did not read
+        for _ in range(200):
+            if not sync_engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        assert sync_engine.pool.pages.num_free == sync_engine.pool.num_pages
+        with pytest.raises(SlowReaderError):
+            async for _ in slow:
+                pass
+    finally:
+        await front.stop()

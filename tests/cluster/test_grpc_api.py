@@ -1,0 +1,396 @@
+"""The gRPC API over a real grpc.aio server on loopback, driving a real engine (baton-tiny).
+
+Expected tokens come from a separate, synchronous reference engine on the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from batonpb.baton.v1 import generation_pb2 as pb
+from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
+from cluster.admission import AdmissionConfig
+from cluster.client import AsyncBatonClient, BatonClient, BatonClientError, Message, Sampling
+from cluster.frontend import Frontend
+from cluster.grpc_api import GrpcConfig, create_grpc_server
+from cluster.tenants import ApiKeys, Tenant
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+
+MODEL = "baton-tiny"
+KEY = "k" * 20
+KEYS = ApiKeys({KEY: Tenant("t")})
+AUTH = (("authorization", f"Bearer {KEY}"),)
+PROMPT = "the quick brown fox jumps over the lazy dog"
+GREEDY = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
+LONG = pb.Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)  # ~7 s of decoding
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    frontend: Frontend
+    target: str
+
+    def client(self, api_key: str | None = KEY) -> AsyncBatonClient:
+        return AsyncBatonClient(self.target, model=MODEL, api_key=api_key, timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512, num_pages=64))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512))
+
+
+@pytest.fixture(scope="module")
+async def front(engine: Engine) -> AsyncIterator[AsyncEngine]:
+    front = AsyncEngine(engine)
+    front.start()
+    yield front
+    await front.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    front: AsyncEngine, keys: ApiKeys = KEYS, admission: AdmissionConfig | None = None,
+    request_timeout_s: float = 30.0, **cfg: object,
+) -> AsyncIterator[Served]:
+    frontend = Frontend(front, MODEL, admission, request_timeout_s=request_timeout_s)
+    port = _free_port()
+    server = create_grpc_server(frontend, keys, GrpcConfig(port=port, **cfg))  # type: ignore[arg-type]
+    await server.start()
+    try:
+        yield Served(frontend, f"127.0.0.1:{port}")
+    finally:
+        await server.stop(None)
+
+
+@pytest.fixture(scope="module")
+async def served(front: AsyncEngine) -> AsyncIterator[Served]:
+    async with serving(front) as s:
+        yield s
+
+
+@pytest.fixture
+async def stub(served: Served) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
+    async with grpc.aio.insecure_channel(served.target) as channel:
+        yield pb_grpc.GenerationStub(channel)  # type: ignore[misc]
+
+
+async def _all_pages_free(engine: Engine) -> bool:
+    for _ in range(150):  # an abort lands on the step thread's next turn
+        if engine.pool.pages.num_free == engine.pool.num_pages and not engine.has_unfinished():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def _expected(reference: Engine, prompt_ids: list[int], params: Sampling = GREEDY) -> list[int]:
+    sampling = SamplingParams(max_tokens=params.max_tokens or 16, temperature=0.0, ignore_eos=True)
+    return reference.generate([prompt_ids], sampling)[0]
+
+
+def _outcomes(frontend: Frontend, outcome: str) -> float:
+    value = frontend.metrics.registry.get_sample_value(
+        "baton_requests_total", {"api": "grpc", "outcome": outcome}
+    )
+    return value or 0.0
+
+
+# -- generation ------------------------------------------------------------------------------
+
+
+async def test_generate_streams_the_engines_greedy_tokens(served: Served, reference: Engine) -> None:
+    prompt_ids = reference.tokenizer.encode(PROMPT)
+    async with served.client() as client:
+        deltas = [d async for d in client.generate(PROMPT, sampling=GREEDY)]
+    assert [t for d in deltas for t in d.token_ids] == _expected(reference, prompt_ids)
+    assert deltas[0].request_id and all(not d.request_id for d in deltas[1:])
+    assert all(d.finish_reason is None and d.usage is None for d in deltas[:-1])
+    last = deltas[-1]
+    assert last.finish_reason == "length"
+    assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt_ids), 12)
+    text = "".join(d.text for d in deltas)
+    assert text == reference.tokenizer.decode(_expected(reference, prompt_ids))
+
+
+async def test_complete_returns_the_whole_sequence_with_logprobs(served: Served, reference: Engine) -> None:
+    prompt_ids = list(range(40, 80))
+    async with served.client() as client:
+        done = await client.complete(prompt_ids, sampling=Sampling(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2))
+    assert list(done.token_ids) == _expected(reference, prompt_ids, Sampling(max_tokens=8))
+    assert done.request_id and done.finish_reason == "length"
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert len(done.logprobs) == 8
+    for token, lp in zip(done.token_ids, done.logprobs, strict=True):
+        assert lp.token_id == token and len(lp.top) == 2
+        assert lp.top[0][0] == token  # greedy: the sampled token is the most likely one
+
+
+async def test_chat_messages_are_rendered_with_the_template(served: Served, reference: Engine) -> None:
+    messages = [Message("system", "be brief"), Message("user", "hello")]
+    rendered = reference.tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
+    )
+    prompt_ids = reference.tokenizer.encode(rendered, add_special_tokens=False)
+    async with served.client() as client:
+        done = await client.complete(messages=messages, sampling=Sampling(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert done.usage is not None and done.usage.prompt_tokens == len(prompt_ids)
+    assert list(done.token_ids) == _expected(reference, prompt_ids, Sampling(max_tokens=5))
+
+
+async def test_absent_max_tokens_means_the_rest_of_the_context(served: Served) -> None:
+    async with served.client() as client:
+        ids = list(range(10, 10 + 500))  # max_model_len is 512: 12 tokens are left
+        done = await client.complete(ids, sampling=Sampling(temperature=0.0, ignore_eos=True))
+    assert len(done.token_ids) == 12 and done.finish_reason == "length"
+
+
+async def test_tokenize(served: Served, reference: Engine) -> None:
+    async with served.client() as client:
+        assert await client.tokenize(PROMPT) == reference.tokenizer.encode(PROMPT)
+        plain = await client.tokenize(PROMPT, add_special_tokens=False)
+    assert plain == reference.tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert len(plain) == len(reference.tokenizer.encode(PROMPT)) - 1  # no BOS
+
+
+# -- deadlines and cancellation --------------------------------------------------------------
+
+
+async def test_call_deadline_aborts_the_request_and_frees_its_pages(
+    served: Served, engine: Engine, stub: pb_grpc.GenerationAsyncStub
+) -> None:
+    before = _outcomes(served.frontend, "deadline") + _outcomes(served.frontend, "cancelled")
+    call = stub.Generate(pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG), metadata=AUTH, timeout=1.0)
+    received = 0
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in call:
+            received += 1
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0 < received < 400  # it was generating when the deadline passed
+    assert await _all_pages_free(engine)
+    after = _outcomes(served.frontend, "deadline") + _outcomes(served.frontend, "cancelled")
+    assert after == before + 1  # the server-side stream ended early, not by finishing
+
+
+async def test_server_timeout_is_deadline_exceeded(front: AsyncEngine, engine: Engine) -> None:
+    async with serving(front, request_timeout_s=0.5) as s, s.client() as client:
+        with pytest.raises(BatonClientError) as caught:
+            async for _ in client.generate(PROMPT, sampling=Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)):
+                pass
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "deadline" in caught.value.message
+        assert _outcomes(s.frontend, "deadline") == 1
+    assert await _all_pages_free(engine)
+
+
+async def test_client_cancellation_mid_stream_frees_pages(
+    served: Served, engine: Engine, stub: pb_grpc.GenerationAsyncStub
+) -> None:
+    call = stub.Generate(pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG), metadata=AUTH)
+    received = 0
+    async for _ in call:
+        received += 1
+        if received == 3:
+            break
+    assert engine.pool.pages.num_free < engine.pool.num_pages  # it holds pages while running
+    call.cancel()
+    assert await _all_pages_free(engine)
+    assert served.frontend.admission.num_inflight == 0
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(temperature=5.0)), "temperature"),
+        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(top_p=0.0)), "top_p"),
+        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(max_tokens=0)), "max_tokens"),
+        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(max_tokens=600)), "max_tokens"),
+        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(logprobs=21)), "logprobs"),
+        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(stop=["x"] * 17)), "stop"),
+        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(max_tokens=2, min_tokens=3)), "min_tokens"),
+        (pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1, 10**6])), "prompt"),
+        (pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1] * 512)), "prompt"),
+        (pb.GenerateRequest(model=MODEL), "prompt"),
+        (pb.GenerateRequest(model=MODEL, chat=True, messages=[pb.ChatMessage(role="root", content="x")]), "messages.role"),
+        (pb.GenerateRequest(model=MODEL, text="hi", messages=[pb.ChatMessage(role="user", content="x")]), "messages"),
+        (pb.GenerateRequest(model="", text="hi"), "model"),
+    ],
+)
+async def test_bad_fields_are_invalid_argument_naming_the_field(
+    served: Served, stub: pb_grpc.GenerationAsyncStub, request_: pb.GenerateRequest, field: str
+) -> None:
+    for call in (stub.Complete, stub.Generate):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _finish(call(request_, metadata=AUTH))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (caught.value.details() or "").startswith(f"{field}:"), caught.value.details()
+    assert served.frontend.admission.num_inflight == 0
+
+
+async def _finish(call: object) -> None:
+    if hasattr(call, "__aiter__"):
+        async for _ in call:  # type: ignore[attr-defined]
+            pass
+    else:
+        await call  # type: ignore[misc]
+
+
+async def test_unknown_model_is_not_found(served: Served) -> None:
+    async with AsyncBatonClient(served.target, model="gpt-9", api_key=KEY) as client:
+        with pytest.raises(BatonClientError) as caught:
+            await client.complete("hi")
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND and "gpt-9" in caught.value.message
+
+
+async def test_overload_is_resource_exhausted_with_retry_metadata(front: AsyncEngine, engine: Engine) -> None:
+    admission = AdmissionConfig(max_inflight_requests=1, retry_after_s=2.5)
+    async with serving(front, admission=admission) as s, grpc.aio.insecure_channel(s.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)  # type: ignore[misc]
+        holder = stub.Generate(pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG), metadata=AUTH)
+        await holder.read()  # admitted and generating: the one in-flight slot is taken
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Complete(pb.GenerateRequest(model=MODEL, text="hi"), metadata=AUTH)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailing = dict(caught.value.trailing_metadata() or ())
+        assert trailing["grpc-retry-pushback-ms"] == "2500" and trailing["retry-after"] == "3"
+        async with s.client() as client:
+            with pytest.raises(BatonClientError) as typed:
+                await client.complete("hi")
+        assert typed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and typed.value.retry_after_s == 2.5
+        holder.cancel()
+    assert await _all_pages_free(engine)
+
+
+async def test_api_key_is_required_when_keys_are_set(served: Served) -> None:
+    for key in (None, "wrong-key-of-twenty-chars"):
+        async with served.client(api_key=key) as client:
+            with pytest.raises(BatonClientError) as caught:
+                await client.tokenize("hi")
+            assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(BatonClientError) as caught:
+                await client.complete("hi")
+            assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+    async with grpc.aio.insecure_channel(served.target) as channel:
+        stub = pb_grpc.GenerationStub(channel)  # type: ignore[misc]
+        reply = await stub.Tokenize(pb.TokenizeRequest(model=MODEL, text="hi"), metadata=(("x-api-key", KEY),))
+    assert reply.token_ids and reply.max_model_len == 512
+
+
+# -- health, reflection, clients --------------------------------------------------------------
+
+
+async def test_health_is_open_and_follows_drain(served: Served) -> None:
+    serving_, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    async with grpc.aio.insecure_channel(served.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "baton.v1.Generation"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))  # no key
+            assert reply.status == serving_
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await health.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        served.frontend.draining = True
+        try:
+            assert (await health.Check(health_pb2.HealthCheckRequest())).status == not_serving
+            async with served.client() as client:
+                with pytest.raises(BatonClientError) as refused:
+                    await client.complete("hi")
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            served.frontend.draining = False
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == serving_
+
+
+async def test_reflection_lists_the_service_without_a_key(served: Served) -> None:
+    async with grpc.aio.insecure_channel(served.target) as channel:
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        replies = [r async for r in call]
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"baton.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def _sync_session(target: str) -> tuple[list[int], list[int], str, list[int]]:
+    with BatonClient(target, model=MODEL, api_key=KEY, timeout_s=30) as client:
+        streamed = [t for d in client.generate(PROMPT, sampling=GREEDY) for t in d.token_ids]
+        done = client.complete(PROMPT, sampling=GREEDY)
+        try:
+            client.complete(PROMPT, sampling=Sampling(top_k=10**5))
+        except BatonClientError as exc:
+            error = f"{exc.code.name} {exc.message}"
+        return streamed, list(done.token_ids), error, client.tokenize(PROMPT)
+
+
+async def test_sync_client(served: Served, reference: Engine) -> None:
+    streamed, completed, error, ids = await asyncio.to_thread(_sync_session, served.target)
+    expected = _expected(reference, reference.tokenizer.encode(PROMPT))
+    assert streamed == completed == expected
+    assert error.startswith("INVALID_ARGUMENT top_k:")
+    assert ids == reference.tokenizer.encode(PROMPT)
+
+
+async def test_async_client_leaving_a_stream_early_cancels_it(served: Served, engine: Engine) -> None:
+    async with served.client() as client:
+        async with contextlib.aclosing(client.generate(PROMPT, sampling=Sampling(max_tokens=400, temperature=0.0, ignore_eos=True))) as deltas:
+            async for delta in deltas:
+                assert delta.request_id
+                break
+        assert await _all_pages_free(engine)
+
+
+# -- TLS --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    directory = tmp_path_factory.mktemp("tls")
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    yield cert, key
+
+
+async def test_tls(front: AsyncEngine, certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    async with serving(front, tls_cert_file=str(cert), tls_key_file=str(key)) as s:
+        async with AsyncBatonClient(s.target, model=MODEL, api_key=KEY, root_certificates=cert.read_bytes()) as client:
+            assert await client.tokenize("hi")
+        async with AsyncBatonClient(s.target, model=MODEL, api_key=KEY, timeout_s=5) as plain:
+            with pytest.raises(BatonClientError) as caught:
+                await plain.tokenize("hi")  # a plaintext client cannot talk to a TLS port
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
