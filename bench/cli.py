@@ -1,5 +1,10 @@
 """`baton bench`: registered through the `baton.commands` entry point, so no serving module
-imports bench/."""
+imports bench/.
+
+    baton bench --offline ...          engine throughput without a server (bench.offline)
+    baton bench --url URL ...          the serving benchmark against any OpenAI-compatible
+                                       endpoint (bench.serving)
+"""
 
 from __future__ import annotations
 
@@ -8,18 +13,22 @@ from typing import Any
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("bench", help="benchmarks (today: --offline engine throughput)")
+    p: argparse.ArgumentParser = sub.add_parser(
+        "bench", help="benchmarks: a serving endpoint (--url ...) or the offline engine (--offline)"
+    )
     p.add_argument("--offline", action="store_true", help="offline engine throughput (bench.offline)")
-    from bench import offline
+    from bench import offline, serving
 
     offline.add_arguments(p)
+    serving.add_arguments(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from bench import offline
+    if args.offline:
+        from bench import offline
 
-    if not args.offline:
-        print("baton bench: only --offline exists so far (the serving benchmark comes with the edge)")
-        return 2
-    return offline.run(args)
+        return offline.run(args)
+    from bench import serving
+
+    return serving.run(args)
