@@ -165,7 +165,8 @@ async def _serve(
     want_logprobs = (body.logprobs is not None) if isinstance(body, CompletionRequest) else body.logprobs
     prefix = "chatcmpl-" if chat else "cmpl-"
     renderer = Renderer(chat, prefix + uuid.uuid4().hex, frontend.model_name, int(time.time()),
-                        lambda t: frontend.tokenizer.decode([t], skip_special_tokens=False), want_logprobs)
+                        lambda t: frontend.tokenizer.decode([t], skip_special_tokens=False), want_logprobs,
+                        body.return_token_ids)
     streams = [frontend.stream(r, t, "http") for r, t in zip(reqs, tickets, strict=True)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

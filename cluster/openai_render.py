@@ -35,6 +35,7 @@ class ChoiceState:
     """What one choice has produced so far (for non-streaming bodies and usage)."""
 
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
@@ -43,6 +44,7 @@ class ChoiceState:
 
     def add(self, out: StepOutput) -> None:
         self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
@@ -95,13 +97,14 @@ class Renderer:
     """Builds completion or chat bodies/chunks for one call."""
 
     def __init__(self, chat: bool, call_id: str, model: str, created: int, token_text: TokenText,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, want_token_ids: bool = False) -> None:
         self.chat = chat
         self.id = call_id
         self.model = model
         self.created = created
         self.token_text = token_text
         self.want_logprobs = want_logprobs
+        self.want_token_ids = want_token_ids
         self._offsets: dict[int, int] = {}
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
@@ -124,6 +127,8 @@ class Renderer:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if self.want_token_ids:
+            choice["token_ids"] = list(out.token_ids) if out else []
         return {**self._envelope(True), "choices": [choice]}
 
     def usage_chunk(self, choices: Sequence[ChoiceState], prompts: int) -> dict[str, Any]:
@@ -146,4 +151,6 @@ class Renderer:
             else:
                 rendered.append({"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": c.finish_reason})
+            if self.want_token_ids:
+                rendered[-1]["token_ids"] = c.token_ids
         return {**self._envelope(False), "choices": rendered, "usage": usage(choices, prompts)}

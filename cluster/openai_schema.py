@@ -62,6 +62,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     user: str | None = Field(default=None, max_length=256)
     priority: int | None = Field(default=None, ge=-100, le=100, description="operator-enabled extension")
+    return_token_ids: bool = Field(default=False, description="add each choice's token ids (vLLM's extension)")
 
     @model_validator(mode="before")
     @classmethod

@@ -195,3 +195,13 @@ def test_live_reports_a_dead_step_loop(make_server: Any) -> None:
         assert client.get("/ready").status_code == 503
         refused = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+
+
+def test_return_token_ids_extension(server: ServerHandle) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert len(whole["token_ids"]) == 4
+    with server.client() as client:
+        lines = client.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
