@@ -16,9 +16,8 @@ Leaving a stream early cancels the call, which aborts the request on the server.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Generator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -97,7 +96,9 @@ class Completion:
 
 
 class BatonClientError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
@@ -116,7 +117,9 @@ def build_request(
         request = pb.GenerateRequest(model=model, sampling=_sampling(sampling or Sampling()))
         if messages is not None:
             request.chat = True
-            request.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in messages)
+            request.messages.extend(
+                pb.ChatMessage(role=m.role, content=m.content) for m in messages
+            )
         if isinstance(prompt, str):
             request.text = prompt
         elif prompt is not None:
@@ -142,7 +145,8 @@ def _sampling(s: Sampling) -> pb.Sampling:
 
 def _logprobs(items: Sequence[pb.TokenLogprob]) -> tuple[Logprob, ...]:
     return tuple(
-        Logprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in items
+        Logprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+        for lp in items
     )
 
 
@@ -169,10 +173,10 @@ def to_completion(msg: pb.CompleteResponse) -> Completion:
 
 def client_error(exc: grpc.RpcError) -> BatonClientError:
     """The error of a failed call, with the server's retry hint when it sent one."""
-    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else None
-    return BatonClientError(code, details or "", retry_after(trailing or ()))
+    if not isinstance(exc, grpc.Call | grpc.aio.AioRpcError):  # every call's error is one
+        return BatonClientError(grpc.StatusCode.UNKNOWN, str(exc))
+    trailing = exc.trailing_metadata() or ()
+    return BatonClientError(exc.code(), exc.details() or "", retry_after(trailing))
 
 
 def retry_after(metadata: Sequence[tuple[str, Any]]) -> float | None:
@@ -202,19 +206,23 @@ def _connection(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     )
-    credentials = grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates else None
+    use_tls = tls or root_certificates is not None
+    credentials = grpc.ssl_channel_credentials(root_certificates) if use_tls else None
     return _Connection(metadata, options, credentials)
 
 
 # -- the clients --------------------------------------------------------------------------------
+
+Prompt = str | Sequence[int] | None  # text, or token ids; None with `messages`
 
 
 class BatonClient:
     """Blocking client over a grpc.Channel (thread-safe, like the channel)."""
 
     def __init__(
-        self, target: str, *, model: str, api_key: str | None = None, timeout_s: float | None = None,
-        tls: bool = False, root_certificates: bytes | None = None, max_message_bytes: int = 64 << 20,
+        self, target: str, *, model: str, api_key: str | None = None,
+        timeout_s: float | None = None, tls: bool = False, root_certificates: bytes | None = None,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
         conn = _connection(api_key, tls, root_certificates, max_message_bytes)
         if conn.credentials is None:
@@ -227,11 +235,11 @@ class BatonClient:
         self.timeout_s = timeout_s
 
     def generate(
-        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None,
-    ) -> Iterator[Delta]:
+    ) -> Generator[Delta, None, None]:
         request = build_request(self.model, prompt, messages, sampling)
-        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             for msg in call:
                 yield to_delta(msg)
@@ -241,23 +249,28 @@ class BatonClient:
             call.cancel()  # a no-op once finished; aborts the request if the caller left early
 
     def complete(
-        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None,
     ) -> Completion:
         request = build_request(self.model, prompt, messages, sampling)
         try:
-            reply = self._stub.Complete(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+            return to_completion(self._stub.Complete(request, **self._call(timeout_s)))
         except grpc.RpcError as exc:
             raise client_error(exc) from None
-        return to_completion(reply)
 
-    def tokenize(self, text: str, *, add_special_tokens: bool = True, timeout_s: float | None = None) -> list[int]:
-        request = pb.TokenizeRequest(model=self.model, text=text, add_special_tokens=add_special_tokens)
+    def tokenize(
+        self, text: str, *, add_special_tokens: bool = True, timeout_s: float | None = None
+    ) -> list[int]:
+        request = pb.TokenizeRequest(
+            model=self.model, text=text, add_special_tokens=add_special_tokens
+        )
         try:
-            reply = self._stub.Tokenize(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+            return list(self._stub.Tokenize(request, **self._call(timeout_s)).token_ids)
         except grpc.RpcError as exc:
             raise client_error(exc) from None
-        return list(reply.token_ids)
+
+    def _call(self, timeout_s: float | None) -> dict[str, Any]:
+        return {"metadata": self._metadata, "timeout": timeout_s or self.timeout_s}
 
     def close(self) -> None:
         self.channel.close()
@@ -265,7 +278,7 @@ class BatonClient:
     def __enter__(self) -> BatonClient:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -273,8 +286,9 @@ class AsyncBatonClient:
     """asyncio client over a grpc.aio channel; use it from one event loop."""
 
     def __init__(
-        self, target: str, *, model: str, api_key: str | None = None, timeout_s: float | None = None,
-        tls: bool = False, root_certificates: bytes | None = None, max_message_bytes: int = 64 << 20,
+        self, target: str, *, model: str, api_key: str | None = None,
+        timeout_s: float | None = None, tls: bool = False, root_certificates: bytes | None = None,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
         conn = _connection(api_key, tls, root_certificates, max_message_bytes)
         if conn.credentials is None:
@@ -287,12 +301,12 @@ class AsyncBatonClient:
         self.timeout_s = timeout_s
 
     async def generate(
-        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Stream deltas. Close it (contextlib.aclosing) to cancel the call when leaving early."""
         request = build_request(self.model, prompt, messages, sampling)
-        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+        call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             async for msg in call:
                 yield to_delta(msg)
@@ -302,25 +316,28 @@ class AsyncBatonClient:
             call.cancel()
 
     async def complete(
-        self, prompt: str | Sequence[int] | None = None, *, messages: Sequence[Message] | None = None,
+        self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None,
     ) -> Completion:
         request = build_request(self.model, prompt, messages, sampling)
         try:
-            reply = await self._stub.Complete(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+            return to_completion(await self._stub.Complete(request, **self._call(timeout_s)))
         except grpc.RpcError as exc:
             raise client_error(exc) from None
-        return to_completion(reply)
 
     async def tokenize(
         self, text: str, *, add_special_tokens: bool = True, timeout_s: float | None = None
     ) -> list[int]:
-        request = pb.TokenizeRequest(model=self.model, text=text, add_special_tokens=add_special_tokens)
+        request = pb.TokenizeRequest(
+            model=self.model, text=text, add_special_tokens=add_special_tokens
+        )
         try:
-            reply = await self._stub.Tokenize(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+            return list((await self._stub.Tokenize(request, **self._call(timeout_s))).token_ids)
         except grpc.RpcError as exc:
             raise client_error(exc) from None
-        return list(reply.token_ids)
+
+    def _call(self, timeout_s: float | None) -> dict[str, Any]:
+        return {"metadata": self._metadata, "timeout": timeout_s or self.timeout_s}
 
     async def close(self) -> None:
         await self.channel.close()
@@ -328,7 +345,5 @@ class AsyncBatonClient:
     async def __aenter__(self) -> AsyncBatonClient:
         return self
 
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()

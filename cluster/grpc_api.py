@@ -60,21 +60,10 @@ T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
 
-_CODES = {
-    Kind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    Kind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
-    Kind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    Kind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Kind.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    Kind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    Kind.CANCELLED: grpc.StatusCode.CANCELLED,
-    Kind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-_FINISH = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
-}
+# The edge's error kinds are named after gRPC's status codes, and the engine's finish
+# reasons after the proto's enum values.
+_CODES = {kind: grpc.StatusCode[kind.name] for kind in Kind}
+_FINISH = {r: pb.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,14 +98,15 @@ def create_grpc_server(frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> gr
     pb_grpc.add_GenerationServicer_to_server(GenerationService(frontend, keys, cfg), server)
     health_pb2_grpc.add_HealthServicer_to_server(LiveHealth(frontend, ("", SERVICE_NAME)), server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
+    names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
     address = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert_file is not None and cfg.tls_key_file is not None:
         pair = (Path(cfg.tls_key_file).read_bytes(), Path(cfg.tls_cert_file).read_bytes())
         port = server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
     else:
         port = server.add_insecure_port(address)
-    logger.info("gRPC API on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_file else "plaintext")
+    logger.info("gRPC API on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_file else "no TLS")
     return server
 
 
@@ -145,7 +135,9 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     # -- the three calls --------------------------------------------------------------------
 
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
         req, ticket = await self._open(request, context)
         try:
             async with contextlib.aclosing(_stream(self.frontend, req, ticket)) as outs:
@@ -246,13 +238,17 @@ class GenerationService(pb_grpc.GenerationServicer):
         return await _maybe_in_thread(len(text), self.frontend.tokenizer.encode, text, special)
 
 
-def _stream(frontend: Frontend, req: GenerateRequest, ticket: Ticket) -> AsyncGenerator[StepOutput, None]:
+def _stream(
+    frontend: Frontend, req: GenerateRequest, ticket: Ticket
+) -> AsyncGenerator[StepOutput, None]:
     # Frontend.stream is an async generator function (annotated as an AsyncIterator): name the
     # type that has aclose(), which is what closes it at once on cancellation.
     return cast(AsyncGenerator[StepOutput, None], frontend.stream(req, ticket, "grpc"))
 
 
-async def _maybe_in_thread(size: int, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+async def _maybe_in_thread(
+    size: int, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+) -> R:
     """Run fn inline when the input is small, on a thread when it would stall the loop."""
     if size > _BIG_TEXT_CHARS:
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -272,8 +268,8 @@ async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
 
 async def abort(context: grpc.aio.ServicerContext, err: EdgeError) -> NoReturn:
     details = err.message
-    if err.param is not None and not details.startswith(err.param):
-        details = f"{err.param}: {details}"  # INVALID_ARGUMENT names the field
+    if err.kind == Kind.INVALID_ARGUMENT and err.param and not details.startswith(err.param):
+        details = f"{err.param}: {details}"  # the details start with the field's name
     await context.abort(_CODES[err.kind], details, retry_metadata(err.retry_after_s))
     raise AssertionError("context.abort returned")  # it always raises
 
@@ -311,9 +307,11 @@ def _check_prompt(request: pb.GenerateRequest, max_model_len: int) -> None:
             raise invalid(f"messages: 1 to {MAX_MESSAGES} messages when chat is true", "messages")
         for m in request.messages:
             if m.role not in CHAT_ROLES:
-                raise invalid(f"messages.role: must be one of {sorted(CHAT_ROLES)}", "messages.role")
+                roles = ", ".join(sorted(CHAT_ROLES))
+                raise invalid(f"messages.role: must be one of {roles}", "messages.role")
         if sum(len(m.content) for m in request.messages) > MAX_PROMPT_CHARS:
-            raise invalid(f"messages.content: at most {MAX_PROMPT_CHARS} characters", "messages.content")
+            too_long = f"messages.content: at most {MAX_PROMPT_CHARS} characters in all"
+            raise invalid(too_long, "messages.content")
         return
     if request.messages:
         raise invalid("messages: only with chat = true", "messages")
@@ -378,7 +376,9 @@ class LiveHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # grpc_
     """grpc.health.v1, computed from the frontend on every call: there is no stored status to
     keep in sync, so a dead step loop or a drain shows at once. "" is the whole server."""
 
-    def __init__(self, frontend: Frontend, services: Sequence[str], watch_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, frontend: Frontend, services: Sequence[str], watch_interval_s: float = 1.0
+    ) -> None:
         self.frontend = frontend
         self.services = frozenset(services)
         self.watch_interval_s = watch_interval_s

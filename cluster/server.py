@@ -101,7 +101,9 @@ async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> A
     except ImportError as exc:  # the gRPC extra is not installed
         logger.warning("gRPC disabled: %s", exc)
         return None
-    server = create_grpc_server(frontend, keys, GrpcConfig(host=cfg.http.host, port=cfg.grpc_port))
+    grpc_cfg = GrpcConfig(host=cfg.http.host, port=cfg.grpc_port, tls_cert_file=cfg.http.tls_certfile,
+                          tls_key_file=cfg.http.tls_keyfile, allow_priority_field=cfg.http.allow_priority_field)
+    server = create_grpc_server(frontend, keys, grpc_cfg)
     await server.start()
     return server
 

@@ -11,6 +11,7 @@ import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -36,6 +37,7 @@ AUTH = (("authorization", f"Bearer {KEY}"),)
 PROMPT = "the quick brown fox jumps over the lazy dog"
 GREEDY = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = pb.Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)  # ~7 s of decoding
+LONG_SAMPLING = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512, num_pages=64))
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512, num_pages=64)
+    return Engine(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,8 @@ async def serving(
 ) -> AsyncIterator[Served]:
     frontend = Frontend(front, MODEL, admission, request_timeout_s=request_timeout_s)
     port = _free_port()
-    server = create_grpc_server(frontend, keys, GrpcConfig(port=port, **cfg))  # type: ignore[arg-type]
+    config = GrpcConfig(port=port, **cfg)  # type: ignore[arg-type]
+    server = create_grpc_server(frontend, keys, config)
     await server.start()
     try:
         yield Served(frontend, f"127.0.0.1:{port}")
@@ -93,10 +97,16 @@ async def served(front: AsyncEngine) -> AsyncIterator[Served]:
         yield s
 
 
+@contextlib.asynccontextmanager
+async def _stub(target: str) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        yield cast("pb_grpc.GenerationAsyncStub", pb_grpc.GenerationStub(channel))
+
+
 @pytest.fixture
 async def stub(served: Served) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
-    async with grpc.aio.insecure_channel(served.target) as channel:
-        yield pb_grpc.GenerationStub(channel)  # type: ignore[misc]
+    async with _stub(served.target) as s:
+        yield s
 
 
 async def _all_pages_free(engine: Engine) -> bool:
@@ -122,7 +132,9 @@ def _outcomes(frontend: Frontend, outcome: str) -> float:
 # -- generation ------------------------------------------------------------------------------
 
 
-async def test_generate_streams_the_engines_greedy_tokens(served: Served, reference: Engine) -> None:
+async def test_generate_streams_the_engines_greedy_tokens(
+    served: Served, reference: Engine
+) -> None:
     prompt_ids = reference.tokenizer.encode(PROMPT)
     async with served.client() as client:
         deltas = [d async for d in client.generate(PROMPT, sampling=GREEDY)]
@@ -131,15 +143,19 @@ async def test_generate_streams_the_engines_greedy_tokens(served: Served, refere
     assert all(d.finish_reason is None and d.usage is None for d in deltas[:-1])
     last = deltas[-1]
     assert last.finish_reason == "length"
-    assert last.usage is not None and (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt_ids), 12)
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt_ids), 12)
     text = "".join(d.text for d in deltas)
     assert text == reference.tokenizer.decode(_expected(reference, prompt_ids))
 
 
-async def test_complete_returns_the_whole_sequence_with_logprobs(served: Served, reference: Engine) -> None:
+async def test_complete_returns_the_whole_sequence_with_logprobs(
+    served: Served, reference: Engine
+) -> None:
     prompt_ids = list(range(40, 80))
     async with served.client() as client:
-        done = await client.complete(prompt_ids, sampling=Sampling(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2))
+        sampling = Sampling(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+        done = await client.complete(prompt_ids, sampling=sampling)
     assert list(done.token_ids) == _expected(reference, prompt_ids, Sampling(max_tokens=8))
     assert done.request_id and done.finish_reason == "length"
     assert done.usage is not None and done.usage.completion_tokens == 8
@@ -149,14 +165,17 @@ async def test_complete_returns_the_whole_sequence_with_logprobs(served: Served,
         assert lp.top[0][0] == token  # greedy: the sampled token is the most likely one
 
 
-async def test_chat_messages_are_rendered_with_the_template(served: Served, reference: Engine) -> None:
+async def test_chat_messages_are_rendered_with_the_template(
+    served: Served, reference: Engine
+) -> None:
     messages = [Message("system", "be brief"), Message("user", "hello")]
     rendered = reference.tokenizer.apply_chat_template(
         [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
     )
     prompt_ids = reference.tokenizer.encode(rendered, add_special_tokens=False)
     async with served.client() as client:
-        done = await client.complete(messages=messages, sampling=Sampling(max_tokens=5, temperature=0.0, ignore_eos=True))
+        sampling = Sampling(max_tokens=5, temperature=0.0, ignore_eos=True)
+        done = await client.complete(messages=messages, sampling=sampling)
     assert done.usage is not None and done.usage.prompt_tokens == len(prompt_ids)
     assert list(done.token_ids) == _expected(reference, prompt_ids, Sampling(max_tokens=5))
 
@@ -183,7 +202,8 @@ async def test_call_deadline_aborts_the_request_and_frees_its_pages(
     served: Served, engine: Engine, stub: pb_grpc.GenerationAsyncStub
 ) -> None:
     before = _outcomes(served.frontend, "deadline") + _outcomes(served.frontend, "cancelled")
-    call = stub.Generate(pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG), metadata=AUTH, timeout=1.0)
+    request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG)
+    call = stub.Generate(request, metadata=AUTH, timeout=1.0)
     received = 0
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         async for _ in call:
@@ -198,7 +218,7 @@ async def test_call_deadline_aborts_the_request_and_frees_its_pages(
 async def test_server_timeout_is_deadline_exceeded(front: AsyncEngine, engine: Engine) -> None:
     async with serving(front, request_timeout_s=0.5) as s, s.client() as client:
         with pytest.raises(BatonClientError) as caught:
-            async for _ in client.generate(PROMPT, sampling=Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)):
+            async for _ in client.generate(PROMPT, sampling=LONG_SAMPLING):
                 pass
         assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "deadline" in caught.value.message
@@ -221,24 +241,54 @@ async def test_client_cancellation_mid_stream_frees_pages(
     assert served.frontend.admission.num_inflight == 0
 
 
+async def test_many_streams_cancelled_at_different_points_free_every_page(
+    served: Served, engine: Engine, stub: pb_grpc.GenerationAsyncStub
+) -> None:
+    async def cancel_after(messages: int) -> int:
+        request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG)
+        call = stub.Generate(request, metadata=AUTH)
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen == messages:
+                break
+        call.cancel()
+        return seen
+
+    seen = await asyncio.gather(*(cancel_after(1 + i % 5) for i in range(16)))
+    assert seen == [1 + i % 5 for i in range(16)]
+    assert await _all_pages_free(engine)
+    assert served.frontend.admission.num_inflight == 0
+
+
 # -- refusals --------------------------------------------------------------------------------
+
+
+def _message(role: str) -> pb.ChatMessage:
+    return pb.ChatMessage(role=role, content="x")
+
+
+def _sampled(**fields: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(**fields))
 
 
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(temperature=5.0)), "temperature"),
-        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(top_p=0.0)), "top_p"),
-        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(max_tokens=0)), "max_tokens"),
-        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(max_tokens=600)), "max_tokens"),
-        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(logprobs=21)), "logprobs"),
-        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(stop=["x"] * 17)), "stop"),
-        (pb.GenerateRequest(model=MODEL, text="hi", sampling=pb.Sampling(max_tokens=2, min_tokens=3)), "min_tokens"),
+        (_sampled(temperature=5.0), "temperature"),
+        (_sampled(top_p=0.0), "top_p"),
+        (_sampled(max_tokens=0), "max_tokens"),
+        (_sampled(max_tokens=600), "max_tokens"),  # past the 512-token context
+        (_sampled(logprobs=21), "logprobs"),
+        (_sampled(stop=["x"] * 17), "stop"),
+        (_sampled(max_tokens=2, min_tokens=3), "min_tokens"),
+        (_sampled(top_k=10**5), "top_k"),
+        (_sampled(seed=2**63), "seed"),
         (pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1, 10**6])), "prompt"),
         (pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1] * 512)), "prompt"),
         (pb.GenerateRequest(model=MODEL), "prompt"),
-        (pb.GenerateRequest(model=MODEL, chat=True, messages=[pb.ChatMessage(role="root", content="x")]), "messages.role"),
-        (pb.GenerateRequest(model=MODEL, text="hi", messages=[pb.ChatMessage(role="user", content="x")]), "messages"),
+        (pb.GenerateRequest(model=MODEL, chat=True, messages=[_message("root")]), "messages.role"),
+        (pb.GenerateRequest(model=MODEL, text="hi", messages=[_message("user")]), "messages"),
         (pb.GenerateRequest(model="", text="hi"), "model"),
     ],
 )
@@ -253,12 +303,12 @@ async def test_bad_fields_are_invalid_argument_naming_the_field(
     assert served.frontend.admission.num_inflight == 0
 
 
-async def _finish(call: object) -> None:
+async def _finish(call: Any) -> None:
     if hasattr(call, "__aiter__"):
-        async for _ in call:  # type: ignore[attr-defined]
+        async for _ in call:
             pass
     else:
-        await call  # type: ignore[misc]
+        await call
 
 
 async def test_unknown_model_is_not_found(served: Served) -> None:
@@ -268,11 +318,13 @@ async def test_unknown_model_is_not_found(served: Served) -> None:
     assert caught.value.code == grpc.StatusCode.NOT_FOUND and "gpt-9" in caught.value.message
 
 
-async def test_overload_is_resource_exhausted_with_retry_metadata(front: AsyncEngine, engine: Engine) -> None:
+async def test_overload_is_resource_exhausted_with_retry_metadata(
+    front: AsyncEngine, engine: Engine
+) -> None:
     admission = AdmissionConfig(max_inflight_requests=1, retry_after_s=2.5)
-    async with serving(front, admission=admission) as s, grpc.aio.insecure_channel(s.target) as channel:
-        stub = pb_grpc.GenerationStub(channel)  # type: ignore[misc]
-        holder = stub.Generate(pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG), metadata=AUTH)
+    async with serving(front, admission=admission) as s, _stub(s.target) as stub:
+        request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG)
+        holder = stub.Generate(request, metadata=AUTH)
         await holder.read()  # admitted and generating: the one in-flight slot is taken
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.Complete(pb.GenerateRequest(model=MODEL, text="hi"), metadata=AUTH)
@@ -282,7 +334,8 @@ async def test_overload_is_resource_exhausted_with_retry_metadata(front: AsyncEn
         async with s.client() as client:
             with pytest.raises(BatonClientError) as typed:
                 await client.complete("hi")
-        assert typed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and typed.value.retry_after_s == 2.5
+        assert typed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert typed.value.retry_after_s == 2.5
         holder.cancel()
     assert await _all_pages_free(engine)
 
@@ -296,9 +349,9 @@ async def test_api_key_is_required_when_keys_are_set(served: Served) -> None:
             with pytest.raises(BatonClientError) as caught:
                 await client.complete("hi")
             assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
-    async with grpc.aio.insecure_channel(served.target) as channel:
-        stub = pb_grpc.GenerationStub(channel)  # type: ignore[misc]
-        reply = await stub.Tokenize(pb.TokenizeRequest(model=MODEL, text="hi"), metadata=(("x-api-key", KEY),))
+    async with _stub(served.target) as stub:
+        request = pb.TokenizeRequest(model=MODEL, text="hi")
+        reply = await stub.Tokenize(request, metadata=(("x-api-key", KEY),))
     assert reply.token_ids and reply.max_model_len == 512
 
 
@@ -306,7 +359,8 @@ async def test_api_key_is_required_when_keys_are_set(served: Served) -> None:
 
 
 async def test_health_is_open_and_follows_drain(served: Served) -> None:
-    serving_, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    serving_ = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     async with grpc.aio.insecure_channel(served.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "baton.v1.Generation"):
@@ -330,7 +384,8 @@ async def test_health_is_open_and_follows_drain(served: Served) -> None:
 async def test_reflection_lists_the_service_without_a_key(served: Served) -> None:
     async with grpc.aio.insecure_channel(served.target) as channel:
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-        call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        call = refl.ServerReflectionInfo(iter([ask]))
         replies = [r async for r in call]
     names = {s.name for s in replies[0].list_services_response.service}
     assert {"baton.v1.Generation", "grpc.health.v1.Health"} <= names
@@ -355,9 +410,11 @@ async def test_sync_client(served: Served, reference: Engine) -> None:
     assert ids == reference.tokenizer.encode(PROMPT)
 
 
-async def test_async_client_leaving_a_stream_early_cancels_it(served: Served, engine: Engine) -> None:
+async def test_async_client_leaving_a_stream_early_cancels_it(
+    served: Served, engine: Engine
+) -> None:
     async with served.client() as client:
-        async with contextlib.aclosing(client.generate(PROMPT, sampling=Sampling(max_tokens=400, temperature=0.0, ignore_eos=True))) as deltas:
+        async with contextlib.aclosing(client.generate(PROMPT, sampling=LONG_SAMPLING)) as deltas:
             async for delta in deltas:
                 assert delta.request_id
                 break
@@ -377,8 +434,8 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
          "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
         check=True, capture_output=True, timeout=60,
     )
@@ -388,9 +445,12 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path
 async def test_tls(front: AsyncEngine, certificate: tuple[Path, Path]) -> None:
     cert, key = certificate
     async with serving(front, tls_cert_file=str(cert), tls_key_file=str(key)) as s:
-        async with AsyncBatonClient(s.target, model=MODEL, api_key=KEY, root_certificates=cert.read_bytes()) as client:
+        root = cert.read_bytes()
+        trusted = AsyncBatonClient(s.target, model=MODEL, api_key=KEY, root_certificates=root)
+        async with trusted as client:
             assert await client.tokenize("hi")
         async with AsyncBatonClient(s.target, model=MODEL, api_key=KEY, timeout_s=5) as plain:
             with pytest.raises(BatonClientError) as caught:
                 await plain.tokenize("hi")  # a plaintext client cannot talk to a TLS port
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FIX = f"{Path(sys.executable).name} proto/generate.py  (from the repository root), then commit batonpb/"
+FIX = ".venv/bin/python proto/generate.py  (from the repository root), then commit batonpb/"
 
 
 def _files(package: Path) -> dict[str, str]:
@@ -26,8 +26,9 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
     assert done.returncode == 0, f"proto/generate.py failed:\n{done.stderr}"
     fresh, committed = _files(tmp_path / "batonpb"), _files(ROOT / "batonpb")
     assert fresh, "the generator wrote nothing"
-    missing, extra = sorted(fresh.keys() - committed.keys()), sorted(committed.keys() - fresh.keys())
-    stale = sorted(name for name in fresh.keys() & committed.keys() if fresh[name] != committed[name])
+    missing = sorted(fresh.keys() - committed.keys())
+    extra = sorted(committed.keys() - fresh.keys())
+    stale = sorted(n for n in fresh.keys() & committed.keys() if fresh[n] != committed[n])
     assert not (missing or extra or stale), (
         f"batonpb/ is out of date with proto/ (missing {missing}, extra {extra}, stale {stale}); "
         f"run: {FIX}"
@@ -40,4 +41,5 @@ def test_stubs_import_as_the_batonpb_package() -> None:
     assert generation_pb2.DESCRIPTOR.package == "baton.v1"
     assert generation_pb2.DESCRIPTOR.name == "baton/v1/generation.proto"  # the wire contract's name
     # the service stubs use this very module (the rewritten import), not a second copy
-    assert generation_pb2_grpc.baton_dot_v1_dot_generation__pb2 is generation_pb2
+    imported = generation_pb2_grpc.baton_dot_v1_dot_generation__pb2  # type: ignore[attr-defined]
+    assert imported is generation_pb2
