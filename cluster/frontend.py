@@ -30,7 +30,6 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-MAX_CHOICES = 16  # n x prompts per call, checked before fan-out
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from cluster.edge_guard import EdgeGuard
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.frontend import Frontend, GenerateRequest
 from cluster.openai_render import ChoiceState, Renderer, error_body, sse
-from cluster.openai_schema import ChatCompletionRequest, CompletionRequest
+from cluster.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from cluster.tenants import ApiKeys, Tenant
 from engine.errors import BatonError
 from engine.outputs import StepOutput
@@ -150,17 +150,20 @@ async def _serve(
         raise invalid("echo is not supported", "echo")
     tenant: Tenant = request.state.tenant
     deadline = frontend.deadline(_timeout_header(request))
-    prompts = await _prompts(frontend, body)
-    reqs = _requests(frontend, cfg, body, prompts, tenant, deadline)
-    tickets = []
+    num_choices = _num_prompts(body) * body.n
+    if num_choices > MAX_CHOICES:
+        raise invalid(f"{num_choices} choices (prompts x n) exceed {MAX_CHOICES} per call", "n")
+    tickets: list[Ticket] = []
     try:
-        for req in reqs:  # admission is per engine request: n x prompts of them
-            ticket = frontend.admit()
-            tickets.append(ticket)
+        # Admission first, before any tokenizing: one O(1) ticket per engine request.
+        for _ in range(num_choices):
+            tickets.append(frontend.admit())
+        prompts = await _prompts(frontend, body)
+        reqs = _requests(frontend, cfg, body, prompts, tenant, deadline)
+        for req, ticket in zip(reqs, tickets, strict=True):
             frontend.check_tenant(ticket, req)
-    except EdgeError:
-        for ticket in tickets:
-            ticket.release()
+    except BaseException:
+        _release(tickets)
         raise
     want_logprobs = (body.logprobs is not None) if isinstance(body, CompletionRequest) else body.logprobs
     prefix = "chatcmpl-" if chat else "cmpl-"
@@ -216,6 +219,12 @@ def _timeout_header(request: Request) -> float | None:
     return value
 
 
+def _num_prompts(body: CompletionRequest | ChatCompletionRequest) -> int:
+    if isinstance(body, ChatCompletionRequest) or isinstance(body.prompt, str):
+        return 1
+    return 1 if all(isinstance(t, int) for t in body.prompt) else len(body.prompt)
+
+
 async def _prompts(frontend: Frontend, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
     tok = frontend.tokenizer
     if isinstance(body, ChatCompletionRequest):
@@ -246,8 +255,6 @@ def _requests(
     frontend: Frontend, cfg: HttpConfig, body: CompletionRequest | ChatCompletionRequest,
     prompts: list[list[int]], tenant: Tenant, deadline: float,
 ) -> list[GenerateRequest]:
-    if len(prompts) * body.n > 16:
-        raise invalid(f"{len(prompts)} prompts x n={body.n} exceeds 16 choices per call", "n")
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
