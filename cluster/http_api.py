@@ -277,7 +277,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) 
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
-        min_tokens=min(body.min_tokens, max_tokens),
+        min_tokens=body.min_tokens,  # above max_tokens is refused, as on gRPC
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k if body.top_k and body.top_k > 0 else 0,

@@ -90,6 +90,8 @@ CASES: list[tuple[str, str, Any, int, str]] = [
      400, "prompt (500 tokens) + max_tokens (20)"),
     ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": -4}, 400, "max_tokens"),
+    ("min_tokens > max_tokens", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "min_tokens": 5},
+     400, "min_tokens"),
     ("n 0", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 0}, 400, "n"),
     ("n 17", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 17}, 400, "n"),
     ("logprobs 21", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logprobs": 21}, 400, "logprobs"),
