@@ -4,6 +4,7 @@ imports bench/.
     baton bench --offline ...          engine throughput without a server (bench.offline)
     baton bench --url URL ...          the serving benchmark against any OpenAI-compatible
                                        endpoint (bench.serving)
+    baton bench --grpc HOST:PORT ...   the same benchmark over baton's gRPC API
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
-        "bench", help="benchmarks: a serving endpoint (--url ...) or the offline engine (--offline)"
+        "bench", help="benchmarks: a serving endpoint (--url or --grpc) or the offline engine (--offline)"
     )
     p.add_argument("--offline", action="store_true", help="offline engine throughput (bench.offline)")
     from bench import offline, serving

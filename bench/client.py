@@ -1,5 +1,6 @@
-"""A streaming `/v1/completions` client that times one request: TTFT, every inter-chunk
-interval, end-to-end latency, token counts and the server's cached-token count.
+"""The HTTP transport (bench.transport): a streaming `/v1/completions` client that times one
+request: TTFT, every inter-chunk interval, end-to-end latency, token counts and the server's
+cached-token count.
 
 httpx rather than aiohttp: it is already in the environment (openai depends on it), aiohttp
 is not, and its pure-Python HTTP/1.1 parser costs a few tens of microseconds per chunk, small
@@ -25,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from bench.transport import CompletionRequest, StreamResult
+
 logger = logging.getLogger(__name__)
 
 MAX_ERROR_BODY = 2048  # bytes of an error response kept for the report
@@ -38,30 +41,6 @@ class ClientConfig:
     api_key: str | None = None
     new_connection: bool = False
     connect_timeout_s: float = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionRequest:
-    prompt: list[int] | str
-    output_len: int
-    want_token_ids: bool = False  # ask for output ids (multi-turn history in token mode)
-    user: str | None = None  # the trace's tenant, in OpenAI's `user` field
-
-
-@dataclass(frozen=True, slots=True)
-class StreamResult:
-    ok: bool
-    error: str | None
-    ttft_s: float | None
-    e2e_s: float
-    itl_s: tuple[float, ...]  # intervals between successive token-carrying chunks
-    num_chunks: int  # token-carrying chunks
-    output_tokens: int
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    finish_reason: str | None
-    text: str
-    token_ids: tuple[int, ...] | None
 
 
 def completion_payload(model: str, req: CompletionRequest) -> dict[str, Any]:
@@ -191,6 +170,9 @@ class StreamClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
         await self._http.aclose()
 
     async def complete(self, req: CompletionRequest, timeout_s: float) -> StreamResult:

@@ -1,5 +1,5 @@
-"""One benchmark run: a workload driven against an endpoint until its request budget or its
-time cap runs out.
+"""One benchmark run: a workload driven against an endpoint (through a bench.transport
+Transport, HTTP or gRPC alike) until its request budget or its time cap runs out.
 
 - closed loop (`concurrency` N): `max(N, workload.active_sessions)` session slots, each running
   sessions one after another, turn after turn; a semaphore lets N requests be in flight.
@@ -22,11 +22,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the env
 
-from bench.client import CompletionRequest, StreamClient, StreamResult
 from bench.ideal import IdealPrefixIndex
 from bench.prompts import MissingTokenIds, Output, PromptMode, PromptRenderer
+from bench.transport import CompletionRequest, StreamResult, Transport
 from bench.workloads import Session, Workload
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def default_num_requests(workload: Workload, concurrency: int | None, rate: floa
 
 
 class _Run:
-    def __init__(self, plan: RunPlan, workload: Workload, client: StreamClient, renderer: PromptRenderer) -> None:
+    def __init__(self, plan: RunPlan, workload: Workload, client: Transport, renderer: PromptRenderer) -> None:
         self.plan = plan
         self.workload = workload
         self.client = client
@@ -210,7 +210,7 @@ class _Run:
             tg.create_task(self.run_session(session, None))
 
 
-async def execute(plan: RunPlan, workload: Workload, client: StreamClient, renderer: PromptRenderer) -> RunResult:
+async def execute(plan: RunPlan, workload: Workload, client: Transport, renderer: PromptRenderer) -> RunResult:
     """Run `plan` to completion (budget spent, sessions exhausted or time cap reached)."""
     run = _Run(plan, workload, client, renderer)
     try:

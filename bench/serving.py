@@ -2,19 +2,22 @@
 
     baton bench --url http://127.0.0.1:8000 --workload rag --concurrency 1,8,32 \\
         --out results.json --plot results.png
+    baton bench --grpc 127.0.0.1:50051 --workload rag --concurrency 1,8,32
 
 Drives any OpenAI-compatible server (baton, vLLM, llama-server) through streaming
-`/v1/completions`, so peers are measured by the same client. Each run of the grid (one per
-concurrency level, or per request rate with --rate, or one trace replay) draws a fresh prompt
-set from (--seed, run label): the same invocation sends the same prompts to every server, and
-no run starts warm from the one before. Prints one JSON object per run on stdout and a table on
-stderr; --out writes all runs to one file, --plot a PNG.
+`/v1/completions`, so peers are measured by the same client; with --grpc it drives baton's
+gRPC `Generate` instead, timed the same way (bench.transport), so the two edges compare.
+Each run of the grid (one per concurrency level, or per request rate with --rate, or one trace
+replay) draws a fresh prompt set from (--seed, run label): the same invocation sends the same
+prompts to every server, and no run starts warm from the one before. Prints one JSON object
+per run on stdout and a table on stderr; --out writes all runs to one file, --plot a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -29,6 +32,7 @@ from bench.prompts import MissingTokenIds, PromptMode, PromptRenderer, load_toke
 from bench.report import SLO, RunSummary, summarize, table, to_json
 from bench.runner import RunPlan, RunResult, default_num_requests, execute
 from bench.trace import TraceWorkload, load_trace
+from bench.transport import Transport
 from bench.workloads import WORKLOADS, Workload, make_workload
 from engine.errors import BatonError
 
@@ -41,6 +45,8 @@ SLO_BY_MODEL = {"baton-small": SLO(ttft_s=10.0, itl_s=1.0)}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("serving benchmark (without --offline)")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of an OpenAI-compatible server")
+    g.add_argument("--grpc", metavar="HOST:PORT", help="drive baton's gRPC Generate here instead of --url")
+    g.add_argument("--grpc-tls", action="store_true", help="--grpc over TLS (the system's root certificates)")
     g.add_argument("--workload", default="random", choices=sorted(WORKLOADS), help="ignored with --trace")
     g.add_argument("--trace", help="replay a Mooncake-format JSONL trace")
     g.add_argument("--block-size", type=int, default=512, help="tokens per trace hash id")
@@ -49,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", help="open-loop Poisson request rates per second, e.g. 1,2,4")
     g.add_argument("--requests", type=int, help="requests per run (default: 12/32/64 at c=1/8/32)")
     g.add_argument("--seed", default="0")
-    g.add_argument("--model", help="model name (default: the first of GET /v1/models)")
-    g.add_argument("--api-key", help="sent as Authorization: Bearer")
+    g.add_argument("--model", help="model name (default: the first of GET --url/v1/models, also with --grpc)")
+    g.add_argument("--api-key", help="sent as Authorization: Bearer (a header, or gRPC metadata)")
     g.add_argument("--out", type=Path, help="write every run's figures to this JSON file")
     g.add_argument("--plot", type=Path, help="write TTFT/ITL distributions and throughput to this PNG")
     g.add_argument("--slo-ttft", type=float, help="seconds (default 2; 10 on baton-small)")
@@ -60,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-mode", choices=[m.value for m in PromptMode], default="tokens")
     g.add_argument("--vocab-size", type=int, default=16384, help="token-mode ids are drawn from [100, N)")
     g.add_argument("--tokenizer", help="tokenizer.json to re-encode outputs when a server returns no ids")
-    g.add_argument("--new-connection", action="store_true", help="a fresh connection per request")
+    g.add_argument("--new-connection", action="store_true", help="a fresh connection (gRPC channel) per request")
     g.add_argument("--page-size", type=int, default=16, help="page size of the ideal prefix-hit count")
     g.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="workload field override")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar on stderr")
@@ -129,6 +135,8 @@ def build_grid(args: argparse.Namespace, model: str) -> Grid:
 
 
 async def _model(args: argparse.Namespace) -> str:
+    """--model, else the first model the HTTP side lists (gRPC has no model listing; `baton up`
+    serves both edges, so --url names the same server)."""
     if args.model:
         return str(args.model)
     try:
@@ -146,11 +154,10 @@ async def run_grid(args: argparse.Namespace) -> tuple[list[RunResult], list[RunS
     renderer = PromptRenderer(
         PromptMode(args.prompt_mode), args.vocab_size, load_tokenizer(args.tokenizer) if args.tokenizer else None
     )
-    cfg = ClientConfig(url=args.url, model=model, api_key=args.api_key, new_connection=args.new_connection)
     runs: list[RunResult] = []
     summaries: list[RunSummary] = []
     for plan in grid.plans:
-        async with StreamClient(cfg) as client:
+        async with contextlib.aclosing(open_transport(args, model)) as client:
             try:
                 run = await execute(plan, grid.workload, client, renderer)
             except MissingTokenIds as exc:
@@ -162,13 +169,26 @@ async def run_grid(args: argparse.Namespace) -> tuple[list[RunResult], list[RunS
     return runs, summaries, model
 
 
+def open_transport(args: argparse.Namespace, model: str) -> Transport:
+    """A fresh connection (pool) per run, so no run inherits another's connections."""
+    if args.grpc:
+        try:
+            from bench.grpc_client import GrpcClient, GrpcConfig  # grpcio only when asked for
+        except ImportError as exc:
+            raise BatonError(f"--grpc needs grpcio (the serve extra): {exc}") from None
+        return GrpcClient(GrpcConfig(args.grpc, model, args.api_key, args.new_connection, args.grpc_tls))
+    return StreamClient(ClientConfig(args.url, model, args.api_key, args.new_connection))
+
+
 def run(args: argparse.Namespace) -> int:
     """The `baton bench` entry point (without --offline)."""
     runs, summaries, model = asyncio.run(run_grid(args))
     _finish(summaries)
     if args.out:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-        doc = {"model": model, "config": config, "runs": [to_json(s) for s in summaries]}
+        transport, endpoint = ("grpc", args.grpc) if args.grpc else ("http", args.url)
+        doc = {"model": model, "transport": transport, "endpoint": endpoint, "config": config,
+               "runs": [to_json(s) for s in summaries]}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
         logger.info("wrote %s", args.out)
     if args.plot:

@@ -3,14 +3,8 @@ FakeOpenAIServer, a test double that only exercises the client's parsing and tim
 
 from __future__ import annotations
 
-from bench.client import (
-    ClientConfig,
-    CompletionRequest,
-    SSEDecoder,
-    StreamClient,
-    completion_payload,
-    list_models,
-)
+from bench.client import ClientConfig, SSEDecoder, StreamClient, completion_payload, list_models
+from bench.transport import CompletionRequest
 from tests.bench.conftest import FAKE_MODEL, Behaviour, FakeOpenAIServer, fake_output_ids
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client import StreamResult
 from bench.ideal import IdealPrefixIndex
 from bench.report import SLO, hit_rates, meets_slo, percentile, summarize, table
 from bench.runner import RequestRecord, RunPlan, RunResult, default_num_requests
+from bench.transport import StreamResult
 from bench.workloads import make_workload
 
 
