@@ -125,7 +125,10 @@ class Frontend:
         m = self.metrics
         try:
             async with asyncio.timeout(self._remaining(req)):
-                async for out in self.engine.generate(req.req_id, req.prompt_ids, req.sampling, req.priority):
+                stream = self.engine.generate(
+                    req.req_id, req.prompt_ids, req.sampling, req.priority, cache_salt=req.tenant.name
+                )
+                async for out in stream:
                     now = time.monotonic()
                     if out.num_output_tokens == len(out.token_ids):
                         ticket.started()

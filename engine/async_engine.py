@@ -35,6 +35,7 @@ class _Add(NamedTuple):
     prompt_ids: Sequence[int]
     sampling: SamplingParams
     priority: int
+    cache_salt: str
 
 
 class _Failed(NamedTuple):
@@ -74,7 +75,12 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     async def generate(
-        self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> AsyncIterator[StepOutput]:
         """Stream a request's outputs; raises the engine's RequestError if it is refused."""
         if not self.is_alive:
@@ -83,7 +89,7 @@ class AsyncEngine:
             raise RequestError("req_id", f"request {req_id!r} is already running")
         queue: asyncio.Queue[StepOutput | _Failed] = asyncio.Queue()
         self._queues[req_id] = queue
-        self._commands.append(_Add(req_id, prompt_ids, sampling, priority))
+        self._commands.append(_Add(req_id, prompt_ids, sampling, priority, cache_salt))
         self._wake.set()
         finished = False
         try:

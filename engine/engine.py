@@ -20,7 +20,7 @@ from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
-from engine.loader import load_state_dict
+from engine.loader import checkpoint_fingerprint, load_state_dict
 from engine.model import CausalLM
 from engine.outputs import StepOutput, StepStats
 from engine.request import FinishReason, Request, RequestStatus
@@ -30,7 +30,9 @@ from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.textstate import TextState
 from engine.tokenizer import Tokenizer
+from kvcache.hashing import model_fingerprint
 from kvcache.pool import DevicePool, KVLayout
+from kvcache.radix import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +56,13 @@ class Engine:
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.page_size)
         num_pages = cfg.num_pages or layout.num_pages_for_budget(cfg.kv_bytes(self.device), self.dtype)
         self.pool = DevicePool(layout, num_pages, self.dtype, self.device)
+        self.fingerprint = model_fingerprint(checkpoint_fingerprint(model_dir), str(self.dtype))
+        self.prefix_cache = PrefixCache(self.pool.pages, cfg.page_size) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size),
             self.pool.pages,
+            self.prefix_cache,
+            self.fingerprint,
         )
         # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
@@ -71,11 +77,21 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(
-        self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
-        """Queue a request; RequestError if it can never run here (checked before any allocation)."""
+        """Queue a request; RequestError if it can never run here (checked before any allocation).
+
+        `cache_salt` (the tenant) keys the request's cached pages: only requests with the same
+        salt share them.
+        """
         self._validate(req_id, prompt_ids, sampling)
         request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
+        request.cache_salt = cache_salt.encode()
         self._arrivals += 1
         if self.cfg.detokenize:
             request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), sampling.stop)
@@ -133,6 +149,7 @@ class Engine:
     def _update(self, scheduled: Sequence[tuple[Request, int]], result: RunResult) -> list[StepOutput]:
         for request, num_new in scheduled:
             request.num_computed_tokens += num_new
+            self.scheduler.commit(request)
         outputs = []
         for request, row in result.sampled:
             token = result.samples.token_ids[row]
@@ -150,7 +167,7 @@ class Engine:
                     finish_reason=reason,
                     num_prompt_tokens=len(request.prompt_ids),
                     num_output_tokens=len(request.output_ids),
-                    num_cached_tokens=0,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs
@@ -211,9 +228,24 @@ class Engine:
             self.pool.pages.free(pages)
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity()
-        held = sum(len(r.page_ids) for r in self.scheduler.running)
-        if held != self.pool.pages.num_used:
-            raise AssertionError(f"running requests hold {held} pages, pool says {self.pool.pages.num_used}")
-        if any(r.status != RequestStatus.RUNNING for r in self.scheduler.running):
-            raise AssertionError("a request that is not running is in the running list")
+        """Every page reference is accounted for: requests' pages plus the cache's."""
+        pages = self.pool.pages
+        pages.check_integrity()
+        expected = [0] * pages.num_pages
+        for request in self.scheduler.running:
+            if request.status != RequestStatus.RUNNING:
+                raise AssertionError("a request that is not running is in the running list")
+            for page_id in request.page_ids:
+                expected[page_id] += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+            for page_id in self.prefix_cache.cached_page_ids():
+                expected[page_id] += 1
+        for page_id, count in enumerate(expected):
+            if pages.refcount(page_id) != count:
+                raise AssertionError(f"page {page_id}: refcount {pages.refcount(page_id)}, holders {count}")
+
+    def free_pages_at_idle(self) -> int:
+        """Pages that are free or only cached (reusable on demand) when nothing runs."""
+        cached = self.prefix_cache.num_cached_pages if self.prefix_cache is not None else 0
+        return self.pool.pages.num_free + cached

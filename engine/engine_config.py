@@ -26,6 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
     detokenize: bool = True
+    enable_prefix_cache: bool = True  # reuse the KV pages of shared prefixes across requests
     seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None
 

@@ -9,6 +9,7 @@ of a shape error deep inside the forward pass.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -247,3 +248,24 @@ def _check_header(
             f"{file}: tensor {name!r} is stored as {stored}; baton loads float32/float16/"
             "bfloat16 weights only (quantized checkpoints are not supported)"
         )
+
+
+def checkpoint_fingerprint(model_dir: Path) -> str:
+    """A cheap identity of a checkpoint's weights and config, for KV page hashes.
+
+    Pages computed by different weights must never be shared (least of all from a disk tier
+    that outlives a restart), so the fingerprint covers config.json and, per safetensors file,
+    its size and a digest of its first and last MiB (reading every byte would slow start-up).
+    """
+    h = hashlib.blake2b(digest_size=16)
+    config = model_dir / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    return h.hexdigest()

@@ -10,6 +10,11 @@ Continuous batching with a per-step token budget (vLLM v1's shape, in miniature)
 2. Then, if nothing was preempted this step, waiting requests are admitted in (priority,
    arrival) order while the budget, `max_num_seqs` and free pages allow.
 
+With a prefix cache, admission first reuses the longest cached prefix of the request's full
+pages (always leaving at least one token to compute, so a fully cached prompt recomputes its
+last page), allocation evicts cached pages before it preempts anyone, and `commit` offers
+every newly completed page to the cache after each step.
+
 `abort` removes a request in any state and frees every page it holds.
 """
 
@@ -22,7 +27,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.request import Request, RequestStatus
+from kvcache.hashing import ROOT_HASH, page_hashes
 from kvcache.pool import PagePool
+from kvcache.radix import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +63,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pages: PagePool) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, pages: PagePool, cache: PrefixCache | None = None, fingerprint: bytes = b""
+    ) -> None:
         self.cfg = cfg
         self.pages = pages
+        self.cache = cache
+        self.fingerprint = fingerprint
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
         self._by_id: dict[str, Request] = {}
@@ -126,9 +137,7 @@ class Scheduler:
     def _grow(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
         """Make room for `num_new` more tokens, preempting from the back of `running`."""
         while True:
-            needed = self._pages_needed(request, num_new)
-            if self.pages.can_allocate(needed):
-                self._take_pages(request, needed)
+            if self._take_pages(request, self._pages_needed(request, num_new)):
                 return True
             victim = self.running.pop()
             self._preempt(victim)
@@ -139,29 +148,69 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self._waiting[0][1]
+            hit = self._reuse_prefix(request)
             num_new = min(request.num_pending, budget, self.cfg.max_prefill_chunk)
-            needed = self._pages_needed(request, num_new)
-            if not self.pages.can_allocate(needed):
+            if not self._take_pages(request, self._pages_needed(request, num_new)):
+                self._release(request)  # give back the reused prefix too
                 break  # FCFS within priority: do not let a later, smaller request jump ahead
             heapq.heappop(self._waiting)
-            self._take_pages(request, needed)
+            if self.cache is not None and request.num_preemptions == 0:
+                request.num_cached_tokens = hit
+                self.cache.record_query(len(request.prompt_ids), hit)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return budget
 
+    # -- the prefix cache -------------------------------------------------------------------
+
+    def _reuse_prefix(self, request: Request) -> int:
+        """Take the cached pages of the request's longest cached prefix; tokens reused."""
+        if self.cache is None:
+            return 0
+        ps = self.cfg.page_size
+        max_pages = (request.num_tokens - 1) // ps  # at least one token must be computed
+        self._ensure_hashes(request, max_pages)
+        shared = self.cache.match(request.page_hashes, max_pages)
+        request.page_ids = shared
+        request.num_computed_tokens = len(shared) * ps
+        request.num_committed_pages = len(shared)
+        return request.num_computed_tokens
+
+    def commit(self, request: Request) -> None:
+        """Offer the request's newly completed pages to the cache (after each step)."""
+        if self.cache is None:
+            return
+        full = request.num_computed_tokens // self.cfg.page_size
+        if full > request.num_committed_pages:
+            self._ensure_hashes(request, full)
+            self.cache.insert(request.page_hashes[:full], request.page_ids[:full], request.num_committed_pages)
+            request.num_committed_pages = full
+
+    def _ensure_hashes(self, request: Request, num_pages: int) -> None:
+        have = len(request.page_hashes)
+        if have >= num_pages:
+            return
+        ps = self.cfg.page_size
+        parent = request.page_hashes[-1] if have else ROOT_HASH
+        tokens = request.token_slice(have * ps, num_pages * ps)
+        request.page_hashes.extend(page_hashes(tokens, ps, request.cache_salt, self.fingerprint, parent))
+
     def _pages_needed(self, request: Request, num_new: int) -> int:
         total = request.num_computed_tokens + num_new
         return -(-total // self.cfg.page_size) - len(request.page_ids)
 
-    def _take_pages(self, request: Request, n: int) -> None:
+    def _take_pages(self, request: Request, n: int) -> bool:
+        """Add `n` fresh pages to the request (evicting cached pages if needed); False if they
+        cannot be had."""
         if n <= 0:
-            return
-        pages = self.pages.allocate(n)
-        if pages is None:  # can_allocate said yes a moment ago
-            raise RuntimeError("page pool changed under the scheduler")
+            return True
+        pages = self.cache.allocate(n) if self.cache is not None else self.pages.allocate(n)
+        if pages is None:
+            return False
         request.page_ids.extend(pages)
+        return True
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempting %s (%d tokens)", request.req_id, request.num_tokens)
@@ -175,3 +224,4 @@ class Scheduler:
             self.pages.free(request.page_ids)
         request.page_ids = []
         request.num_computed_tokens = 0
+        request.num_committed_pages = 0

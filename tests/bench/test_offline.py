@@ -18,4 +18,4 @@ def test_offline_run_reports_consistent_figures(tiny_model_dir: Path) -> None:
     assert 0.0 <= result.outside_forward_share < 1.0
     assert result.elapsed_s > 0
     assert not engine.has_unfinished()
-    assert engine.pool.pages.num_free == engine.pool.num_pages
+    assert engine.free_pages_at_idle() == engine.pool.num_pages

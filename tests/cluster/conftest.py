@@ -39,8 +39,8 @@ class ServerHandle:
         return self.running.engine
 
     def pages_free(self) -> bool:
-        pool = self.engine.pool.pages
-        return pool.num_free == pool.num_pages
+        # Free, or held only by the prefix cache (reusable on demand): no request holds any.
+        return self.engine.free_pages_at_idle() == self.engine.pool.num_pages
 
     def wait_idle(self, timeout_s: float = 2.0) -> bool:
         """True once no request is in the engine and every page is free (bounded wait)."""

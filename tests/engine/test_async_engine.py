@@ -42,7 +42,7 @@ async def test_concurrent_streams_match_offline_generation(sync_engine: Engine) 
         assert front.last_stats is not None and front.is_alive
     finally:
         await front.stop()
-    assert sync_engine.pool.pages.num_free == sync_engine.pool.num_pages
+    assert sync_engine.free_pages_at_idle() == sync_engine.pool.num_pages
 
 
 async def test_cancelled_consumer_aborts_and_frees_pages(sync_engine: Engine) -> None:
@@ -63,7 +63,7 @@ async def test_cancelled_consumer_aborts_and_frees_pages(sync_engine: Engine) ->
             await asyncio.sleep(0.02)
         assert seen == 3
         assert not sync_engine.has_unfinished()
-        assert sync_engine.pool.pages.num_free == sync_engine.pool.num_pages
+        assert sync_engine.free_pages_at_idle() == sync_engine.pool.num_pages
     finally:
         await front.stop()
 
@@ -101,7 +101,7 @@ async def test_a_reader_that_falls_behind_is_cancelled_without_stalling(sync_eng
             if not sync_engine.has_unfinished():
                 break
             await asyncio.sleep(0.01)
-        assert sync_engine.pool.pages.num_free == sync_engine.pool.num_pages
+        assert sync_engine.free_pages_at_idle() == sync_engine.pool.num_pages
         with pytest.raises(SlowReaderError):
             async for _ in slow:
                 pass

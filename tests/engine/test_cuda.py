@@ -27,4 +27,4 @@ def test_cuda_bf16_engine_tracks_the_cpu_float32_engine(tiny_model_dir: Path) ->
     assert torch.nn.functional.cosine_similarity(ref, got, dim=0).item() > 0.99
     outputs = gpu.generate([prompt, prompt[:50], [7]], SamplingParams(max_tokens=16, temperature=0.0))
     assert [len(o) for o in outputs] == [16, 16, 16]
-    assert gpu.pool.pages.num_free == gpu.pool.num_pages
+    assert gpu.free_pages_at_idle() == gpu.pool.num_pages

@@ -26,7 +26,7 @@ def _run(engine: Engine, params: SamplingParams, prompt: list[int] = PROMPT) -> 
     outs: list[StepOutput] = []
     while engine.has_unfinished():
         outs.extend(engine.step())
-    assert engine.pool.pages.num_free == engine.pool.num_pages
+    assert engine.free_pages_at_idle() == engine.pool.num_pages
     return outs
 
 
@@ -79,12 +79,12 @@ def test_invalid_requests_are_refused_before_allocation(engine: Engine) -> None:
         with pytest.raises(RequestError) as info:
             engine.add_request("bad", prompt, p)
         assert info.value.field == field
-    assert not engine.has_unfinished() and engine.pool.pages.num_free == engine.pool.num_pages
+    assert not engine.has_unfinished() and engine.free_pages_at_idle() == engine.pool.num_pages
     engine.add_request("dup", [5, 6], params)
     with pytest.raises(RequestError, match="already"):
         engine.add_request("dup", [5, 6], params)
     assert engine.abort("dup") and not engine.abort("dup")
-    assert engine.pool.pages.num_free == engine.pool.num_pages
+    assert engine.free_pages_at_idle() == engine.pool.num_pages
 
 
 @pytest.mark.parametrize(

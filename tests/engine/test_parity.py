@@ -161,7 +161,7 @@ def test_sixteen_at_once_staggered(case: ParityCase) -> None:
     engine = _engine(case)
     outputs, _ = _staggered(engine, case.prompts)
     _compare(case, outputs, "16 staggered")
-    assert engine.pool.pages.num_free == engine.pool.num_pages
+    assert engine.free_pages_at_idle() == engine.pool.num_pages
 
 
 def test_chunked_prefill(case: ParityCase) -> None:
@@ -176,7 +176,7 @@ def test_page_pressure_preemption(case: ParityCase) -> None:
     assert preempted > 0, "the pool was meant to be too small: no request was preempted"
     print(f"[parity] page pressure: {preempted} preemptions")
     _compare(case, outputs, "page pressure")
-    assert engine.pool.pages.num_free == engine.pool.num_pages
+    assert engine.free_pages_at_idle() == engine.pool.num_pages
 
 
 @pytest.mark.parametrize(

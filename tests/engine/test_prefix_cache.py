@@ -1,0 +1,92 @@
+"""The prefix cache in the engine: identical greedy tokens with the cache on and off, real hits
+(asserted through counters and num_cached_tokens), tenant isolation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model_dir: Path, cache: bool, **kw: int) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", enable_prefix_cache=cache, **kw))
+
+
+def _run(engine: Engine, prompts: list[list[int]], salts: list[str] | None = None) -> tuple[list[list[int]], list[int]]:
+    """Run prompts one after another; (tokens, cached tokens) per prompt."""
+    tokens, cached = [], []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"q{i}", prompt, GREEDY, cache_salt=salts[i] if salts else "")
+        out: list[int] = []
+        hit = -1
+        while engine.has_unfinished():
+            for step in engine.step():
+                out.extend(step.token_ids)
+                hit = step.num_cached_tokens
+            engine.check_integrity()
+        tokens.append(out)
+        cached.append(hit)
+    return tokens, cached
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    system = rng.integers(4, 16_384, size=100).tolist()  # 6 full pages + 4 tokens
+    questions = [rng.integers(4, 16_384, size=n).tolist() for n in (5, 12, 28, 44)]
+    shared = [system + q for q in questions]
+    exact_pages = system[:96]  # a prompt that is all full pages: the last page is recomputed
+    return [*shared, exact_pages, exact_pages, system]
+
+
+def test_shared_prefixes_hit_and_change_nothing(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    off, off_hits = _run(_engine(tiny_model_dir, cache=False), prompts)
+    on_engine = _engine(tiny_model_dir, cache=True)
+    on, on_hits = _run(on_engine, prompts)
+    assert on == off
+    assert off_hits == [0] * len(prompts)
+    # First request misses; the others reuse the 6 full pages of the shared system prompt
+    # (96 tokens). The all-pages prompt hits 5 pages: its last page is always recomputed.
+    assert on_hits == [0, 96, 96, 96, 80, 80, 96]
+    stats = on_engine.prefix_cache.stats  # type: ignore[union-attr]
+    assert stats.hit_tokens == sum(on_hits) and stats.query_tokens == sum(len(p) for p in prompts)
+
+
+def test_multiturn_history_including_outputs_is_reused(tiny_model_dir: Path) -> None:
+    rng = np.random.default_rng(9)
+    engine_on, engine_off = _engine(tiny_model_dir, True), _engine(tiny_model_dir, False)
+    history_on: list[int] = []
+    history_off: list[int] = []
+    for turn in range(4):
+        message = rng.integers(4, 16_384, size=23).tolist()
+        (out_on,), (hit,) = _run(engine_on, [history_on + message])
+        (out_off,), _ = _run(engine_off, [history_off + message])
+        assert out_on == out_off
+        if turn:
+            # everything but the partial last page of the previous turn's prompt + output
+            assert hit == (len(history_on) // 16) * 16 and hit > 0
+        history_on += message + out_on
+        history_off += message + out_off
+
+
+def test_tenants_never_share_pages(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    engine = _engine(tiny_model_dir, cache=True)
+    prompt = prompts[0]
+    _, hits = _run(engine, [prompt, prompt, prompt, prompt], salts=["acme", "globex", "acme", "globex"])
+    assert hits == [0, 0, 96, 96]  # each tenant hits only its own pages
+
+
+def test_eviction_under_pressure_keeps_outputs_exact(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    off, _ = _run(_engine(tiny_model_dir, cache=False), prompts)
+    small = _engine(tiny_model_dir, cache=True, num_pages=12)  # fits one request and a little cache
+    on, hits = _run(small, prompts)
+    assert on == off
+    assert small.prefix_cache is not None and small.prefix_cache.stats.evicted_pages > 0
+    assert any(hits[1:])
