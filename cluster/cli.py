@@ -68,6 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget")
+    up.add_argument("--no-prefix-cache", action="store_true", help="turn KV prefix reuse off")
     up.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS and gRPC over TLS")
     up.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     up.set_defaults(func=_cmd_up)
@@ -172,7 +173,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
-                          max_model_len=args.max_model_len, kv_memory_bytes=kv)
+                          max_model_len=args.max_model_len, kv_memory_bytes=kv,
+                          enable_prefix_cache=not args.no_prefix_cache)
     cfg = ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),

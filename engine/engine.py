@@ -227,6 +227,10 @@ class Engine:
         finally:
             self.pool.pages.free(pages)
 
+    def purge_tenant(self, cache_salt: str) -> int:
+        """Forget every cached page of one tenant; returns how many."""
+        return self.prefix_cache.purge(cache_salt.encode()) if self.prefix_cache is not None else 0
+
     def check_integrity(self) -> None:
         """Every page reference is accounted for: requests' pages plus the cache's."""
         pages = self.pool.pages

@@ -185,7 +185,9 @@ class Scheduler:
         full = request.num_computed_tokens // self.cfg.page_size
         if full > request.num_committed_pages:
             self._ensure_hashes(request, full)
-            self.cache.insert(request.page_hashes[:full], request.page_ids[:full], request.num_committed_pages)
+            self.cache.insert(
+                request.page_hashes[:full], request.page_ids[:full], request.num_committed_pages, request.cache_salt
+            )
             request.num_committed_pages = full
 
     def _ensure_hashes(self, request: Request, num_pages: int) -> None:

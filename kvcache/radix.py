@@ -53,6 +53,7 @@ class Node:
     hash: bytes
     parent: Node | None
     page_id: int
+    salt: bytes = b""  # the tenant whose request computed it (for purges)
     num_children: int = 0
     last_access: int = 0
 
@@ -117,7 +118,7 @@ class PrefixCache:
 
     # -- updates ----------------------------------------------------------------------------
 
-    def insert(self, hashes: Sequence[bytes], page_ids: Sequence[int], start: int) -> None:
+    def insert(self, hashes: Sequence[bytes], page_ids: Sequence[int], start: int, salt: bytes = b"") -> None:
         """Cache pages `start ..` of a sequence (hashes[i] is the hash of page_ids[i])."""
         self._clock += 1
         stored: list[bytes] = []
@@ -127,7 +128,7 @@ class PrefixCache:
             if node is None:
                 if start > 0 and parent is None:
                     break  # the prefix was evicted meanwhile: a child without its parent is useless
-                node = Node(page_hash, parent, page_id, last_access=self._clock)
+                node = Node(page_hash, parent, page_id, salt, last_access=self._clock)
                 self.pages.share([page_id])
                 self._nodes[page_hash] = node
                 if parent is not None:
@@ -167,8 +168,23 @@ class PrefixCache:
         return self.pages.allocate(n)
 
     def clear(self) -> None:
-        """Drop every page nobody is using (e.g. a purge)."""
+        """Drop every page nobody is using."""
         self.evict(len(self._nodes))
+
+    def purge(self, salt: bytes) -> int:
+        """Forget every page of one tenant, in use or not (a request using one keeps its own
+        reference until it ends). A tenant's pages form whole subtrees, since the salt is in
+        every page hash of its requests. Returns how many pages were forgotten."""
+        doomed = [n for n in self._nodes.values() if n.salt == salt]
+        for node in doomed:
+            del self._nodes[node.hash]
+            self.pages.free([node.page_id])
+        for node in doomed:
+            if node.parent is not None and node.parent.hash in self._nodes:
+                node.parent.num_children -= 1
+        if doomed:
+            self._emit(EventKind.REMOVED, [n.hash for n in doomed])
+        return len(doomed)
 
     def _is_evictable(self, node: Node) -> bool:
         return node.num_children == 0 and self.pages.refcount(node.page_id) == 1

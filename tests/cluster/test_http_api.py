@@ -207,3 +207,22 @@ def test_return_token_ids_extension(server: ServerHandle) -> None:
         lines = client.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
     chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == whole["token_ids"]
+
+
+def test_cached_tokens_are_real_and_per_tenant(make_server: Any, tmp_path: Any) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("a" * 24 + " alpha\n" + "b" * 24 + " beta\n")
+    srv = make_server(api_keys_file=keys)
+    body = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 2, "temperature": 0}
+
+    def cached(key: str) -> int:
+        with srv.client(headers={"Authorization": "Bearer " + key * 24}) as client:
+            reply = client.post("/v1/completions", json=body).json()
+        return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    # 40 prompt tokens = 2 full pages + 8: the second alpha request reuses 32 tokens; beta's
+    # first request, with the same prompt, reuses nothing of alpha's.
+    assert [cached("a"), cached("a"), cached("b"), cached("b")] == [0, 32, 0, 32]
+    with srv.client(headers={"x-api-key": "a" * 24}) as client:
+        metrics = client.get("/metrics").text
+    assert 'baton_tenant_tokens_total{kind="cached",tenant="alpha"} 32.0' in metrics

@@ -90,3 +90,12 @@ def test_eviction_under_pressure_keeps_outputs_exact(tiny_model_dir: Path, promp
     assert on == off
     assert small.prefix_cache is not None and small.prefix_cache.stats.evicted_pages > 0
     assert any(hits[1:])
+
+
+def test_purge_forgets_one_tenant_only(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    engine = _engine(tiny_model_dir, cache=True)
+    _run(engine, [prompts[0], prompts[0]], salts=["acme", "globex"])
+    assert engine.purge_tenant("acme") == 7  # 105 prompt + 11 computed output tokens = 7 full pages
+    engine.check_integrity()
+    _, hits = _run(engine, [prompts[0], prompts[0]], salts=["acme", "globex"])
+    assert hits == [0, 96]

@@ -1,0 +1,116 @@
+"""The radix tree over pages: exact scenarios and random sequences against its invariants."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.hashing import ROOT_HASH, page_hash, page_hashes
+from kvcache.pool import PagePool
+from kvcache.radix import EventKind, KVEvent, PrefixCache
+
+FP = b"f" * 16
+
+
+def _hashes(tokens: list[int], salt: bytes = b"") -> list[bytes]:
+    return page_hashes(tokens, 4, salt, FP)
+
+
+def test_hashes_chain_and_salt() -> None:
+    a = _hashes(list(range(12)))
+    assert len(a) == 3 and len(set(a)) == 3 and all(len(h) == 16 for h in a)
+    assert _hashes(list(range(10))) == a[:2]  # only full pages
+    assert _hashes([99, *range(1, 12)])[1] != a[1]  # page 1's hash covers page 0's tokens
+    assert _hashes(list(range(12)), b"tenant-b") != a
+    assert a[1] == page_hash(a[0], [4, 5, 6, 7], b"", FP)
+    assert page_hashes(list(range(4, 12)), 4, b"", FP, parent=a[0]) == a[1:]
+    assert ROOT_HASH == bytes(16)
+
+
+def test_match_insert_evict_scenario() -> None:
+    pool = PagePool(6)
+    events: list[KVEvent] = []
+    cache = PrefixCache(pool, 4, worker_id="w1", epoch=3, on_event=events.append)
+    h = _hashes(list(range(12)))
+    pages = pool.allocate(3)
+    assert pages == [0, 1, 2]
+    cache.insert(h, pages, 0)
+    assert [e.kind for e in events] == [EventKind.STORED] and events[0].page_hashes == tuple(h)
+    assert (events[0].worker_id, events[0].epoch, events[0].seq) == ("w1", 3, 1)
+    pool.free(pages)  # the request finishes: pages stay cached (the tree's reference)
+    assert pool.num_free == 3 and cache.num_cached_pages == 3
+    got = cache.match(h, max_pages=2)
+    assert got == [0, 1] and pool.refcount(0) == 2
+    assert cache.evict(3) == 1  # only the leaf nobody holds (page 2) can go
+    assert events[-1].kind == EventKind.REMOVED and events[-1].page_hashes == (h[2],)
+    pool.free(got)
+    assert cache.evict(5) == 2 and pool.num_free == 6  # now the rest, leaf first
+    assert [e.seq for e in events] == [1, 2, 3]
+    cache.check_integrity()
+
+
+def test_allocate_evicts_least_recently_used_first() -> None:
+    pool = PagePool(4)
+    cache = PrefixCache(pool, 4)
+    old, new = _hashes(list(range(8))), _hashes(list(range(100, 108)))
+    for hashes in (old, new):
+        pages = pool.allocate(2)
+        assert pages is not None
+        cache.insert(hashes, pages, 0)
+        pool.free(pages)
+    cache.match(new, 2)
+    pool.free([2, 3])  # touch `new`, then let it go
+    assert cache.allocate(2) == [1, 0]  # old's pages (leaf first) were evicted
+    assert old[0] not in cache and new[0] in cache
+    assert cache.allocate(3) is None and pool.num_free == 2  # new's pages freed, still not enough
+    cache.check_integrity()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["run", "evict", "release"]), st.integers(0, 5), st.integers(1, 5)), max_size=50))
+def test_random_sequences_keep_the_invariants(ops: list[tuple[str, int, int]]) -> None:
+    pool = PagePool(24)
+    cache = PrefixCache(pool, 4)
+    held: list[list[int]] = []  # pages each live "request" holds
+    prefixes = [list(range(k * 3, k * 3 + 20)) for k in range(6)]
+    for op, which, n in ops:
+        if op == "run":
+            tokens = prefixes[which][: 4 * n]
+            hashes = _hashes(tokens)
+            got = cache.match(hashes, len(hashes))
+            fresh = cache.allocate(len(hashes) - len(got))
+            if fresh is None:
+                pool.free(got)
+            else:
+                pages = got + fresh
+                cache.insert(hashes, pages, len(got))
+                held.append(pages)
+        elif op == "evict":
+            cache.evict(n)
+        elif held:
+            pool.free(held.pop(which % len(held)))
+        cache.check_integrity()
+        pool.check_integrity()
+        in_use = {p for pages in held for p in pages}
+        assert pool.num_free + len(set(cache.cached_page_ids()) - in_use) + len(in_use) == pool.num_pages
+    for pages in held:
+        pool.free(pages)
+    cache.clear()
+    assert pool.num_free == pool.num_pages and cache.num_cached_pages == 0
+
+
+def test_purge_removes_a_tenants_subtree_even_in_use() -> None:
+    pool = PagePool(8)
+    cache = PrefixCache(pool, 4)
+    mine, theirs = _hashes(list(range(8)), b"a"), _hashes(list(range(8)), b"b")
+    a_pages, b_pages = pool.allocate(2), pool.allocate(2)
+    assert a_pages and b_pages
+    cache.insert(mine, a_pages, 0, b"a")
+    cache.insert(theirs, b_pages, 0, b"b")
+    pool.free(b_pages)  # b's request ended; a's still runs
+    assert cache.purge(b"a") == 2
+    assert mine[0] not in cache and theirs[0] in cache
+    assert pool.refcount(a_pages[0]) == 1  # the running request keeps its own reference
+    cache.check_integrity()
+    pool.free(a_pages)
+    assert pool.num_free == 6
