@@ -146,9 +146,17 @@ class Scheduler:
                 return False
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        in_flight = self._pages_in_flight()
+        deferred: list[tuple[tuple[int, int], Request]] = []
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self._waiting[0][1]
             hit = self._reuse_prefix(request)
+            if self._would_duplicate(request, in_flight):
+                # A running request is computing this request's next page right now: wait a
+                # step or two and reuse it, instead of computing the same prefix twice.
+                self._release(request)
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             num_new = min(request.num_pending, budget, self.cfg.max_prefill_chunk)
             if not self._take_pages(request, self._pages_needed(request, num_new)):
                 self._release(request)  # give back the reused prefix too
@@ -161,7 +169,23 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            in_flight.update(self._uncommitted(request))
+        for item in deferred:
+            heapq.heappush(self._waiting, item)
         return budget
+
+    def _pages_in_flight(self) -> set[bytes]:
+        """Hashes of pages running requests have not finished computing yet."""
+        if self.cache is None or not self._waiting:
+            return set()
+        return {h for r in self.running for h in self._uncommitted(r)}
+
+    def _uncommitted(self, request: Request) -> list[bytes]:
+        return request.page_hashes[request.num_committed_pages :]
+
+    def _would_duplicate(self, request: Request, in_flight: set[bytes]) -> bool:
+        nxt = request.num_committed_pages  # == pages reused from the cache
+        return nxt < len(request.page_hashes) and request.page_hashes[nxt] in in_flight
 
     # -- the prefix cache -------------------------------------------------------------------
 

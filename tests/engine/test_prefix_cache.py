@@ -99,3 +99,17 @@ def test_purge_forgets_one_tenant_only(tiny_model_dir: Path, prompts: list[list[
     engine.check_integrity()
     _, hits = _run(engine, [prompts[0], prompts[0]], salts=["acme", "globex"])
     assert hits == [0, 96]
+
+
+def test_concurrent_requests_wait_for_a_prefix_being_computed(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    engine = _engine(tiny_model_dir, cache=True)
+    system = prompts[-1]  # 100 tokens: 6 full pages
+    for i, q in enumerate(([7, 8, 9], [10, 11], [12])):
+        engine.add_request(f"c{i}", system + q, GREEDY)
+    first = engine.step()  # only c0 runs: c1 and c2 would recompute the pages c0 is computing
+    assert [o.req_id for o in first] == ["c0"]
+    hits: dict[str, int] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            hits[out.req_id] = out.num_cached_tokens
+    assert hits == {"c0": 0, "c1": 96, "c2": 96}
