@@ -69,6 +69,10 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget")
     up.add_argument("--no-prefix-cache", action="store_true", help="turn KV prefix reuse off")
+    up.add_argument("--kv-pages", type=int, default=None, help="device KV pool size in pages (overrides --kv-memory-gb)")
+    up.add_argument("--host-cache-pages", type=int, default=0, help="host-RAM tier size in pages (0: off)")
+    up.add_argument("--disk-cache-pages", type=int, default=0, help="disk tier size in pages (0: off)")
+    up.add_argument("--disk-cache-dir", default=None, help="disk tier directory (kept across restarts)")
     up.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS and gRPC over TLS")
     up.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     up.set_defaults(func=_cmd_up)
@@ -170,11 +174,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from cluster.http_api import HttpConfig
     from cluster.server import ServerConfig, run
     from engine.engine_config import EngineConfig
+    from kvcache.tiers import TierConfig
 
     kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
                           max_model_len=args.max_model_len, kv_memory_bytes=kv,
-                          enable_prefix_cache=not args.no_prefix_cache)
+                          enable_prefix_cache=not args.no_prefix_cache, num_pages=args.kv_pages,
+                          tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir))
     cfg = ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),

@@ -62,6 +62,7 @@ class Running:
         if self.grpc is not None:
             await self.grpc.stop(grace=2.0)
         await self.front.stop()
+        await asyncio.to_thread(self.engine.close)
 
 
 async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:

@@ -118,6 +118,7 @@ class AsyncEngine:
                 self.heartbeat = time.monotonic()
                 self._drain_commands()
                 if not self.engine.has_unfinished():
+                    self.engine.flush_cache()
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue

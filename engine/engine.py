@@ -33,6 +33,7 @@ from engine.tokenizer import Tokenizer
 from kvcache.hashing import model_fingerprint
 from kvcache.pool import DevicePool, KVLayout
 from kvcache.radix import PrefixCache
+from kvcache.tiers import build_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,12 @@ class Engine:
         num_pages = cfg.num_pages or layout.num_pages_for_budget(cfg.kv_bytes(self.device), self.dtype)
         self.pool = DevicePool(layout, num_pages, self.dtype, self.device)
         self.fingerprint = model_fingerprint(checkpoint_fingerprint(model_dir), str(self.dtype))
-        self.prefix_cache = PrefixCache(self.pool.pages, cfg.page_size) if cfg.enable_prefix_cache else None
+        self.prefix_cache: PrefixCache | None = None
+        if cfg.enable_prefix_cache:
+            host, disk = build_tiers(cfg.tiers, layout, self.dtype, self.fingerprint, self.device.type == "cuda")
+            self.prefix_cache = PrefixCache(
+                self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size),
             self.pool.pages,
@@ -206,6 +212,7 @@ class Engine:
         while self.has_unfinished():
             for out in self.step():
                 tokens[out.req_id].extend(out.token_ids)
+        self.flush_cache()
         return [tokens[req_id] for req_id in ids]
 
     def prompt_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -226,6 +233,16 @@ class Engine:
             return self.runner.forward(sched).logits[0]
         finally:
             self.pool.pages.free(pages)
+
+    def close(self) -> None:
+        """Flush and release the disk tier (its directory is locked while an engine uses it)."""
+        if self.prefix_cache is not None and self.prefix_cache.disk is not None:
+            self.prefix_cache.disk.close()
+
+    def flush_cache(self) -> None:
+        """Make pages written back to disk durable (and visible); called when the engine idles."""
+        if self.prefix_cache is not None and self.prefix_cache.disk is not None:
+            self.prefix_cache.disk.flush()
 
     def purge_tenant(self, cache_salt: str) -> int:
         """Forget every cached page of one tenant; returns how many."""

@@ -9,6 +9,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.loader import parse_dtype
+from kvcache.tiers import TierConfig
 
 GiB = 1 << 30
 
@@ -27,6 +28,7 @@ class EngineConfig:
     max_prefill_chunk: int = 512
     detokenize: bool = True
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prefixes across requests
+    tiers: TierConfig = TierConfig()  # host-RAM and disk tiers below the device pool
     seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None
 

@@ -135,5 +135,12 @@ class DevicePool:
         """(K, V) views of one layer, each [num_pages, page_size, kv_heads, head_dim]."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
+    def read_page(self, page_id: int) -> torch.Tensor:
+        """One page across layers: [layers, 2, page_size, kv_heads, head_dim] (a view)."""
+        return self.kv[:, :, page_id]
+
+    def write_page(self, page_id: int, page: torch.Tensor) -> None:
+        self.kv[:, :, page_id].copy_(page.to(self.kv.device, non_blocking=True))
+
     def check_integrity(self) -> None:
         self.pages.check_integrity()

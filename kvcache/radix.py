@@ -1,69 +1,64 @@
-"""The prefix cache: a radix tree of KV pages keyed by chained page hashes.
+"""The prefix cache: a radix tree of KV pages keyed by chained page hashes, over three tiers.
 
 Because a page hash covers its whole prefix (kvcache.hashing), the tree is a map from hash to
-node with parent links; each node is one full page:
+node with parent links; each node is one full page, on the device or in the host slab:
 
     root ── h0 ── h1 ── h2          request A: pages h0 h1 h2
                    └─── h2'         request B shares h0 h1, diverges at page 2
 
-Ownership of device pages is reference counting on the PagePool:
-- the tree holds one reference on every page it caches;
-- a request that reuses cached pages takes its own reference on each (that is the "lock":
-  a page with a reference besides the tree's is in use and cannot be evicted);
-- eviction frees the tree's reference of least-recently-used leaves nobody else holds.
+A parent is always in the same or a faster tier than its children (eviction takes leaves of
+a tier, promotion walks from the root), so every cached prefix is a path from the root. The
+disk tier sits below the tree as a flat index of durable records (a hash names its prefix, so
+no links are needed), which is what lets a restarted worker serve hits from disk.
 
-So per pool: free + cached (only the tree holds it) + in use (a request holds it) == total.
+Device pages are reference counted on the PagePool: the tree holds one reference on every
+device page it caches; a request reusing a page takes its own (that is the lock — a page with
+a reference besides the tree's is in use and cannot be evicted). Eviction writes back down a
+tier (device -> host -> disk -> gone); a hit in a lower tier is promoted into a fresh device
+page. A lower-tier page that cannot be read back (corrupt, missing) is a counted miss.
 Every change is published as a KV event with the worker's epoch and a sequence number.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvcache.pool import PagePool
+import torch
 
+from kvcache.disk import DiskTier
+from kvcache.events import EventKind, KVEvent, Tier
+from kvcache.host import HostTier
+from kvcache.pool import DevicePool, PagePool
 
-class Tier(enum.IntEnum):
-    DEVICE = 0
-    HOST = 1
-    DISK = 2
-
-
-class EventKind(enum.IntEnum):
-    STORED = 0
-    REMOVED = 1
-    TIER_CHANGED = 2
-
-
-@dataclass(frozen=True, slots=True)
-class KVEvent:
-    worker_id: str
-    epoch: int
-    seq: int  # increases by one per event of this worker; a gap means events were lost
-    kind: EventKind
-    page_hashes: tuple[bytes, ...]
-    tier: Tier
+__all__ = ["CacheStats", "EventKind", "KVEvent", "Node", "PrefixCache", "Tier"]
 
 
 @dataclass(slots=True, eq=False)
 class Node:
     hash: bytes
     parent: Node | None
-    page_id: int
+    page_id: int  # device page, or host slot when tier is HOST
+    tier: Tier = Tier.DEVICE
     salt: bytes = b""  # the tenant whose request computed it (for purges)
-    num_children: int = 0
+    children: set[Node] = field(default_factory=set)
     last_access: int = 0
+
+    def __hash__(self) -> int:
+        return id(self)
 
 
 @dataclass(slots=True)
 class CacheStats:
     query_tokens: int = 0  # prompt tokens looked up
-    hit_tokens: int = 0  # of which served from the cache
+    hit_tokens: int = 0  # of which served from the cache (any tier)
+    hit_pages_by_tier: list[int] = field(default_factory=lambda: [0, 0, 0])
     inserted_pages: int = 0
-    evicted_pages: int = 0
+    evicted_pages: int = 0  # left the cache entirely
+    demoted_pages: int = 0  # written back down a tier
+    promoted_pages: int = 0  # copied up to the device
+    failed_reads: int = 0  # lower-tier pages that could not be read back (a miss)
 
 
 class PrefixCache:
@@ -74,12 +69,20 @@ class PrefixCache:
         worker_id: str = "local",
         epoch: int = 0,
         on_event: Callable[[KVEvent], None] | None = None,
+        device: DevicePool | None = None,
+        host: HostTier | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
+        if (host is not None or disk is not None) and device is None:
+            raise ValueError("lower tiers need the device pool to copy pages")
         self.pages = pages
         self.page_size = page_size
         self.worker_id = worker_id
         self.epoch = epoch
-        self._on_event = on_event
+        self.on_event = on_event
+        self.device = device
+        self.host = host
+        self.disk = disk
         self._nodes: dict[bytes, Node] = {}
         self._clock = 0
         self._seq = 0
@@ -87,29 +90,40 @@ class PrefixCache:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self._nodes)
+        return sum(1 for n in self._nodes.values() if n.tier == Tier.DEVICE)
 
     def cached_page_ids(self) -> list[int]:
-        return [node.page_id for node in self._nodes.values()]
+        return [n.page_id for n in self._nodes.values() if n.tier == Tier.DEVICE]
 
     def __contains__(self, page_hash: bytes) -> bool:
-        return page_hash in self._nodes
+        return page_hash in self._nodes or (self.disk is not None and self.disk.contains(page_hash))
+
+    def tier_of(self, page_hash: bytes) -> Tier | None:
+        node = self._nodes.get(page_hash)
+        if node is not None:
+            return node.tier
+        return Tier.DISK if self.disk is not None and self.disk.contains(page_hash) else None
 
     # -- lookups ----------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[bytes], max_pages: int) -> list[int]:
-        """Reuse the longest cached prefix (at most `max_pages` pages): the caller gets its
-        own reference on each returned page and must free them like any other page."""
+        """Reuse the longest cached prefix (at most `max_pages` pages), promoting lower-tier
+        pages to the device. The caller gets its own reference on each returned page."""
         self._clock += 1
         found: list[int] = []
+        parent: Node | None = None
         for page_hash in hashes[:max_pages]:
             node = self._nodes.get(page_hash)
-            if node is None:
-                break
+            tier = node.tier if node is not None else Tier.DISK
+            if node is None or node.tier != Tier.DEVICE:
+                node = self._promote(page_hash, node, parent)
+                if node is None:
+                    break
             node.last_access = self._clock
+            self.pages.share([node.page_id])  # locked now: later promotions cannot evict it
+            self.stats.hit_pages_by_tier[tier] += 1
             found.append(node.page_id)
-        if found:
-            self.pages.share(found)
+            parent = node
         return found
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -119,108 +133,218 @@ class PrefixCache:
     # -- updates ----------------------------------------------------------------------------
 
     def insert(self, hashes: Sequence[bytes], page_ids: Sequence[int], start: int, salt: bytes = b"") -> None:
-        """Cache pages `start ..` of a sequence (hashes[i] is the hash of page_ids[i])."""
+        """Cache device pages `start ..` of a sequence (hashes[i] is the hash of page_ids[i])."""
         self._clock += 1
         stored: list[bytes] = []
         parent = self._nodes.get(hashes[start - 1]) if start > 0 else None
+        if start > 0 and (parent is None or parent.tier != Tier.DEVICE):
+            return  # the prefix left the device meanwhile; its pages will be offered again
         for page_hash, page_id in zip(hashes[start:], page_ids[start:], strict=False):
             node = self._nodes.get(page_hash)
             if node is None:
-                if start > 0 and parent is None:
-                    break  # the prefix was evicted meanwhile: a child without its parent is useless
-                node = Node(page_hash, parent, page_id, salt, last_access=self._clock)
+                node = self._add(page_hash, parent, page_id, Tier.DEVICE, salt)
                 self.pages.share([page_id])
-                self._nodes[page_hash] = node
-                if parent is not None:
-                    parent.num_children += 1
                 stored.append(page_hash)
-            else:
-                node.last_access = self._clock
+            elif node.tier != Tier.DEVICE:
+                break  # cached below; a later match promotes it
+            node.last_access = self._clock
             parent = node
-            start += 1
         if stored:
             self.stats.inserted_pages += len(stored)
-            self._emit(EventKind.STORED, stored)
-
-    def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` device pages: least recently used leaves that only the tree
-        holds. Returns how many were freed."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes.values() if self._is_evictable(n)]
-        heapq.heapify(heap)
-        removed: list[bytes] = []
-        while heap and len(removed) < num_pages:
-            _, _, node = heapq.heappop(heap)
-            self._drop(node)
-            removed.append(node.hash)
-            parent = node.parent
-            if parent is not None and self._is_evictable(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        if removed:
-            self.stats.evicted_pages += len(removed)
-            self._emit(EventKind.REMOVED, removed)
-        return len(removed)
+            self._emit(EventKind.STORED, stored, Tier.DEVICE)
 
     def allocate(self, n: int) -> list[int] | None:
-        """Fresh pages from the pool, evicting cached pages when that is what it takes."""
+        """Fresh device pages, evicting (writing back) cached pages when that is what it takes."""
         shortfall = n - self.pages.num_free
         if shortfall > 0 and self.evict(shortfall) < shortfall:
             return None
         return self.pages.allocate(n)
 
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` device pages: least recently used device leaves that only
+        the tree holds, written back to the host tier (or disk) when there is one."""
+        freed = 0
+        for node in self._lru(Tier.DEVICE, num_pages):
+            page_id = node.page_id
+            self._demote_from_device(node)
+            self.pages.free([page_id])
+            freed += 1
+        return freed
+
     def clear(self) -> None:
-        """Drop every page nobody is using."""
-        self.evict(len(self._nodes))
+        """Drop every device page nobody is using (lower tiers keep their copies)."""
+        while self.evict(len(self._nodes)):
+            pass
 
     def purge(self, salt: bytes) -> int:
-        """Forget every page of one tenant, in use or not (a request using one keeps its own
+        """Forget every page of one tenant in the tree (a request using one keeps its own
         reference until it ends). A tenant's pages form whole subtrees, since the salt is in
         every page hash of its requests. Returns how many pages were forgotten."""
         doomed = [n for n in self._nodes.values() if n.salt == salt]
         for node in doomed:
-            del self._nodes[node.hash]
-            self.pages.free([node.page_id])
-        for node in doomed:
-            if node.parent is not None and node.parent.hash in self._nodes:
-                node.parent.num_children -= 1
+            self._forget(node)
         if doomed:
-            self._emit(EventKind.REMOVED, [n.hash for n in doomed])
+            self._emit(EventKind.REMOVED, [n.hash for n in doomed], Tier.DEVICE)
+        if self.disk is not None:
+            self.disk.flush()
         return len(doomed)
 
-    def _is_evictable(self, node: Node) -> bool:
-        return node.num_children == 0 and self.pages.refcount(node.page_id) == 1
+    # -- tier moves -------------------------------------------------------------------------
 
-    def _drop(self, node: Node) -> None:
+    def _lru(self, tier: Tier, limit: int) -> list[Node]:
+        """Up to `limit` evictable nodes of a tier, least recently used first (parents become
+        candidates once their children in that tier are gone)."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes.values() if self._is_evictable(n, tier)]
+        heapq.heapify(heap)
+        out: list[Node] = []
+        taken: set[int] = set()
+        while heap and len(out) < limit:
+            _, _, node = heapq.heappop(heap)
+            out.append(node)
+            taken.add(id(node))
+            parent = node.parent
+            if parent is not None and parent.tier == tier and self._is_evictable(parent, tier, taken):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return out
+
+    def _is_evictable(self, node: Node, tier: Tier, leaving: set[int] | None = None) -> bool:
+        if node.tier != tier:
+            return False
+        if tier == Tier.DEVICE and self.pages.refcount(node.page_id) != 1:
+            return False
+        left = leaving or set()
+        return not any(c.tier <= tier and id(c) not in left for c in node.children)
+
+    def _demote_from_device(self, node: Node) -> None:
+        assert self.device is not None or (self.host is None and self.disk is None)
+        if self.host is not None and self.device is not None:
+            slot = self.host.store(self.device.read_page(node.page_id))
+            if slot is None and self._make_host_room():
+                slot = self.host.store(self.device.read_page(node.page_id))
+            if slot is not None:
+                node.tier, node.page_id = Tier.HOST, slot
+                self.stats.demoted_pages += 1
+                self._emit(EventKind.TIER_CHANGED, [node.hash], Tier.HOST)
+                return
+        if self.disk is not None and self.device is not None:
+            self._to_disk(node, self.device.read_page(node.page_id))
+            return
+        self._remove(node)
+        self.stats.evicted_pages += 1
+        self._emit(EventKind.REMOVED, [node.hash], Tier.DEVICE)
+
+    def _make_host_room(self) -> bool:
+        assert self.host is not None
+        victims = self._lru(Tier.HOST, 1)
+        for node in victims:
+            slot = node.page_id
+            if self.disk is not None:
+                self._to_disk(node, self.host.load(slot))
+            else:
+                self._remove(node)
+                self.stats.evicted_pages += 1
+                self._emit(EventKind.REMOVED, [node.hash], Tier.HOST)
+            self.host.free(slot)
+        return bool(victims)
+
+    def _to_disk(self, node: Node, page: torch.Tensor) -> None:
+        assert self.disk is not None
+        dropped = self.disk.put(node.hash, page)
+        self._remove(node)
+        self.stats.demoted_pages += 1
+        self._emit(EventKind.TIER_CHANGED, [node.hash], Tier.DISK)
+        gone = [h for h in dropped if h != node.hash] + ([node.hash] if node.hash in dropped else [])
+        if gone:
+            self.stats.evicted_pages += len(gone)
+            self._emit(EventKind.REMOVED, gone, Tier.DISK)
+
+    def _promote(self, page_hash: bytes, node: Node | None, parent: Node | None) -> Node | None:
+        """Copy a host or disk page into a fresh device page; None (a miss) if it cannot be."""
+        if self.device is None:
+            return None
+        if node is None:  # on disk, or nowhere
+            if self.disk is None or not self.disk.contains(page_hash):
+                return None
+            page = self.disk.get(page_hash)
+            if page is None:  # indexed but unreadable: corrupt, truncated, deleted — a miss
+                self.stats.failed_reads += 1
+                return None
+        else:
+            assert self.host is not None and node.tier == Tier.HOST
+            page = self.host.load(node.page_id)
+        fresh = self.allocate(1)
+        if fresh is None:
+            return None
+        self.device.write_page(fresh[0], page)
+        if node is None:
+            salt = parent.salt if parent is not None else b""
+            node = self._add(page_hash, parent, fresh[0], Tier.DEVICE, salt)
+            assert self.disk is not None
+            self.disk.remove(page_hash)
+        else:
+            assert self.host is not None
+            self.host.free(node.page_id)
+            node.tier, node.page_id = Tier.DEVICE, fresh[0]
+        self.stats.promoted_pages += 1
+        self._emit(EventKind.TIER_CHANGED, [page_hash], Tier.DEVICE)
+        return node
+
+    # -- structure --------------------------------------------------------------------------
+
+    def _add(self, page_hash: bytes, parent: Node | None, page_id: int, tier: Tier, salt: bytes) -> Node:
+        node = Node(page_hash, parent, page_id, tier, salt, last_access=self._clock)
+        self._nodes[page_hash] = node
+        if parent is not None:
+            parent.children.add(node)
+        return node
+
+    def _remove(self, node: Node) -> None:
         del self._nodes[node.hash]
         if node.parent is not None:
-            node.parent.num_children -= 1
-        self.pages.free([node.page_id])
+            node.parent.children.discard(node)
+
+    def _forget(self, node: Node) -> None:
+        """Remove a node wherever it lives, releasing its storage."""
+        if node.hash not in self._nodes:
+            return
+        self._remove(node)
+        if node.tier == Tier.DEVICE:
+            self.pages.free([node.page_id])
+        elif self.host is not None:
+            self.host.free(node.page_id)
+        if self.disk is not None:
+            self.disk.remove(node.hash)
 
     # -- events -----------------------------------------------------------------------------
 
-    def _emit(self, kind: EventKind, hashes: list[bytes]) -> None:
+    def _emit(self, kind: EventKind, hashes: list[bytes], tier: Tier) -> None:
         self._seq += 1
-        if self._on_event is not None:
-            self._on_event(KVEvent(self.worker_id, self.epoch, self._seq, kind, tuple(hashes), Tier.DEVICE))
+        if self.on_event is not None:
+            self.on_event(KVEvent(self.worker_id, self.epoch, self._seq, kind, tuple(hashes), tier))
 
     def snapshot(self) -> tuple[int, list[tuple[bytes, Tier]]]:
-        """(last event seq, every cached page) for a scheduler rebuilding its index."""
-        return self._seq, [(h, Tier.DEVICE) for h in self._nodes]
+        """(last event seq, every cached page and its tier) for a scheduler rebuilding its index."""
+        pages = [(h, n.tier) for h, n in self._nodes.items()]
+        if self.disk is not None:
+            pages += [(h, Tier.DISK) for h in self.disk.hashes()]
+        return self._seq, pages
 
     # -- invariants -------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        children: dict[bytes, int] = {}
-        seen_pages: set[int] = set()
+        device_pages: set[int] = set()
+        host_slots: set[int] = set()
         for node in self._nodes.values():
-            if node.page_id in seen_pages:
-                raise AssertionError(f"page {node.page_id} cached twice")
-            seen_pages.add(node.page_id)
-            if self.pages.refcount(node.page_id) < 1:
+            used = device_pages if node.tier == Tier.DEVICE else host_slots
+            if node.page_id in used:
+                raise AssertionError(f"{node.tier.name} page {node.page_id} cached twice")
+            used.add(node.page_id)
+            if node.tier == Tier.DEVICE and self.pages.refcount(node.page_id) < 1:
                 raise AssertionError(f"cached page {node.page_id} has no reference")
             if node.parent is not None:
                 if self._nodes.get(node.parent.hash) is not node.parent:
-                    raise AssertionError("a cached page's parent is not cached")
-                children[node.parent.hash] = children.get(node.parent.hash, 0) + 1
-        for node in self._nodes.values():
-            if node.num_children != children.get(node.hash, 0):
-                raise AssertionError(f"child count of {node.hash.hex()} is {node.num_children}")
+                    raise AssertionError("a cached page's parent is not in the tree")
+                if node not in node.parent.children or node.parent.tier > node.tier:
+                    raise AssertionError("parent/child links or tier order broken")
+        if self.host is not None:
+            self.host.check_integrity(len(host_slots))

@@ -45,7 +45,7 @@ def test_match_insert_evict_scenario() -> None:
     assert events[-1].kind == EventKind.REMOVED and events[-1].page_hashes == (h[2],)
     pool.free(got)
     assert cache.evict(5) == 2 and pool.num_free == 6  # now the rest, leaf first
-    assert [e.seq for e in events] == [1, 2, 3]
+    assert [e.seq for e in events] == [1, 2, 3, 4]  # one REMOVED per evicted page
     cache.check_integrity()
 
 
