@@ -58,6 +58,7 @@ class Frontend:
         self.admission = Admission(admission or AdmissionConfig())
         self.limits = TenantLimits()
         self.metrics = EdgeMetrics()
+        self.metrics.watch_engine(engine.engine)
         self.request_timeout_s = request_timeout_s
         self.draining = False
 
@@ -177,7 +178,9 @@ class Frontend:
         m.waiting.set(adm.num_waiting)
         m.inflight.set(adm.num_inflight)
         pages = self.engine.engine.pool.pages
-        m.pages_used.labels("device").set(pages.num_used)
+        cached = self.engine.engine.prefix_cache.num_cached_pages if self.engine.engine.prefix_cache else 0
+        m.pages_used.labels("device").set(pages.num_used - cached)
+        m.pages_cached.labels("device").set(cached)
         m.pages_total.labels("device").set(pages.num_pages)
         if stats is not None:
             m.running.set(stats.num_running)

@@ -84,6 +84,9 @@ class PrefixCache:
         self.host = host
         self.disk = disk
         self._nodes: dict[bytes, Node] = {}
+        # Tenants of pages this process wrote to disk (records carry no salt), for purges.
+        self._disk_salts: dict[bytes, bytes] = {}
+        self._pinned: set[int] = set()  # nodes a match in progress is about to promote
         self._clock = 0
         self._seq = 0
         self.stats = CacheStats()
@@ -110,20 +113,40 @@ class PrefixCache:
         """Reuse the longest cached prefix (at most `max_pages` pages), promoting lower-tier
         pages to the device. The caller gets its own reference on each returned page."""
         self._clock += 1
-        found: list[int] = []
-        parent: Node | None = None
+        path: list[tuple[bytes, Node | None]] = []  # the cached prefix, in order
         for page_hash in hashes[:max_pages]:
             node = self._nodes.get(page_hash)
+            if node is None and not (self.disk is not None and self.disk.contains(page_hash)):
+                break
+            path.append((page_hash, node))
+        lower = [i for i, (_, node) in enumerate(path) if node is None or node.tier != Tier.DEVICE]
+        fresh: list[int] = []
+        if lower:
+            # Pin the host nodes on the path and take every device page the promotions need in
+            # one allocation, so one eviction pass makes room for all of them.
+            self._pinned = {id(node) for _, node in path if node is not None}
+            try:
+                fresh = self.allocate(len(lower)) or []
+            finally:
+                self._pinned = set()
+            if not fresh:
+                path = path[: lower[0]]  # no room to promote: reuse the device part only
+        found: list[int] = []
+        parent: Node | None = None
+        for page_hash, node in path:
             tier = node.tier if node is not None else Tier.DISK
             if node is None or node.tier != Tier.DEVICE:
-                node = self._promote(page_hash, node, parent)
+                node = self._promote(page_hash, node, parent, fresh[0])
                 if node is None:
                     break
+                fresh.pop(0)
             node.last_access = self._clock
-            self.pages.share([node.page_id])  # locked now: later promotions cannot evict it
+            self.pages.share([node.page_id])
             self.stats.hit_pages_by_tier[tier] += 1
             found.append(node.page_id)
             parent = node
+        if fresh:
+            self.pages.free(fresh)  # promotions stopped early (an unreadable page)
         return found
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -163,13 +186,14 @@ class PrefixCache:
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` device pages: least recently used device leaves that only
         the tree holds, written back to the host tier (or disk) when there is one."""
-        freed = 0
-        for node in self._lru(Tier.DEVICE, num_pages):
+        victims = self._lru(Tier.DEVICE, num_pages)
+        if self.host is not None and len(victims) > self.host.num_free:
+            self._make_host_room(len(victims) - self.host.num_free)  # one pass for the batch
+        for node in victims:
             page_id = node.page_id
             self._demote_from_device(node)
             self.pages.free([page_id])
-            freed += 1
-        return freed
+        return len(victims)
 
     def clear(self) -> None:
         """Drop every device page nobody is using (lower tiers keep their copies)."""
@@ -183,11 +207,14 @@ class PrefixCache:
         doomed = [n for n in self._nodes.values() if n.salt == salt]
         for node in doomed:
             self._forget(node)
-        if doomed:
-            self._emit(EventKind.REMOVED, [n.hash for n in doomed], Tier.DEVICE)
-        if self.disk is not None:
-            self.disk.flush()
-        return len(doomed)
+        on_disk = [h for h, s in self._disk_salts.items() if s == salt]
+        for page_hash in on_disk:
+            del self._disk_salts[page_hash]
+            if self.disk is not None:
+                self.disk.remove(page_hash)
+        if doomed or on_disk:
+            self._emit(EventKind.REMOVED, [n.hash for n in doomed] + on_disk, Tier.DEVICE)
+        return len(doomed) + len(on_disk)
 
     # -- tier moves -------------------------------------------------------------------------
 
@@ -208,7 +235,7 @@ class PrefixCache:
         return out
 
     def _is_evictable(self, node: Node, tier: Tier, leaving: set[int] | None = None) -> bool:
-        if node.tier != tier:
+        if node.tier != tier or id(node) in self._pinned:
             return False
         if tier == Tier.DEVICE and self.pages.refcount(node.page_id) != 1:
             return False
@@ -219,7 +246,7 @@ class PrefixCache:
         assert self.device is not None or (self.host is None and self.disk is None)
         if self.host is not None and self.device is not None:
             slot = self.host.store(self.device.read_page(node.page_id))
-            if slot is None and self._make_host_room():
+            if slot is None and self._make_host_room(1):
                 slot = self.host.store(self.device.read_page(node.page_id))
             if slot is not None:
                 node.tier, node.page_id = Tier.HOST, slot
@@ -233,9 +260,9 @@ class PrefixCache:
         self.stats.evicted_pages += 1
         self._emit(EventKind.REMOVED, [node.hash], Tier.DEVICE)
 
-    def _make_host_room(self) -> bool:
+    def _make_host_room(self, num_pages: int) -> bool:
         assert self.host is not None
-        victims = self._lru(Tier.HOST, 1)
+        victims = self._lru(Tier.HOST, num_pages)
         for node in victims:
             slot = node.page_id
             if self.disk is not None:
@@ -251,6 +278,9 @@ class PrefixCache:
         assert self.disk is not None
         dropped = self.disk.put(node.hash, page)
         self._remove(node)
+        self._disk_salts[node.hash] = node.salt
+        for page_hash in dropped:
+            self._disk_salts.pop(page_hash, None)
         self.stats.demoted_pages += 1
         self._emit(EventKind.TIER_CHANGED, [node.hash], Tier.DISK)
         gone = [h for h in dropped if h != node.hash] + ([node.hash] if node.hash in dropped else [])
@@ -258,13 +288,12 @@ class PrefixCache:
             self.stats.evicted_pages += len(gone)
             self._emit(EventKind.REMOVED, gone, Tier.DISK)
 
-    def _promote(self, page_hash: bytes, node: Node | None, parent: Node | None) -> Node | None:
-        """Copy a host or disk page into a fresh device page; None (a miss) if it cannot be."""
-        if self.device is None:
-            return None
-        if node is None:  # on disk, or nowhere
-            if self.disk is None or not self.disk.contains(page_hash):
-                return None
+    def _promote(self, page_hash: bytes, node: Node | None, parent: Node | None, page_id: int) -> Node | None:
+        """Copy a host or disk page into device page `page_id`; None (a miss, `page_id` is
+        then the caller's to free) if it cannot be read."""
+        assert self.device is not None
+        if node is None:  # on disk
+            assert self.disk is not None
             page = self.disk.get(page_hash)
             if page is None:  # indexed but unreadable: corrupt, truncated, deleted — a miss
                 self.stats.failed_reads += 1
@@ -272,19 +301,16 @@ class PrefixCache:
         else:
             assert self.host is not None and node.tier == Tier.HOST
             page = self.host.load(node.page_id)
-        fresh = self.allocate(1)
-        if fresh is None:
-            return None
-        self.device.write_page(fresh[0], page)
+        self.device.write_page(page_id, page)
         if node is None:
             salt = parent.salt if parent is not None else b""
-            node = self._add(page_hash, parent, fresh[0], Tier.DEVICE, salt)
+            node = self._add(page_hash, parent, page_id, Tier.DEVICE, self._disk_salts.pop(page_hash, salt))
             assert self.disk is not None
             self.disk.remove(page_hash)
         else:
             assert self.host is not None
             self.host.free(node.page_id)
-            node.tier, node.page_id = Tier.DEVICE, fresh[0]
+            node.tier, node.page_id = Tier.DEVICE, page_id
         self.stats.promoted_pages += 1
         self._emit(EventKind.TIER_CHANGED, [page_hash], Tier.DEVICE)
         return node

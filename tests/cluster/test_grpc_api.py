@@ -111,7 +111,7 @@ async def stub(served: Served) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
 
 async def _all_pages_free(engine: Engine) -> bool:
     for _ in range(150):  # an abort lands on the step thread's next turn
-        if engine.pool.pages.num_free == engine.pool.num_pages and not engine.has_unfinished():
+        if engine.free_pages_at_idle() == engine.pool.num_pages and not engine.has_unfinished():
             return True
         await asyncio.sleep(0.02)
     return False

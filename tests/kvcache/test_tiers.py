@@ -1,0 +1,101 @@
+"""The prefix cache over device, host and disk tiers, driven by random sequences: invariants hold
+after every operation, and every page handed back has exactly the contents written for it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.disk import DiskTier
+from kvcache.events import Tier
+from kvcache.hashing import page_hashes
+from kvcache.host import HostTier
+from kvcache.pool import DevicePool, KVLayout
+from kvcache.radix import PrefixCache
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, page_size=4)
+SHAPE = (1, 2, 4, 1, 2)
+FP = b"t" * 16
+
+
+def _content(page_hash: bytes) -> torch.Tensor:
+    """What page `page_hash` holds: a function of the hash, so any mix-up is visible."""
+    return torch.tensor(list(page_hash[:16]), dtype=torch.float32).view(SHAPE)
+
+
+def _cache(directory: Path) -> tuple[PrefixCache, DevicePool]:
+    device = DevicePool(LAYOUT, 6, torch.float32)
+    host = HostTier(LAYOUT, 3, torch.float32)
+    disk = DiskTier(directory, FP, SHAPE, torch.float32, capacity_pages=6, sync_every_pages=1)
+    return PrefixCache(device.pages, 4, device=device, host=host, disk=disk), device
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["run", "run", "release", "evict", "purge"]), st.integers(0, 4), st.integers(1, 4)),
+    max_size=40,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops)
+def test_random_sequences_over_three_tiers(sequence: list[tuple[str, int, int]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        cache, device = _cache(Path(tmp))
+        pool = device.pages
+        held: list[list[int]] = []
+        for op, which, n in sequence:
+            salt = b"ab"[which % 2 : which % 2 + 1]
+            if op == "run":
+                tokens = list(range(which * 5, which * 5 + 4 * n))
+                hashes = page_hashes(tokens, 4, salt, FP)
+                got = cache.match(hashes, len(hashes))
+                for page_hash, page_id in zip(hashes, got, strict=False):
+                    assert torch.equal(device.read_page(page_id), _content(page_hash))
+                fresh = cache.allocate(len(hashes) - len(got))
+                if fresh is None:
+                    pool.free(got)
+                    continue
+                for page_hash, page_id in zip(hashes[len(got):], fresh, strict=True):
+                    device.write_page(page_id, _content(page_hash))  # "compute" the page
+                cache.insert(hashes, got + fresh, len(got), salt)
+                held.append(got + fresh)
+            elif op == "release" and held:
+                pool.free(held.pop(which % len(held)))
+            elif op == "evict":
+                cache.evict(n)
+            elif op == "purge":
+                cache.purge(salt)
+            cache.check_integrity()
+            pool.check_integrity()
+            assert cache.disk is not None
+            cache.disk.check_integrity()
+        for pages in held:
+            pool.free(pages)
+        cache.clear()
+        assert pool.num_free == pool.num_pages
+        cache.disk.close()
+
+
+def test_a_page_travels_down_and_back_up(tmp_path: Path) -> None:
+    cache, device = _cache(tmp_path)
+    hashes = page_hashes(list(range(8)), 4, b"", FP)
+    pages = cache.allocate(2)
+    assert pages is not None
+    for page_hash, page_id in zip(hashes, pages, strict=True):
+        device.write_page(page_id, _content(page_hash))
+    cache.insert(hashes, pages, 0)
+    device.pages.free(pages)
+    cache.clear()  # both to host
+    assert [cache.tier_of(h) for h in hashes] == [Tier.HOST, Tier.HOST]
+    assert cache.host is not None and cache._make_host_room(2)
+    cache.disk.flush()  # type: ignore[union-attr]
+    assert [cache.tier_of(h) for h in hashes] == [Tier.DISK, Tier.DISK]
+    got = cache.match(hashes, 2)
+    assert [torch.equal(device.read_page(p), _content(h)) for p, h in zip(got, hashes, strict=True)] == [True, True]
+    assert [cache.tier_of(h) for h in hashes] == [Tier.DEVICE, Tier.DEVICE]
+    assert cache.stats.hit_pages_by_tier == [0, 0, 2] and cache.stats.promoted_pages == 2
+    cache.check_integrity()
