@@ -69,6 +69,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget")
     up.add_argument("--no-prefix-cache", action="store_true", help="turn KV prefix reuse off")
+    up.add_argument("--shared-prefix", action="append", default=[],
+                    help="text (e.g. a public system prompt) whose cached pages every tenant may share")
     up.add_argument("--kv-pages", type=int, default=None, help="device KV pool size in pages (overrides --kv-memory-gb)")
     up.add_argument("--host-cache-pages", type=int, default=0, help="host-RAM tier size in pages (0: off)")
     up.add_argument("--disk-cache-pages", type=int, default=0, help="disk tier size in pages (0: off)")
@@ -187,6 +189,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port or None,
         api_keys_file=args.api_keys,
         served_model_name=args.served_model_name,
+        shared_prefix_texts=tuple(args.shared_prefix),
     )
     return run(cfg)
 

@@ -39,6 +39,7 @@ class ServerConfig:
     api_keys_file: Path | None = None
     request_timeout_s: float = 600.0
     served_model_name: str | None = None
+    shared_prefix_texts: tuple[str, ...] = ()  # prompts every tenant may share (tokenized at start)
 
 
 def load_api_keys(path: Path | None) -> ApiKeys:
@@ -69,6 +70,7 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     """Build and start everything but the HTTP accept loop (`running.http.serve()`)."""
     if engine is None:
         engine = await asyncio.to_thread(Engine, cfg.engine)
+    engine.shared_prefixes += tuple(tuple(engine.tokenizer.encode(t)) for t in cfg.shared_prefix_texts)
     front = AsyncEngine(engine)
     front.start()
     name = cfg.served_model_name or Path(cfg.engine.model).name

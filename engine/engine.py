@@ -62,7 +62,7 @@ class Engine:
         if cfg.enable_prefix_cache:
             host, disk = build_tiers(cfg.tiers, layout, self.dtype, self.fingerprint, self.device.type == "cuda")
             self.prefix_cache = PrefixCache(
-                self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk
+                self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk, ttl_s=cfg.tiers.page_ttl_s
             )
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size),
@@ -74,6 +74,8 @@ class Engine:
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
         self.runner = ModelRunner(self.model, self.pool, Sampler(mc.vocab_size, seed=cfg.seed), self.eos_ids)
         self._arrivals = 0
+        # Operator-shared prefixes; the server may add tokenized ones after start-up.
+        self.shared_prefixes: tuple[tuple[int, ...], ...] = cfg.shared_prefixes
         self.last_stats: StepStats | None = None
         logger.info(
             "engine ready: %s (%s, %s), %d pages x %d tokens, max_model_len %d",
@@ -98,10 +100,20 @@ class Engine:
         self._validate(req_id, prompt_ids, sampling)
         request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
         request.cache_salt = cache_salt.encode()
+        request.num_shared_pages = self._shared_pages(request.prompt_ids)
         self._arrivals += 1
         if self.cfg.detokenize:
             request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), sampling.stop)
         self.scheduler.add(request)
+
+    def _shared_pages(self, prompt_ids: list[int]) -> int:
+        """Whole pages of the longest operator-shared prefix this prompt starts with."""
+        best = 0
+        for prefix in self.shared_prefixes:
+            n = len(prefix)
+            if n > best and len(prompt_ids) >= n and tuple(prompt_ids[:n]) == prefix:
+                best = n
+        return best // self.cfg.page_size
 
     def _validate(self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         if self.scheduler.get(req_id) is not None:

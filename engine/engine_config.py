@@ -29,6 +29,8 @@ class EngineConfig:
     detokenize: bool = True
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prefixes across requests
     tiers: TierConfig = TierConfig()  # host-RAM and disk tiers below the device pool
+    # Token-id prefixes (e.g. a public system prompt) whose pages every tenant may share.
+    shared_prefixes: tuple[tuple[int, ...], ...] = ()
     seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None
 

@@ -220,6 +220,14 @@ class Scheduler:
             return
         ps = self.cfg.page_size
         parent = request.page_hashes[-1] if have else ROOT_HASH
+        # Pages inside an operator-shared prefix are hashed without the tenant's salt, so every
+        # tenant reuses them; the pages after it chain from there with the salt.
+        public = min(max(request.num_shared_pages - have, 0), num_pages - have)
+        if public:
+            tokens = request.token_slice(have * ps, (have + public) * ps)
+            request.page_hashes.extend(page_hashes(tokens, ps, b"", self.fingerprint, parent))
+            have += public
+            parent = request.page_hashes[-1]
         tokens = request.token_slice(have * ps, num_pages * ps)
         request.page_hashes.extend(page_hashes(tokens, ps, request.cache_salt, self.fingerprint, parent))
 

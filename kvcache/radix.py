@@ -22,6 +22,7 @@ Every change is published as a KV event with the worker's epoch and a sequence n
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ class Node:
     salt: bytes = b""  # the tenant whose request computed it (for purges)
     children: set[Node] = field(default_factory=set)
     last_access: int = 0
+    created: float = 0.0  # time.monotonic() when computed (for the time-to-live)
 
     def __hash__(self) -> int:
         return id(self)
@@ -72,6 +74,7 @@ class PrefixCache:
         device: DevicePool | None = None,
         host: HostTier | None = None,
         disk: DiskTier | None = None,
+        ttl_s: float | None = None,
     ) -> None:
         if (host is not None or disk is not None) and device is None:
             raise ValueError("lower tiers need the device pool to copy pages")
@@ -83,6 +86,7 @@ class PrefixCache:
         self.device = device
         self.host = host
         self.disk = disk
+        self.ttl_s = ttl_s  # pages older than this are not reused (and are dropped when idle)
         self._nodes: dict[bytes, Node] = {}
         # Tenants of pages this process wrote to disk (records carry no salt), for purges.
         self._disk_salts: dict[bytes, bytes] = {}
@@ -114,9 +118,13 @@ class PrefixCache:
         pages to the device. The caller gets its own reference on each returned page."""
         self._clock += 1
         path: list[tuple[bytes, Node | None]] = []  # the cached prefix, in order
+        expired_before = time.monotonic() - self.ttl_s if self.ttl_s is not None else None
         for page_hash in hashes[:max_pages]:
             node = self._nodes.get(page_hash)
             if node is None and not (self.disk is not None and self.disk.contains(page_hash)):
+                break
+            if node is not None and expired_before is not None and node.created < expired_before:
+                self._expire(node)
                 break
             path.append((page_hash, node))
         lower = [i for i, (_, node) in enumerate(path) if node is None or node.tier != Tier.DEVICE]
@@ -317,8 +325,22 @@ class PrefixCache:
 
     # -- structure --------------------------------------------------------------------------
 
+    def _expire(self, node: Node) -> None:
+        """Drop a page past its time-to-live, with its subtree, unless a request still uses it."""
+        stack, doomed = [node], []
+        while stack:
+            current = stack.pop()
+            if current.tier == Tier.DEVICE and self.pages.refcount(current.page_id) > 1:
+                return  # in use: it expires when the last user is done and it is matched again
+            doomed.append(current)
+            stack.extend(current.children)
+        for current in reversed(doomed):
+            self._forget(current)
+        self.stats.evicted_pages += len(doomed)
+        self._emit(EventKind.REMOVED, [n.hash for n in doomed], Tier.DEVICE)
+
     def _add(self, page_hash: bytes, parent: Node | None, page_id: int, tier: Tier, salt: bytes) -> Node:
-        node = Node(page_hash, parent, page_id, tier, salt, last_access=self._clock)
+        node = Node(page_hash, parent, page_id, tier, salt, last_access=self._clock, created=time.monotonic())
         self._nodes[page_hash] = node
         if parent is not None:
             parent.children.add(node)

@@ -18,6 +18,7 @@ class TierConfig:
     disk_pages: int = 0  # pages on local disk; 0 turns the tier off
     disk_dir: str | None = None  # required when disk_pages > 0; survives restarts
     disk_segment_bytes: int = 64 << 20  # records are appended to segment files of this size
+    page_ttl_s: float | None = None  # cached pages older than this are not reused
 
     def __post_init__(self) -> None:
         if self.host_pages < 0 or self.disk_pages < 0:

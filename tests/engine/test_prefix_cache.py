@@ -113,3 +113,16 @@ def test_concurrent_requests_wait_for_a_prefix_being_computed(tiny_model_dir: Pa
         for out in engine.step():
             hits[out.req_id] = out.num_cached_tokens
     assert hits == {"c0": 0, "c1": 96, "c2": 96}
+
+
+def test_an_operator_shared_prefix_is_shared_across_tenants(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    system = prompts[-1]  # 100 tokens: 6 full pages
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", shared_prefixes=(tuple(system[:64]),)))
+    a, b = system + [5, 6, 7], system + [5, 6, 7]
+    _, hits = _run(engine, [a, b, b], salts=["acme", "globex", "globex"])
+    # globex reuses the 4 public pages acme computed, but not acme's 2 private ones after them;
+    # its second request then hits its own pages too.
+    assert hits == [0, 64, 96]
+    off, _ = _run(_engine(tiny_model_dir, cache=False), [a])
+    on, _ = _run(engine, [a], salts=["initech"])
+    assert on == off

@@ -114,3 +114,21 @@ def test_purge_removes_a_tenants_subtree_even_in_use() -> None:
     cache.check_integrity()
     pool.free(a_pages)
     assert pool.num_free == 6
+
+
+def test_pages_past_their_time_to_live_are_not_reused() -> None:
+    pool = PagePool(4)
+    cache = PrefixCache(pool, 4, ttl_s=60.0)
+    hashes = _hashes(list(range(8)))
+    pages = pool.allocate(2)
+    assert pages is not None
+    cache.insert(hashes, pages, 0)
+    pool.free(pages)
+    got = cache.match(hashes, 2)
+    assert got == pages
+    pool.free(got)
+    for node in cache._nodes.values():  # age the pages past the TTL
+        node.created -= 61.0
+    assert cache.match(hashes, 2) == []
+    assert hashes[0] not in cache and pool.num_free == 4
+    cache.check_integrity()
