@@ -93,6 +93,10 @@ class Scheduler:
         self._by_id[request.req_id] = request
         request.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (request.sort_key, request))
+        if self.cache is not None and self.cache.disk is not None:
+            # Disk hits start loading now, overlapping the wait in the queue.
+            self._ensure_hashes(request, (request.num_tokens - 1) // self.cfg.page_size)
+            self.cache.prefetch(request.page_hashes)
 
     def abort(self, req_id: str) -> Request | None:
         """Remove a request in any state, freeing its pages; None if unknown or finished."""

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,8 @@ from kvcache.host import HostTier
 from kvcache.pool import DevicePool, PagePool
 
 __all__ = ["CacheStats", "EventKind", "KVEvent", "Node", "PrefixCache", "Tier"]
+
+MAX_STAGED_PAGES = 4096  # disk pages read ahead for queued requests, at most
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +95,9 @@ class PrefixCache:
         # Tenants of pages this process wrote to disk (records carry no salt), for purges.
         self._disk_salts: dict[bytes, bytes] = {}
         self._pinned: set[int] = set()  # nodes a match in progress is about to promote
+        # Disk reads started when a request is queued, so the I/O overlaps its wait.
+        self._staged: OrderedDict[bytes, Future[torch.Tensor | None]] = OrderedDict()
+        self._reader: ThreadPoolExecutor | None = None
         self._clock = 0
         self._seq = 0
         self.stats = CacheStats()
@@ -156,6 +163,25 @@ class PrefixCache:
         if fresh:
             self.pages.free(fresh)  # promotions stopped early (an unreadable page)
         return found
+
+    def prefetch(self, hashes: Sequence[bytes]) -> int:
+        """Start reading the disk-tier pages of a queued request's prefix in the background;
+        the promotion at admission then finds them in memory. Returns reads started."""
+        if self.disk is None:
+            return 0
+        started = 0
+        for page_hash in hashes:
+            if page_hash in self._nodes or page_hash in self._staged:
+                continue
+            if not self.disk.contains(page_hash):
+                break
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-disk-read")
+            self._staged[page_hash] = self._reader.submit(self.disk.get, page_hash)
+            started += 1
+        while len(self._staged) > MAX_STAGED_PAGES:  # requests that never ran: forget the oldest
+            self._staged.popitem(last=False)
+        return started
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.stats.query_tokens += num_tokens
@@ -302,7 +328,8 @@ class PrefixCache:
         assert self.device is not None
         if node is None:  # on disk
             assert self.disk is not None
-            page = self.disk.get(page_hash)
+            staged = self._staged.pop(page_hash, None)
+            page = staged.result() if staged is not None else self.disk.get(page_hash)
             if page is None:  # indexed but unreadable: corrupt, truncated, deleted — a miss
                 self.stats.failed_reads += 1
                 return None
