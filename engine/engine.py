@@ -22,7 +22,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.loader import checkpoint_fingerprint, load_state_dict
 from engine.model import CausalLM
-from engine.outputs import StepOutput, StepStats
+from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ModelRunner, RunResult
 from engine.sampler import Sampler
@@ -74,6 +74,7 @@ class Engine:
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
         self.runner = ModelRunner(self.model, self.pool, Sampler(mc.vocab_size, seed=cfg.seed), self.eos_ids)
         self._arrivals = 0
+        self._exported: dict[str, ExportedKV] = {}
         # Operator-shared prefixes; the server may add tokenized ones after start-up.
         self.shared_prefixes: tuple[tuple[int, ...], ...] = cfg.shared_prefixes
         self.last_stats: StepStats | None = None
@@ -91,14 +92,17 @@ class Engine:
         sampling: SamplingParams,
         priority: int = 0,
         cache_salt: str = "",
+        export_kv: bool = False,
     ) -> None:
         """Queue a request; RequestError if it can never run here (checked before any allocation).
 
         `cache_salt` (the tenant) keys the request's cached pages: only requests with the same
-        salt share them.
+        salt share them. `export_kv` (the prefill role) keeps a copy of the prompt's KV when the
+        request finishes, for `take_exported`.
         """
         self._validate(req_id, prompt_ids, sampling)
         request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
+        request.export_kv = export_kv
         request.cache_salt = cache_salt.encode()
         request.num_shared_pages = self._shared_pages(request.prompt_ids)
         self._arrivals += 1
@@ -175,6 +179,8 @@ class Engine:
             request.output_ids.append(token)
             text, reason = self._check_finish(request, token)
             if reason is not None:
+                if request.export_kv:
+                    self._export(request)
                 self.scheduler.finish(request)
             outputs.append(
                 StepOutput(
@@ -250,6 +256,53 @@ class Engine:
         """Flush and release the disk tier (its directory is locked while an engine uses it)."""
         if self.prefix_cache is not None and self.prefix_cache.disk is not None:
             self.prefix_cache.disk.close()
+
+    # -- disaggregation: the prefill and decode roles ------------------------------------------
+
+    def _export(self, request: Request) -> None:
+        n_prompt = len(request.prompt_ids)
+        n_pages = -(-n_prompt // self.cfg.page_size)
+        index = torch.tensor(request.page_ids[:n_pages], dtype=torch.int64, device=self.device)
+        kv = self.pool.kv.index_select(2, index).to("cpu")  # [layers, 2, pages, page_size, kvh, hd]
+        self._exported[request.req_id] = ExportedKV(request.req_id, n_prompt, request.output_ids[0], kv)
+
+    def take_exported(self, req_id: str) -> ExportedKV | None:
+        """The prompt KV and first token of a finished `export_kv` request (once)."""
+        return self._exported.pop(req_id, None)
+
+    def reserve_pages(self, num_tokens: int) -> list[int] | None:
+        """Pages for `num_tokens` tokens of KV arriving from elsewhere (decode role), or None."""
+        n = -(-num_tokens // self.cfg.page_size)
+        return self.prefix_cache.allocate(n) if self.prefix_cache is not None else self.pool.pages.allocate(n)
+
+    def release_pages(self, page_ids: Sequence[int]) -> None:
+        """Give back a reservation that will not be used (a failed or expired transfer)."""
+        self.pool.pages.free(page_ids)
+
+    def add_prefilled(
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+        page_ids: list[int],
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> None:
+        """Join the running batch with a prompt whose KV already fills `page_ids` (reserved
+        with `reserve_pages`; ownership passes to the request) and whose first token was
+        sampled elsewhere. The next step samples the second token."""
+        self._validate(req_id, prompt_ids, sampling)
+        request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
+        self._arrivals += 1
+        request.cache_salt = cache_salt.encode()
+        request.output_ids.append(first_token)
+        request.num_computed_tokens = len(request.prompt_ids)
+        request.page_ids = page_ids
+        if self.cfg.detokenize:
+            request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), sampling.stop)
+            request.text.push(first_token, check_stop=False)  # its text was streamed by the prefill side
+        self.scheduler.add_running(request)
 
     def flush_cache(self) -> None:
         """Make pages written back to disk durable (and visible); called when the engine idles."""

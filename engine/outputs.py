@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.request import FinishReason
 from engine.sampler import TokenLogprobs
 
@@ -40,3 +42,13 @@ class StepStats:
     num_finished: int
     pages_used: int
     pages_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExportedKV:
+    """A prefill's result for the decode side: the prompt's KV pages and the first token."""
+
+    req_id: str
+    num_tokens: int  # prompt tokens covered (the last page may be partial)
+    first_token: int
+    kv: torch.Tensor  # [layers, 2, pages, page_size, kv_heads, head_dim], on the CPU

@@ -54,6 +54,7 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)  # of full pages, filled as needed
     num_committed_pages: int = 0  # leading pages already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    export_kv: bool = False  # prefill role: keep a copy of the prompt's KV when it finishes
     text: TextState | None = None  # detokenizer + stop strings; None when not detokenizing
 
     @property

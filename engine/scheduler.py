@@ -98,6 +98,15 @@ class Scheduler:
             self._ensure_hashes(request, (request.num_tokens - 1) // self.cfg.page_size)
             self.cache.prefetch(request.page_hashes)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose pages are already filled (decode role: the KV came from a
+        prefill worker). It may briefly exceed max_num_seqs; preemption still applies."""
+        if request.req_id in self._by_id:
+            raise ValueError(f"duplicate req_id {request.req_id!r}")
+        self._by_id[request.req_id] = request
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+
     def abort(self, req_id: str) -> Request | None:
         """Remove a request in any state, freeing its pages; None if unknown or finished."""
         request = self._by_id.get(req_id)
