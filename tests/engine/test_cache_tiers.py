@@ -205,3 +205,32 @@ def test_disk_reads_start_when_a_request_is_queued(
     assert out == reference[tuple(prompts[1])]
     assert not cache._staged and cache.stats.hit_pages_by_tier[Tier.DISK] == 4
     reader.close()
+
+
+def test_tenants_stay_apart_in_the_lower_tiers(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tiers = TierConfig(host_pages=4, disk_pages=32, disk_dir=str(tmp_path / "kv"))
+    engine = _engine(tiny_model_dir, num_pages=64, tiers=tiers)
+    cache = engine.prefix_cache
+    assert cache is not None
+    prompt = _prompts(1, seed=99)[0]
+
+    def cached(tenant: str) -> int:
+        engine.add_request(tenant + str(engine.scheduler.num_requests), prompt, GREEDY, cache_salt=tenant)
+        hit = -1
+        while engine.has_unfinished():
+            for step in engine.step():
+                hit = step.num_cached_tokens
+        engine.flush_cache()
+        return hit
+
+    assert cached("acme") == 0
+    cache.clear()  # acme's pages: device -> host (4 pages) and disk (the 5th)
+    engine.flush_cache()
+    tiers_before = list(cache.stats.hit_pages_by_tier)
+    assert cached("globex") == 0  # not from host, not from disk
+    assert cache.stats.hit_pages_by_tier == tiers_before
+    cache.clear()
+    engine.flush_cache()
+    assert cached("acme") == 64  # acme's own pages come back up from the lower tiers
+    assert sum(cache.stats.hit_pages_by_tier[1:]) > sum(tiers_before[1:])
+    engine.close()
