@@ -1,0 +1,1 @@
+"""Moving KV pages between workers: page codec, reservations, local and gRPC transports."""

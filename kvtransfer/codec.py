@@ -1,0 +1,162 @@
+"""The page codec: a chunk of KV pages <-> one `baton.v1.PageChunk` (header + raw bytes).
+
+A chunk carries `n = len(dest_page_ids)` pages of one shape and dtype, stacked and laid out
+C order, little-endian (bfloat16 travels through a same-width integer view, as numpy has no
+bfloat16):
+
+    payload = page[0] bytes | page[1] bytes | ... | page[n-1] bytes      (n * page_bytes)
+
+The checksum is zlib.crc32 over the header (serialized deterministically with checksum = 0)
+continued over the payload, so a corrupted shape, dtype, page id or token is rejected like a
+corrupted byte. Decoding trusts nothing from the wire: every count and length is bounded by
+`CodecLimits` and checked against the others before the payload is read, and the payload is
+only ever reinterpreted as an array of the header's dtype (never unpickled).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from batonpb.baton.v1 import kvtransfer_pb2 as pb
+
+MAX_NDIM = 8
+MAX_ID_CHARS = 128
+MAX_TOKEN_BYTES = 64
+MAX_HASH_BYTES = 64
+
+# The wire enum <-> torch dtype. Codes are the proto's: never renumber, only append.
+DTYPES: dict[torch.dtype, pb.KVDtype.ValueType] = {
+    torch.float32: pb.KV_DTYPE_FLOAT32,
+    torch.float16: pb.KV_DTYPE_FLOAT16,
+    torch.bfloat16: pb.KV_DTYPE_BFLOAT16,
+}
+_WIRE_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
+_INT_VIEWS = {2: torch.int16, 4: torch.int32}
+
+
+class TransferError(Exception):
+    """A chunk or transfer that must not be used; `reason` is safe to show the sender."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class CodecLimits:
+    """Bounds on what one chunk may claim, checked before its payload is touched."""
+
+    max_pages_per_chunk: int = 256
+    max_chunk_bytes: int = 32 << 20
+
+    def __post_init__(self) -> None:
+        if self.max_pages_per_chunk <= 0 or self.max_chunk_bytes <= 0:
+            raise ValueError("codec limits must be positive")
+
+
+class ChunkMeta(NamedTuple):
+    """Who a chunk is for; the codec adds dtype, shape, lengths and the checksum."""
+
+    req_id: str
+    transfer_id: str
+    transfer_token: bytes
+    sender_epoch: int
+    dest_page_ids: Sequence[int]
+    page_hashes: Sequence[bytes] = ()
+    layer_start: int = 0
+    is_last: bool = False
+
+
+def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor]) -> pb.PageChunk:
+    """One PageChunk holding `pages` (each [layers, 2, page_size, kv_heads, head_dim])."""
+    if not pages or len(pages) != len(meta.dest_page_ids):
+        raise ValueError(f"{len(pages)} pages for {len(meta.dest_page_ids)} destination pages")
+    if meta.page_hashes and len(meta.page_hashes) != len(pages):
+        raise ValueError("page_hashes must be empty or one per page")
+    first = pages[0]
+    if first.dtype not in DTYPES or not 1 <= first.dim() <= MAX_NDIM:
+        raise ValueError(f"cannot encode pages of {first.dtype}, shape {tuple(first.shape)}")
+    if any(p.shape != first.shape or p.dtype != first.dtype for p in pages):
+        raise ValueError("all pages of a chunk must share one shape and dtype")
+    payload = _tensor_bytes(torch.stack([p.detach().cpu() for p in pages]))
+    header = pb.PageChunkHeader(
+        req_id=meta.req_id,
+        transfer_id=meta.transfer_id,
+        transfer_token=meta.transfer_token,
+        sender_epoch=meta.sender_epoch,
+        page_hashes=list(meta.page_hashes),
+        dest_page_ids=list(meta.dest_page_ids),
+        layer_start=meta.layer_start,
+        layer_end=meta.layer_start + first.shape[0],
+        dtype=DTYPES[first.dtype],
+        shape=list(first.shape),
+        payload_bytes=len(payload),
+        is_last=meta.is_last,
+    )
+    header.checksum = _checksum(header, payload)
+    return pb.PageChunk(header=header, payload=payload)
+
+
+def decode_chunk(chunk: pb.PageChunk, limits: CodecLimits) -> torch.Tensor:
+    """The chunk's pages as one fresh CPU tensor [n, *shape]; TransferError if anything is off."""
+    header = chunk.header
+    dtype = _WIRE_DTYPES.get(header.dtype)
+    if dtype is None:
+        raise TransferError("unknown dtype")
+    expected = check_header(header, torch.empty((), dtype=dtype).element_size(), limits)
+    if header.payload_bytes != expected or len(chunk.payload) != expected:
+        raise TransferError("payload length does not match the header")
+    if _checksum(header, chunk.payload) != header.checksum:
+        raise TransferError("checksum mismatch")
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = np.frombuffer(chunk.payload, dtype=np.dtype(f"<i{width}"))
+    native = raw.astype(raw.dtype.newbyteorder("="), copy=True)  # owned and writable
+    shape = (len(header.dest_page_ids), *header.shape)
+    return torch.from_numpy(native).view(dtype).reshape(shape)
+
+
+def check_header(header: pb.PageChunkHeader, elem_bytes: int, limits: CodecLimits) -> int:
+    """The payload length the header implies, after bounding every field it comes from."""
+    num_pages = len(header.dest_page_ids)
+    if not 0 < num_pages <= limits.max_pages_per_chunk:
+        raise TransferError("page count out of bounds")
+    if len(set(header.dest_page_ids)) != num_pages:
+        raise TransferError("duplicate destination page")
+    if header.page_hashes and len(header.page_hashes) != num_pages:
+        raise TransferError("page hash count does not match the page count")
+    if any(len(h) > MAX_HASH_BYTES for h in header.page_hashes):
+        raise TransferError("page hash too long")
+    if len(header.req_id) > MAX_ID_CHARS or not 0 < len(header.transfer_id) <= MAX_ID_CHARS:
+        raise TransferError("id length out of bounds")
+    if len(header.transfer_token) > MAX_TOKEN_BYTES:
+        raise TransferError("token too long")
+    shape = list(header.shape)
+    if not 1 <= len(shape) <= MAX_NDIM or any(d == 0 for d in shape):
+        raise TransferError("page shape out of bounds")
+    if header.layer_end <= header.layer_start or header.layer_end - header.layer_start != shape[0]:
+        raise TransferError("layer range does not match the page shape")
+    total = num_pages * elem_bytes
+    for dim in shape:  # Python ints: no overflow, and stop as soon as the bound is passed
+        total *= dim
+        if total > limits.max_chunk_bytes:
+            raise TransferError("chunk too large")
+    return total
+
+
+def _checksum(header: pb.PageChunkHeader, payload: bytes) -> int:
+    blank = pb.PageChunkHeader()
+    blank.CopyFrom(header)
+    blank.checksum = 0
+    return zlib.crc32(payload, zlib.crc32(blank.SerializeToString(deterministic=True)))
+
+
+def _tensor_bytes(pages: torch.Tensor) -> bytes:
+    # [n, *shape] -> same-width integer view -> explicit little-endian bytes
+    as_int = pages.contiguous().view(_INT_VIEWS[pages.element_size()])
+    return as_int.numpy().astype(f"<i{pages.element_size()}", copy=False).tobytes()

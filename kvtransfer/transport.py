@@ -1,0 +1,266 @@
+"""Transports move a request's KV pages from a prefill worker to the decode worker holding them.
+
+Lifecycle of one transfer (DESIGN.md sections 3 and 6):
+
+    decode:  pages = pool.allocate(n); dest = book.reserve(req_id, pages, sender_epoch, ttl)
+    prefill: sender.send(dest, build_chunks(dest, pages, epoch), deadline_s) -> PushResult
+    decode:  receive_push: decode_chunk (bounds, checksum) -> receiver.accept (token, epoch,
+             reserved page) -> receiver.store; the reservation completes when every layer of
+             every page arrived verified
+    failure: a stream that proved the token and then broke (deadline, corrupt chunk, early
+             end) releases the reservation at once; an unclaimed one is released by
+             book.expire() at its deadline. Either way `on_release` returns the pages.
+
+A chunk that fails before proving the token touches nothing: forged or stale pushes cannot
+cancel someone else's reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import torch
+
+from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from kvcache.pool import DevicePool
+from kvtransfer.codec import ChunkMeta, CodecLimits, TransferError, decode_chunk, encode_chunk
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 10.0
+TOKEN_BYTES = 16
+
+Chunks = AsyncIterable[pb.PageChunk] | Iterable[pb.PageChunk]
+
+
+@dataclass(frozen=True, slots=True)
+class KVDestination:
+    """Where to push one request's pages, minted by the decode side with its reservation."""
+
+    address: str  # the decode worker's KV endpoint ("host:port"; a name for `local`)
+    req_id: str
+    transfer_id: str
+    token: bytes  # one-time: accepted for this transfer only
+    epoch: int  # the sender epoch the reservation was made for
+    dest_page_ids: tuple[int, ...]
+
+
+class PushResult(NamedTuple):
+    accepted: bool  # every reserved page arrived and verified
+    pages_received: int
+    error: str
+
+
+class KVSender(Protocol):
+    async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult: ...
+
+
+class KVReceiver(Protocol):
+    def accept(self, header: pb.PageChunkHeader) -> bool: ...
+
+    def store(self, header: pb.PageChunkHeader, pages: torch.Tensor) -> int:
+        """Write a verified chunk; return how many pages of the transfer are now complete."""
+        ...
+
+    def is_complete(self, transfer_id: str) -> bool: ...
+
+    def abort(self, transfer_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Reservation:
+    req_id: str
+    transfer_id: str
+    token: bytes
+    sender_epoch: int
+    page_ids: tuple[int, ...]
+    deadline: float
+    # page_id -> bitmask of the layers received so far
+    layers: dict[int, int] = field(default_factory=dict)
+
+
+class ReservationBook:
+    """The decode side's open reservations: one-time tokens, epoch fencing, completion, expiry."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        on_release: Callable[[Reservation], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.num_layers = num_layers
+        self._full = (1 << num_layers) - 1
+        self._on_release = on_release
+        self._clock = clock
+        self._open: dict[str, Reservation] = {}
+        self.completed: dict[str, Reservation] = {}  # the decode loop pops these to admit
+        self.refused_bad_token = 0
+        self.refused_stale_epoch = 0
+        self.refused_bad_page = 0
+        self.num_expired = 0
+
+    def reserve(
+        self, address: str, req_id: str, page_ids: Sequence[int], sender_epoch: int, ttl_s: float
+    ) -> KVDestination:
+        transfer_id = secrets.token_hex(8)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        self._open[transfer_id] = Reservation(
+            req_id, transfer_id, token, sender_epoch, tuple(page_ids), self._clock() + ttl_s,
+            {p: 0 for p in page_ids},
+        )  # fmt: skip
+        return KVDestination(address, req_id, transfer_id, token, sender_epoch, tuple(page_ids))
+
+    def get(self, transfer_id: str) -> Reservation | None:
+        return self._open.get(transfer_id)
+
+    def check(self, header: pb.PageChunkHeader) -> bool:
+        """Whether a chunk may be stored; refusals are counted and change nothing."""
+        res = self._open.get(header.transfer_id)
+        # an unknown transfer id is a wrong or spent token: completion and release drop it
+        if res is None or not hmac.compare_digest(res.token, header.transfer_token):
+            self.refused_bad_token += 1
+            return False
+        if header.sender_epoch != res.sender_epoch or header.req_id != res.req_id:
+            self.refused_stale_epoch += 1
+            return False
+        if header.layer_end > self.num_layers:  # bounded before it sizes a bitmask
+            self.refused_bad_page += 1
+            return False
+        mask = _layer_mask(header.layer_start, header.layer_end)
+        if any(p not in res.layers or res.layers[p] & mask for p in header.dest_page_ids):
+            self.refused_bad_page += 1
+            return False
+        return True
+
+    def mark(self, header: pb.PageChunkHeader) -> int:
+        """Record a stored chunk (after `check`); return the number of complete pages."""
+        res = self._open[header.transfer_id]
+        mask = _layer_mask(header.layer_start, header.layer_end)
+        for page_id in header.dest_page_ids:
+            res.layers[page_id] |= mask
+        done = sum(1 for m in res.layers.values() if m == self._full)
+        if done == len(res.page_ids):
+            self.completed[res.transfer_id] = self._open.pop(res.transfer_id)
+        return done
+
+    def release(self, transfer_id: str) -> bool:
+        """Drop an open reservation and hand its pages back; False if it was not open."""
+        res = self._open.pop(transfer_id, None)
+        if res is not None:
+            self._on_release(res)
+        return res is not None
+
+    def expire(self) -> list[str]:
+        """Release every open reservation past its deadline; return their transfer ids."""
+        now = self._clock()
+        stale = [tid for tid, res in self._open.items() if res.deadline <= now]
+        for tid in stale:
+            self.num_expired += 1
+            self.release(tid)
+        return stale
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+
+class PoolReceiver:
+    """A KVReceiver that writes verified pages into a DevicePool's reserved page ids."""
+
+    def __init__(self, pool: DevicePool, book: ReservationBook) -> None:
+        self.pool = pool
+        self.book = book
+        lay = pool.layout
+        self._page_tail = (2, lay.page_size, lay.num_kv_heads, lay.head_dim)
+
+    def accept(self, header: pb.PageChunkHeader) -> bool:
+        return self.book.check(header)
+
+    def store(self, header: pb.PageChunkHeader, pages: torch.Tensor) -> int:
+        # pages: [n, layer_end - layer_start, 2, page_size, kv_heads, head_dim]
+        if tuple(pages.shape[2:]) != self._page_tail or pages.dtype != self.pool.kv.dtype:
+            raise TransferError("page shape or dtype does not match this pool")
+        layers = slice(header.layer_start, header.layer_end)
+        for i, page_id in enumerate(header.dest_page_ids):
+            self.pool.kv[layers, :, page_id].copy_(pages[i])
+        return self.book.mark(header)
+
+    def is_complete(self, transfer_id: str) -> bool:
+        return transfer_id in self.book.completed
+
+    def abort(self, transfer_id: str) -> None:
+        self.book.release(transfer_id)
+
+
+def build_chunks(
+    dest: KVDestination,
+    pages: Sequence[torch.Tensor],
+    sender_epoch: int,
+    pages_per_chunk: int = 32,
+    page_hashes: Sequence[bytes] = (),
+) -> list[pb.PageChunk]:
+    """All of `pages` (one per dest page, all layers) as chunks for `dest`, the last flagged."""
+    if len(pages) != len(dest.dest_page_ids):
+        raise ValueError(f"{len(pages)} pages for {len(dest.dest_page_ids)} reserved")
+    chunks = []
+    for start in range(0, len(pages), pages_per_chunk):
+        end = min(start + pages_per_chunk, len(pages))
+        meta = ChunkMeta(
+            dest.req_id, dest.transfer_id, dest.token, sender_epoch,
+            dest.dest_page_ids[start:end], tuple(page_hashes[start:end]),
+            is_last=end == len(pages),
+        )  # fmt: skip
+        chunks.append(encode_chunk(meta, pages[start:end]))
+    return chunks
+
+
+async def receive_push(
+    receiver: KVReceiver, chunks: AsyncIterator[pb.PageChunk], limits: CodecLimits
+) -> pb.PushAck:
+    """Apply one Push stream to `receiver`; the ack a transport returns to the sender."""
+    transfer_id, done = "", 0
+    try:
+        async for chunk in chunks:
+            if transfer_id and chunk.header.transfer_id != transfer_id:
+                raise TransferError("one stream carries one transfer")
+            pages = decode_chunk(chunk, limits)
+            if not receiver.accept(chunk.header):
+                raise TransferError("refused")  # no detail: the token may be a guess
+            transfer_id = chunk.header.transfer_id  # from here on, failures release it
+            done = receiver.store(chunk.header, pages)
+            if chunk.header.is_last:
+                break
+        if not transfer_id:
+            raise TransferError("empty stream")
+        if not receiver.is_complete(transfer_id):
+            raise TransferError("stream ended before every page arrived")
+        return pb.PushAck(transfer_id=transfer_id, accepted=True, pages_received=done)
+    except TransferError as err:
+        if transfer_id:
+            receiver.abort(transfer_id)
+        logger.info("push %s failed: %s", transfer_id or "?", err.reason)
+        return pb.PushAck(transfer_id=transfer_id, pages_received=done, error=err.reason)
+    except (asyncio.CancelledError, Exception):
+        if transfer_id:  # the sender went away or its deadline passed mid-stream
+            receiver.abort(transfer_id)
+        raise
+
+
+async def as_async(chunks: Chunks) -> AsyncIterator[pb.PageChunk]:
+    if isinstance(chunks, AsyncIterable):
+        async for chunk in chunks:
+            yield chunk
+    else:
+        for chunk in chunks:
+            yield chunk
+
+
+def _layer_mask(start: int, end: int) -> int:
+    return ((1 << end) - 1) ^ ((1 << start) - 1)

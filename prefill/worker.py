@@ -1,0 +1,84 @@
+"""The prefill role: compute a prompt's KV, sample its first token, hand the pages over.
+
+    submit(job, dest)  queue the prompt (prefix match and chunked prefill are the engine's)
+    step()             run one engine step; every prompt that finished yields a PrefillDone:
+                       its first token (for the edge, at once) and the page chunks for `dest`
+    (caller)           pushes the chunks with its KVSender, then tells the decode worker the
+                       first token; pages of shared prefixes stay in this worker's cache
+
+A plain class: cluster/ wraps it in a Ray actor; tests drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from engine.engine import Engine
+from engine.request import FinishReason
+from engine.sampling import SamplingParams
+from kvtransfer.transport import KVDestination, build_chunks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    req_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    req_id: str
+    first_token: int
+    text: str  # the first token's text, for the edge
+    finish_reason: FinishReason | None  # set when the first token already ends the request
+    dest: KVDestination
+    chunks: tuple[pb.PageChunk, ...]  # empty when the request is finished
+
+
+class PrefillWorker:
+    def __init__(self, engine: Engine, epoch: int = 1, pages_per_chunk: int = 32) -> None:
+        self.engine = engine
+        self.epoch = epoch  # fencing token: decode refuses pages from a stale epoch
+        self.pages_per_chunk = pages_per_chunk
+        self._jobs: dict[str, tuple[PrefillJob, KVDestination]] = {}
+
+    def submit(self, job: PrefillJob, dest: KVDestination) -> None:
+        # One token, sampled with the request's own parameters (the seed is keyed on the
+        # position, so decode continues the same random stream).
+        first = replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
+        self.engine.add_request(job.req_id, job.prompt_ids, first, job.priority, job.cache_salt, export_kv=True)
+        self._jobs[job.req_id] = (job, dest)
+
+    def abort(self, req_id: str) -> None:
+        self._jobs.pop(req_id, None)
+        self.engine.abort(req_id)
+        self.engine.take_exported(req_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> list[PrefillDone]:
+        done = []
+        for out in self.engine.step():
+            if out.finish_reason is None:
+                continue
+            job, dest = self._jobs.pop(out.req_id)
+            exported = self.engine.take_exported(out.req_id)
+            assert exported is not None
+            finished = out.finish_reason if self._ends_here(job, out.finish_reason) else None
+            chunks: tuple[pb.PageChunk, ...] = ()
+            if finished is None:
+                pages = list(exported.kv.unbind(2))  # one [layers, 2, page_size, kvh, hd] per page
+                chunks = tuple(build_chunks(dest, pages, self.epoch, self.pages_per_chunk))
+            done.append(PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks))
+        return done
+
+    @staticmethod
+    def _ends_here(job: PrefillJob, reason: FinishReason) -> bool:
+        # LENGTH is only real when the client asked for one token; STOP (EOS, a stop id or
+        # a stop string on the first token) always ends the request.
+        return reason != FinishReason.LENGTH or job.sampling.max_tokens == 1

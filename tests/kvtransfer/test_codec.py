@@ -1,0 +1,142 @@
+"""The page codec: exact round trips, and every corruption of a chunk is rejected."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from kvtransfer.codec import ChunkMeta, CodecLimits, TransferError, decode_chunk, encode_chunk
+
+SHAPE = (2, 2, 4, 1, 8)  # [layers, K|V, page_size, kv_heads, head_dim], small for hypothesis
+LIMITS = CodecLimits(max_pages_per_chunk=8, max_chunk_bytes=1 << 20)
+
+
+def _meta(num_pages: int, **kw: object) -> ChunkMeta:
+    fields: dict[str, object] = dict(
+        req_id="req-1", transfer_id="t-1", transfer_token=b"k" * 16, sender_epoch=7,
+        dest_page_ids=list(range(10, 10 + num_pages)),
+        page_hashes=[bytes([i]) * 16 for i in range(num_pages)],
+    )  # fmt: skip
+    fields.update(kw)
+    return ChunkMeta(**fields)  # type: ignore[arg-type]
+
+
+def _pages(num_pages: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=gen).to(dtype) for _ in range(num_pages)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_is_bit_exact_through_the_wire(dtype: torch.dtype) -> None:
+    pages = _pages(3, dtype)
+    pages[1][0, 0, 0, 0, 0] = float("nan")  # bits, not values, must survive
+    chunk = encode_chunk(_meta(3, layer_start=1), pages)
+    wire = pb.PageChunk.FromString(chunk.SerializeToString())
+    out = decode_chunk(wire, LIMITS)
+    assert out.dtype == dtype and tuple(out.shape) == (3, *SHAPE)
+    assert wire.header.layer_start == 1 and wire.header.layer_end == 1 + SHAPE[0]
+    assert wire.header.payload_bytes == 3 * pages[0].numel() * pages[0].element_size()
+    for i, page in enumerate(pages):
+        assert torch.equal(_bits(out[i]), _bits(page))
+
+
+def test_encode_refuses_mixed_or_miscounted_pages() -> None:
+    pages = _pages(2, torch.float32)
+    with pytest.raises(ValueError):
+        encode_chunk(_meta(3), pages)
+    with pytest.raises(ValueError):
+        encode_chunk(_meta(2), [pages[0], pages[1].to(torch.float16)])
+
+
+# Each mutation changes one header field to a different value (or damages the payload).
+Mutation = Callable[[pb.PageChunk, st.DataObject], None]
+
+
+def _set_scalar(name: str, values: st.SearchStrategy[object]) -> Mutation:
+    def mutate(chunk: pb.PageChunk, data: st.DataObject) -> None:
+        new = data.draw(values)
+        assume(new != getattr(chunk.header, name))
+        setattr(chunk.header, name, new)
+
+    return mutate
+
+
+def _set_list(name: str, values: st.SearchStrategy[list[object]]) -> Mutation:
+    def mutate(chunk: pb.PageChunk, data: st.DataObject) -> None:
+        field = getattr(chunk.header, name)
+        new = data.draw(values)
+        assume(new != list(field))
+        del field[:]
+        field.extend(new)
+
+    return mutate
+
+
+def _flip_payload(chunk: pb.PageChunk, data: st.DataObject) -> None:
+    raw = bytearray(chunk.payload)
+    i = data.draw(st.integers(0, len(raw) - 1))
+    raw[i] ^= data.draw(st.integers(1, 255))
+    chunk.payload = bytes(raw)
+
+
+def _resize_payload(chunk: pb.PageChunk, data: st.DataObject) -> None:
+    cut = data.draw(st.integers(-64, 64).filter(lambda n: n != 0))
+    chunk.payload = chunk.payload[:cut] if cut < 0 else chunk.payload + b"\0" * cut
+
+
+u32 = st.integers(0, 2**32 - 1)
+MUTATIONS: dict[str, Mutation] = {
+    "req_id": _set_scalar("req_id", st.text(max_size=8)),
+    "transfer_id": _set_scalar("transfer_id", st.text(max_size=8)),
+    "transfer_token": _set_scalar("transfer_token", st.binary(max_size=20)),
+    "sender_epoch": _set_scalar("sender_epoch", st.integers(0, 2**64 - 1)),
+    "page_hashes": _set_list("page_hashes", st.lists(st.binary(max_size=17), max_size=4)),
+    "dest_page_ids": _set_list("dest_page_ids", st.lists(u32, max_size=4)),
+    "layer_start": _set_scalar("layer_start", u32),
+    "layer_end": _set_scalar("layer_end", u32),
+    "dtype": _set_scalar("dtype", st.integers(0, 5)),
+    "shape": _set_list("shape", st.lists(st.integers(0, 64), max_size=9)),
+    "payload_bytes": _set_scalar("payload_bytes", st.integers(0, 2**64 - 1)),
+    "checksum": _set_scalar("checksum", u32),
+    "is_last": _set_scalar("is_last", st.booleans()),
+    "payload_byte": _flip_payload,
+    "payload_length": _resize_payload,
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    kind=st.sampled_from(sorted(MUTATIONS)),
+    data=st.data(),
+)
+def test_any_corruption_is_rejected_never_decoded(
+    dtype: torch.dtype, kind: str, data: st.DataObject
+) -> None:
+    chunk = encode_chunk(_meta(3), _pages(3, dtype))
+    MUTATIONS[kind](chunk, data)
+    wire = pb.PageChunk.FromString(chunk.SerializeToString())
+    with pytest.raises(TransferError):
+        decode_chunk(wire, LIMITS)
+
+
+def test_lengths_from_the_wire_are_bounded_before_the_payload_is_read() -> None:
+    chunk = encode_chunk(_meta(3), _pages(3, torch.float32))
+    huge = pb.PageChunk()
+    huge.CopyFrom(chunk)
+    huge.header.shape[:] = [2] + [2**32 - 1] * 7  # claims ~10^67 bytes: never allocated
+    with pytest.raises(TransferError, match="too large"):
+        decode_chunk(huge, LIMITS)
+    with pytest.raises(TransferError, match="page count"):
+        decode_chunk(chunk, CodecLimits(max_pages_per_chunk=2))
+    with pytest.raises(TransferError, match="too large"):
+        decode_chunk(chunk, CodecLimits(max_chunk_bytes=chunk.header.payload_bytes - 1))
