@@ -1,0 +1,139 @@
+"""KV transfer against prefill (BENCHMARKS.md P8): how long moving a prompt's pages takes
+next to computing them, per transport, and against the raw ceiling of that path here.
+
+    python -m bench.transfer [--model baton-small] [--prompt-len 2000]
+
+For one prompt: the prefill time (engine, export on), then for each transport the time of a
+full push into a decode engine's reserved pages (encode, checksum, move, verify, write), and
+for gRPC the raw grpc.aio ceiling: the same bytes streamed as opaque messages of the same
+size through a trivial service on loopback. Prints JSON lines and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _prefill(model: str, prompt_len: int) -> tuple[Any, Any, float]:
+    from engine.engine import Engine
+    from engine.engine_config import EngineConfig
+    from engine.sampling import SamplingParams
+
+    cfg = EngineConfig(model=model, dtype="float32", max_prefill_chunk=4096, max_num_batched_tokens=4096,
+                       enable_prefix_cache=False)
+    prefill, decode = Engine(cfg), Engine(cfg)
+    prompt = np.random.default_rng(0).integers(100, prefill.model_config.vocab_size, size=prompt_len).tolist()
+    prefill.generate([prompt[:64]], SamplingParams(max_tokens=1))  # warm-up
+    start = time.perf_counter()
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    seconds = time.perf_counter() - start
+    return prefill.take_exported("p"), decode, seconds
+
+
+async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int) -> tuple[float, int]:
+    from decode.worker import DecodeWorker
+    from kvtransfer.grpc_transport import GrpcSender, start_kv_server
+    from kvtransfer.local import LocalSender
+    from kvtransfer.transport import build_chunks
+    from prefill.worker import PrefillJob
+
+    worker = DecodeWorker(decode, address="decode-0")
+    server = None
+    sender: Any
+    if transport == "grpc":
+        server, port = await start_kv_server(worker.receiver, "127.0.0.1:0")
+        worker.address = f"127.0.0.1:{port}"
+        sender = GrpcSender()
+    else:
+        sender = LocalSender({"decode-0": worker.receiver})
+    from engine.sampling import SamplingParams
+
+    job = PrefillJob("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
+    dest = worker.reserve(job, sender_epoch=1)
+    assert dest is not None
+    pages = list(exported.kv.unbind(2))
+    start = time.perf_counter()
+    result = await sender.send(dest, build_chunks(dest, pages, 1, pages_per_chunk), 60.0)
+    seconds = time.perf_counter() - start
+    assert result.accepted, result.error
+    worker.cancel(dest)
+    if server is not None:
+        await sender.close()
+        await server.stop(None)
+    return seconds, exported.kv.numel() * exported.kv.element_size()
+
+
+async def _raw_grpc(num_bytes: int, message_bytes: int) -> float:
+    """Stream `num_bytes` as opaque messages through a bare grpc.aio client-streaming call."""
+    import grpc
+
+    async def sink(request_iterator: Any, context: Any) -> bytes:
+        async for _ in request_iterator:
+            pass
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        "raw.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)}
+    )
+    opts = [("grpc.max_receive_message_length", message_bytes + (1 << 20)),
+            ("grpc.max_send_message_length", message_bytes + (1 << 20))]
+    server = grpc.aio.server(options=opts)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts)
+    call = channel.stream_unary("/raw.Sink/Push")
+    payload = b"\x01" * message_bytes
+
+    async def messages() -> Any:
+        sent = 0
+        while sent < num_bytes:
+            yield payload
+            sent += message_bytes
+
+    start = time.perf_counter()
+    await call(messages())
+    seconds = time.perf_counter() - start
+    await channel.close()
+    await server.stop(None)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.transfer", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--model", default="baton-small")
+    parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--pages-per-chunk", type=int, default=32)
+    args = parser.parse_args(argv)
+    exported, decode, prefill_s = _prefill(args.model, args.prompt_len)
+    rows = []
+    for transport in ("local", "grpc"):
+        seconds, nbytes = asyncio.run(_push(exported, decode, transport, args.pages_per_chunk))
+        rows.append({"transport": transport, "seconds": round(seconds, 4), "bytes": nbytes,
+                     "gb_per_s": round(nbytes / seconds / 1e9, 3), "vs_prefill": round(seconds / prefill_s, 3)})
+    chunk_bytes = nbytes // exported.kv.shape[2] * args.pages_per_chunk
+    raw_s = asyncio.run(_raw_grpc(nbytes, chunk_bytes))
+    rows.append({"transport": "raw grpc.aio (ceiling)", "seconds": round(raw_s, 4), "bytes": nbytes,
+                 "gb_per_s": round(nbytes / raw_s / 1e9, 3), "vs_prefill": round(raw_s / prefill_s, 3)})
+    print(json.dumps({"model": args.model, "prompt_len": args.prompt_len, "prefill_s": round(prefill_s, 3)}))
+    for row in rows:
+        print(json.dumps(row))
+    print(f"prefill of {args.prompt_len} tokens on {args.model}: {prefill_s:.3f} s; KV {nbytes / 1e6:.1f} MB",
+          file=sys.stderr)
+    for row in rows:
+        print(f"  {row['transport']:<24} {row['seconds']:8.4f} s  {row['gb_per_s']:6.3f} GB/s  "
+              f"{row['vs_prefill']:6.3f}x prefill", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
