@@ -25,7 +25,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 lint: setup
-	$(VENV)/bin/ruff check engine kvcache cluster bench tests
+	$(VENV)/bin/ruff check .
 
 test: setup typecheck lint
 	$(VENV)/bin/pytest -q
