@@ -1,4 +1,4 @@
-"""The page codec: a chunk of KV pages <-> one `baton.v1.PageChunk` (header + raw bytes).
+"""The page codec: a chunk of KV pages <-> a `baton.v1.PageChunkHeader` + raw bytes (framed on the wire).
 
 A chunk carries `n = len(dest_page_ids)` pages of one shape and dtype, stacked and laid out
 C order, little-endian (bfloat16 travels through a same-width integer view, as numpy has no
@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 
@@ -73,7 +74,38 @@ class ChunkMeta(NamedTuple):
     is_last: bool = False
 
 
-def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor]) -> pb.PageChunk:
+@dataclass(slots=True)
+class WireChunk:
+    """One chunk: the protobuf header and the raw payload (bytes, or a view of them)."""
+
+    header: pb.PageChunkHeader
+    payload: bytes | memoryview
+
+
+MAX_HEADER_BYTES = 64 << 10  # a header is small: ids, a token, hashes and a shape
+
+
+def frame(chunk: WireChunk) -> bytes:
+    """[u32 LE header length][header][payload]: the one copy of the payload on the way out."""
+    head = chunk.header.SerializeToString()
+    return b"".join((len(head).to_bytes(4, "little"), head, chunk.payload))
+
+
+def unframe(data: bytes) -> WireChunk:
+    """The inverse of `frame`, without copying the payload; TransferError if malformed."""
+    if len(data) < 4:
+        raise TransferError("short frame")
+    size = int.from_bytes(data[:4], "little")
+    if size > MAX_HEADER_BYTES or size > len(data) - 4:
+        raise TransferError("header length out of bounds")
+    try:
+        header = pb.PageChunkHeader.FromString(data[4 : 4 + size])
+    except DecodeError:
+        raise TransferError("malformed header") from None
+    return WireChunk(header, memoryview(data)[4 + size :])
+
+
+def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor]) -> WireChunk:
     """One PageChunk holding `pages` (each [layers, 2, page_size, kv_heads, head_dim])."""
     if not pages or len(pages) != len(meta.dest_page_ids):
         raise ValueError(f"{len(pages)} pages for {len(meta.dest_page_ids)} destination pages")
@@ -100,10 +132,10 @@ def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor]) -> pb.PageChunk
         is_last=meta.is_last,
     )
     header.checksum = _checksum(header, payload)
-    return pb.PageChunk(header=header, payload=payload)
+    return WireChunk(header, payload)
 
 
-def decode_chunk(chunk: pb.PageChunk, limits: CodecLimits) -> torch.Tensor:
+def decode_chunk(chunk: WireChunk, limits: CodecLimits) -> torch.Tensor:
     """The chunk's pages as one fresh CPU tensor [n, *shape]; TransferError if anything is off."""
     header = chunk.header
     dtype = _WIRE_DTYPES.get(header.dtype)
@@ -149,14 +181,16 @@ def check_header(header: pb.PageChunkHeader, elem_bytes: int, limits: CodecLimit
     return total
 
 
-def _checksum(header: pb.PageChunkHeader, payload: bytes) -> int:
+def _checksum(header: pb.PageChunkHeader, payload: bytes | memoryview) -> int:
     blank = pb.PageChunkHeader()
     blank.CopyFrom(header)
     blank.checksum = 0
     return zlib.crc32(payload, zlib.crc32(blank.SerializeToString(deterministic=True)))
 
 
-def _tensor_bytes(pages: torch.Tensor) -> bytes:
-    # [n, *shape] -> same-width integer view -> explicit little-endian bytes
+def _tensor_bytes(pages: torch.Tensor) -> memoryview:
+    # [n, *shape] -> same-width integer view -> explicit little-endian bytes, as a view: the
+    # only copy on the way out is the framing's join (or none at all in-process)
     as_int = pages.contiguous().view(_INT_VIEWS[pages.element_size()])
-    return as_int.numpy().astype(f"<i{pages.element_size()}", copy=False).tobytes()
+    array = as_int.numpy().astype(f"<i{pages.element_size()}", copy=False)
+    return memoryview(array.data).cast("B")

@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
-from batonpb.baton.v1 import kvtransfer_pb2_grpc as pb_grpc
-from kvtransfer.codec import CodecLimits
+from kvtransfer.codec import CodecLimits, WireChunk, frame, unframe
 from kvtransfer.transport import (
     Chunks,
     KVDestination,
@@ -25,6 +24,8 @@ from kvtransfer.transport import (
     receive_push,
 )
 
+SERVICE = "baton.v1.KVTransfer"
+PUSH = f"/{SERVICE}/Push"
 _HEADER_ROOM = 1 << 20  # headroom over the payload bound for the header and framing
 
 
@@ -33,27 +34,32 @@ def _message_options(limits: CodecLimits) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
 
 
-class KVTransferService(pb_grpc.KVTransferServicer):
-    def __init__(self, receiver: KVReceiver, limits: CodecLimits) -> None:
-        self.receiver = receiver
-        self.limits = limits
-
-    async def Push(
-        self,
-        request_iterator: AsyncIterator[pb.PageChunk],
-        context: grpc.aio.ServicerContext[pb.PageChunk, pb.PushAck],
-    ) -> pb.PushAck:
-        # grpc.aio hands a coroutine handler an async iterator of the request stream
-        return await receive_push(self.receiver, request_iterator, self.limits)
+def _unframe_or_poison(data: bytes) -> WireChunk:
+    # A malformed frame must reach receive_push as a chunk that fails validation (so the
+    # transfer is refused with a reason), not as an exception inside grpc's deserializer.
+    try:
+        return unframe(data)
+    except Exception:
+        return WireChunk(pb.PageChunkHeader(), b"")
 
 
 async def start_kv_server(
     receiver: KVReceiver, address: str = "127.0.0.1:0", limits: CodecLimits | None = None
 ) -> tuple[grpc.aio.Server, int]:
-    """A started server hosting KVTransfer for `receiver`, and the port it bound."""
+    """A started server hosting KVTransfer.Push for `receiver`, and the port it bound."""
     limits = limits or CodecLimits()
+
+    async def push(request_iterator: AsyncIterator[WireChunk], context: object) -> pb.PushAck:
+        return await receive_push(receiver, request_iterator, limits)
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {"Push": grpc.stream_unary_rpc_method_handler(
+            push, request_deserializer=_unframe_or_poison, response_serializer=pb.PushAck.SerializeToString
+        )},
+    )  # fmt: skip
     server = grpc.aio.server(options=_message_options(limits))
-    pb_grpc.add_KVTransferServicer_to_server(KVTransferService(receiver, limits), server)
+    server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
@@ -69,8 +75,10 @@ class GrpcSender:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
-        stub = pb_grpc.KVTransferStub(self._channel(dest.address))
-        call = stub.Push(as_async(chunks), timeout=deadline_s)
+        push = self._channel(dest.address).stream_unary(
+            PUSH, request_serializer=frame, response_deserializer=pb.PushAck.FromString
+        )
+        call = push(as_async(chunks), timeout=deadline_s)
         try:
             ack: pb.PushAck = await call
         except grpc.aio.AioRpcError as err:

@@ -30,14 +30,21 @@ import torch
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvcache.pool import DevicePool
-from kvtransfer.codec import ChunkMeta, CodecLimits, TransferError, decode_chunk, encode_chunk
+from kvtransfer.codec import (
+    ChunkMeta,
+    CodecLimits,
+    TransferError,
+    WireChunk,
+    decode_chunk,
+    encode_chunk,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 10.0
 TOKEN_BYTES = 16
 
-Chunks = AsyncIterable[pb.PageChunk] | Iterable[pb.PageChunk]
+Chunks = AsyncIterable[WireChunk] | Iterable[WireChunk]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +212,7 @@ def build_chunks(
     sender_epoch: int,
     pages_per_chunk: int = 32,
     page_hashes: Sequence[bytes] = (),
-) -> list[pb.PageChunk]:
+) -> list[WireChunk]:
     """All of `pages` (one per dest page, all layers) as chunks for `dest`, the last flagged."""
     if len(pages) != len(dest.dest_page_ids):
         raise ValueError(f"{len(pages)} pages for {len(dest.dest_page_ids)} reserved")
@@ -222,7 +229,7 @@ def build_chunks(
 
 
 async def receive_push(
-    receiver: KVReceiver, chunks: AsyncIterator[pb.PageChunk], limits: CodecLimits
+    receiver: KVReceiver, chunks: AsyncIterator[WireChunk], limits: CodecLimits
 ) -> pb.PushAck:
     """Apply one Push stream to `receiver`; the ack a transport returns to the sender."""
     transfer_id, done = "", 0
@@ -253,7 +260,7 @@ async def receive_push(
         raise
 
 
-async def as_async(chunks: Chunks) -> AsyncIterator[pb.PageChunk]:
+async def as_async(chunks: Chunks) -> AsyncIterator[WireChunk]:
     if isinstance(chunks, AsyncIterable):
         async for chunk in chunks:
             yield chunk

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from engine.engine import Engine
 from engine.request import FinishReason
 from engine.sampling import SamplingParams
+from kvtransfer.codec import WireChunk
 from kvtransfer.transport import KVDestination, build_chunks
 
 
@@ -36,7 +36,7 @@ class PrefillDone:
     text: str  # the first token's text, for the edge
     finish_reason: FinishReason | None  # set when the first token already ends the request
     dest: KVDestination
-    chunks: tuple[pb.PageChunk, ...]  # empty when the request is finished
+    chunks: tuple[WireChunk, ...]  # empty when the request is finished
 
 
 class PrefillWorker:
@@ -70,7 +70,7 @@ class PrefillWorker:
             exported = self.engine.take_exported(out.req_id)
             assert exported is not None
             finished = out.finish_reason if self._ends_here(job, out.finish_reason) else None
-            chunks: tuple[pb.PageChunk, ...] = ()
+            chunks: tuple[WireChunk, ...] = ()
             if finished is None:
                 pages = list(exported.kv.unbind(2))  # one [layers, 2, page_size, kvh, hd] per page
                 chunks = tuple(build_chunks(dest, pages, self.epoch, self.pages_per_chunk))

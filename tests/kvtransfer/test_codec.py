@@ -9,8 +9,16 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
-from kvtransfer.codec import ChunkMeta, CodecLimits, TransferError, decode_chunk, encode_chunk
+from kvtransfer.codec import (
+    ChunkMeta,
+    CodecLimits,
+    TransferError,
+    WireChunk,
+    decode_chunk,
+    encode_chunk,
+    frame,
+    unframe,
+)
 
 SHAPE = (2, 2, 4, 1, 8)  # [layers, K|V, page_size, kv_heads, head_dim], small for hypothesis
 LIMITS = CodecLimits(max_pages_per_chunk=8, max_chunk_bytes=1 << 20)
@@ -40,7 +48,7 @@ def test_round_trip_is_bit_exact_through_the_wire(dtype: torch.dtype) -> None:
     pages = _pages(3, dtype)
     pages[1][0, 0, 0, 0, 0] = float("nan")  # bits, not values, must survive
     chunk = encode_chunk(_meta(3, layer_start=1), pages)
-    wire = pb.PageChunk.FromString(chunk.SerializeToString())
+    wire = unframe(frame(chunk))
     out = decode_chunk(wire, LIMITS)
     assert out.dtype == dtype and tuple(out.shape) == (3, *SHAPE)
     assert wire.header.layer_start == 1 and wire.header.layer_end == 1 + SHAPE[0]
@@ -58,11 +66,11 @@ def test_encode_refuses_mixed_or_miscounted_pages() -> None:
 
 
 # Each mutation changes one header field to a different value (or damages the payload).
-Mutation = Callable[[pb.PageChunk, st.DataObject], None]
+Mutation = Callable[[WireChunk, st.DataObject], None]
 
 
 def _set_scalar(name: str, values: st.SearchStrategy[object]) -> Mutation:
-    def mutate(chunk: pb.PageChunk, data: st.DataObject) -> None:
+    def mutate(chunk: WireChunk, data: st.DataObject) -> None:
         new = data.draw(values)
         assume(new != getattr(chunk.header, name))
         setattr(chunk.header, name, new)
@@ -71,7 +79,7 @@ def _set_scalar(name: str, values: st.SearchStrategy[object]) -> Mutation:
 
 
 def _set_list(name: str, values: st.SearchStrategy[list[object]]) -> Mutation:
-    def mutate(chunk: pb.PageChunk, data: st.DataObject) -> None:
+    def mutate(chunk: WireChunk, data: st.DataObject) -> None:
         field = getattr(chunk.header, name)
         new = data.draw(values)
         assume(new != list(field))
@@ -81,16 +89,17 @@ def _set_list(name: str, values: st.SearchStrategy[list[object]]) -> Mutation:
     return mutate
 
 
-def _flip_payload(chunk: pb.PageChunk, data: st.DataObject) -> None:
+def _flip_payload(chunk: WireChunk, data: st.DataObject) -> None:
     raw = bytearray(chunk.payload)
     i = data.draw(st.integers(0, len(raw) - 1))
     raw[i] ^= data.draw(st.integers(1, 255))
     chunk.payload = bytes(raw)
 
 
-def _resize_payload(chunk: pb.PageChunk, data: st.DataObject) -> None:
+def _resize_payload(chunk: WireChunk, data: st.DataObject) -> None:
     cut = data.draw(st.integers(-64, 64).filter(lambda n: n != 0))
-    chunk.payload = chunk.payload[:cut] if cut < 0 else chunk.payload + b"\0" * cut
+    raw = bytes(chunk.payload)
+    chunk.payload = raw[:cut] if cut < 0 else raw + b"\0" * cut
 
 
 u32 = st.integers(0, 2**32 - 1)
@@ -124,15 +133,14 @@ def test_any_corruption_is_rejected_never_decoded(
 ) -> None:
     chunk = encode_chunk(_meta(3), _pages(3, dtype))
     MUTATIONS[kind](chunk, data)
-    wire = pb.PageChunk.FromString(chunk.SerializeToString())
+    wire = unframe(frame(chunk))
     with pytest.raises(TransferError):
         decode_chunk(wire, LIMITS)
 
 
 def test_lengths_from_the_wire_are_bounded_before_the_payload_is_read() -> None:
     chunk = encode_chunk(_meta(3), _pages(3, torch.float32))
-    huge = pb.PageChunk()
-    huge.CopyFrom(chunk)
+    huge = unframe(frame(chunk))
     huge.header.shape[:] = [2] + [2**32 - 1] * 7  # claims ~10^67 bytes: never allocated
     with pytest.raises(TransferError, match="too large"):
         decode_chunk(huge, LIMITS)
@@ -140,3 +148,11 @@ def test_lengths_from_the_wire_are_bounded_before_the_payload_is_read() -> None:
         decode_chunk(chunk, CodecLimits(max_pages_per_chunk=2))
     with pytest.raises(TransferError, match="too large"):
         decode_chunk(chunk, CodecLimits(max_chunk_bytes=chunk.header.payload_bytes - 1))
+
+
+def test_malformed_frames_are_refused() -> None:
+    chunk = encode_chunk(_meta(3), _pages(3, torch.float32))
+    wire = frame(chunk)
+    for bad in (b"", b"\x01\x00", (10**6).to_bytes(4, "little") + wire[4:], wire[:4] + b"\xff" * 20):
+        with pytest.raises(TransferError):
+            decode_chunk(unframe(bad), LIMITS)

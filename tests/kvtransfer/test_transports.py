@@ -11,7 +11,8 @@ import torch
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvcache.pool import DevicePool, KVLayout
-from kvtransfer.grpc_transport import GrpcSender, start_kv_server
+from kvtransfer.codec import WireChunk
+from kvtransfer.grpc_transport import PUSH, GrpcSender, start_kv_server
 from kvtransfer.local import LocalSender
 from kvtransfer.transport import (
     KVDestination,
@@ -122,7 +123,8 @@ async def test_grpc_corrupt_chunk_after_acceptance_releases_the_reservation(
     decode, address = grpc_decode
     dest = decode.reserve(address, 10)
     chunks = build_chunks(dest, _prefill_pages(10), EPOCH, pages_per_chunk=5)
-    chunks[1].payload = chunks[1].payload[:-1] + bytes([chunks[1].payload[-1] ^ 1])
+    raw = bytes(chunks[1].payload)
+    chunks[1].payload = raw[:-1] + bytes([raw[-1] ^ 1])
     result = await grpc_sender.send(dest, chunks, 5.0)
     assert (result.accepted, result.pages_received, result.error) == (False, 5, "checksum mismatch")
     assert [r.transfer_id for r in decode.released] == [dest.transfer_id]
@@ -137,7 +139,7 @@ async def test_deadline_passing_mid_stream_fails_and_releases_the_reservation(
     dest = decode.reserve(address, 10)
     chunks = build_chunks(dest, _prefill_pages(10), EPOCH, pages_per_chunk=5)
 
-    async def stalled() -> AsyncIterator[pb.PageChunk]:
+    async def stalled() -> AsyncIterator[WireChunk]:
         yield chunks[0]
         await asyncio.sleep(30)  # the prefill side stalls before the last chunk
         yield chunks[1]
@@ -157,9 +159,7 @@ async def test_deadline_passing_mid_stream_fails_and_releases_the_reservation(
 async def test_grpc_refuses_a_chunk_over_the_message_limit(grpc_decode: tuple[Decode, str]) -> None:
     _, address = grpc_decode
     async with grpc.aio.insecure_channel(address) as channel:
-        from batonpb.baton.v1 import kvtransfer_pb2_grpc as pb_grpc
-
-        big = pb.PageChunk(payload=b"\0" * (40 << 20))
+        push = channel.stream_unary(PUSH, request_serializer=bytes, response_deserializer=pb.PushAck.FromString)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await pb_grpc.KVTransferStub(channel).Push(iter([big]), timeout=10)
+            await push(iter([b"\0" * (40 << 20)]), timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from batonpb.baton.v1 import kvtransfer_pb2 as baton_dot_v1_dot_kvtransfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -23,77 +22,3 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
-
-
-class KVTransferStub:
-    """Missing associated documentation comment in .proto file."""
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.Push = channel.stream_unary(
-                '/baton.v1.KVTransfer/Push',
-                request_serializer=baton_dot_v1_dot_kvtransfer__pb2.PageChunk.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_kvtransfer__pb2.PushAck.FromString,
-                _registered_method=True)
-
-
-class KVTransferServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Push(self, request_iterator, context):
-        """Streams the chunks of one transfer; the reply says whether every page arrived and
-        verified. One call carries one transfer_id; the last chunk has is_last set.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_KVTransferServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'Push': grpc.stream_unary_rpc_method_handler(
-                    servicer.Push,
-                    request_deserializer=baton_dot_v1_dot_kvtransfer__pb2.PageChunk.FromString,
-                    response_serializer=baton_dot_v1_dot_kvtransfer__pb2.PushAck.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'baton.v1.KVTransfer', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('baton.v1.KVTransfer', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class KVTransfer:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Push(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/baton.v1.KVTransfer/Push',
-            baton_dot_v1_dot_kvtransfer__pb2.PageChunk.SerializeToString,
-            baton_dot_v1_dot_kvtransfer__pb2.PushAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
