@@ -60,7 +60,7 @@ async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int
     job = PrefillJob("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
     dest = worker.reserve(job, sender_epoch=1)
     assert dest is not None
-    pages = list(exported.kv.unbind(2))
+    pages = exported.kv  # page-major block, as the prefill worker sends it
     start = time.perf_counter()
     result = await sender.send(dest, build_chunks(dest, pages, 1, pages_per_chunk), 60.0)
     seconds = time.perf_counter() - start
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds, nbytes = asyncio.run(_push(exported, decode, transport, args.pages_per_chunk))
         rows.append({"transport": transport, "seconds": round(seconds, 4), "bytes": nbytes,
                      "gb_per_s": round(nbytes / seconds / 1e9, 3), "vs_prefill": round(seconds / prefill_s, 3)})
-    chunk_bytes = nbytes // exported.kv.shape[2] * args.pages_per_chunk
+    chunk_bytes = nbytes // exported.kv.shape[0] * args.pages_per_chunk
     raw_s = asyncio.run(_raw_grpc(nbytes, chunk_bytes))
     rows.append({"transport": "raw grpc.aio (ceiling)", "seconds": round(raw_s, 4), "bytes": nbytes,
                  "gb_per_s": round(nbytes / raw_s / 1e9, 3), "vs_prefill": round(raw_s / prefill_s, 3)})

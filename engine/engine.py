@@ -263,7 +263,8 @@ class Engine:
         n_prompt = len(request.prompt_ids)
         n_pages = -(-n_prompt // self.cfg.page_size)
         index = torch.tensor(request.page_ids[:n_pages], dtype=torch.int64, device=self.device)
-        kv = self.pool.kv.index_select(2, index).to("cpu")  # [layers, 2, pages, page_size, kvh, hd]
+        # Page-major and contiguous, so each chunk of pages is one slice on the wire.
+        kv = self.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().to("cpu")
         self._exported[request.req_id] = ExportedKV(request.req_id, n_prompt, request.output_ids[0], kv)
 
     def take_exported(self, req_id: str) -> ExportedKV | None:

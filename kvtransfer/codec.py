@@ -105,9 +105,10 @@ def unframe(data: bytes) -> WireChunk:
     return WireChunk(header, memoryview(data)[4 + size :])
 
 
-def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor]) -> WireChunk:
-    """One PageChunk holding `pages` (each [layers, 2, page_size, kv_heads, head_dim])."""
-    if not pages or len(pages) != len(meta.dest_page_ids):
+def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor] | torch.Tensor) -> WireChunk:
+    """One chunk holding `pages` (each [layers, 2, page_size, kv_heads, head_dim]): a list of
+    pages, or a page-major block [n, ...] — a contiguous block is sent without a copy."""
+    if len(pages) == 0 or len(pages) != len(meta.dest_page_ids):
         raise ValueError(f"{len(pages)} pages for {len(meta.dest_page_ids)} destination pages")
     if meta.page_hashes and len(meta.page_hashes) != len(pages):
         raise ValueError("page_hashes must be empty or one per page")
@@ -116,7 +117,8 @@ def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor]) -> WireChunk:
         raise ValueError(f"cannot encode pages of {first.dtype}, shape {tuple(first.shape)}")
     if any(p.shape != first.shape or p.dtype != first.dtype for p in pages):
         raise ValueError("all pages of a chunk must share one shape and dtype")
-    payload = _tensor_bytes(torch.stack([p.detach().cpu() for p in pages]))
+    block = pages.detach().cpu() if isinstance(pages, torch.Tensor) else torch.stack([p.detach().cpu() for p in pages])
+    payload = _tensor_bytes(block)
     header = pb.PageChunkHeader(
         req_id=meta.req_id,
         transfer_id=meta.transfer_id,

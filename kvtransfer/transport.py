@@ -208,12 +208,13 @@ class PoolReceiver:
 
 def build_chunks(
     dest: KVDestination,
-    pages: Sequence[torch.Tensor],
+    pages: Sequence[torch.Tensor] | torch.Tensor,
     sender_epoch: int,
     pages_per_chunk: int = 32,
     page_hashes: Sequence[bytes] = (),
 ) -> list[WireChunk]:
-    """All of `pages` (one per dest page, all layers) as chunks for `dest`, the last flagged."""
+    """All of `pages` (one per dest page, all layers; a list or a page-major block) as chunks
+    for `dest`, the last flagged."""
     if len(pages) != len(dest.dest_page_ids):
         raise ValueError(f"{len(pages)} pages for {len(dest.dest_page_ids)} reserved")
     chunks = []

@@ -72,8 +72,8 @@ class PrefillWorker:
             finished = out.finish_reason if self._ends_here(job, out.finish_reason) else None
             chunks: tuple[WireChunk, ...] = ()
             if finished is None:
-                pages = list(exported.kv.unbind(2))  # one [layers, 2, page_size, kvh, hd] per page
-                chunks = tuple(build_chunks(dest, pages, self.epoch, self.pages_per_chunk))
+                # a page-major block: each chunk is a slice of it, sent without a copy
+                chunks = tuple(build_chunks(dest, exported.kv, self.epoch, self.pages_per_chunk))
             done.append(PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks))
         return done
 

@@ -26,8 +26,8 @@ def _handoff(prefill: Engine, decode: Engine, req_id: str, prompt: list[int], pa
     exported = prefill.take_exported(req_id)
     assert exported is not None and exported.num_tokens == len(prompt)
     pages = decode.reserve_pages(len(prompt))
-    assert pages is not None and len(pages) == exported.kv.shape[2]
-    decode.pool.kv[:, :, torch.tensor(pages)] = exported.kv  # what a transport does
+    assert pages is not None and len(pages) == exported.kv.shape[0]
+    decode.pool.kv[:, :, torch.tensor(pages)] = exported.kv.permute(1, 2, 0, 3, 4, 5)  # what a transport does
     decode.add_prefilled(req_id, prompt, exported.first_token, params, pages)
     tokens = [exported.first_token]
     while decode.has_unfinished():
