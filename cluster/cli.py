@@ -69,6 +69,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget")
     up.add_argument("--no-prefix-cache", action="store_true", help="turn KV prefix reuse off")
+    up.add_argument("--prefill", type=int, default=0, choices=[0, 1],
+                    help="prefill workers: 0 colocated, 1 a prefill engine beside the decode engine (in-process)")
     up.add_argument("--shared-prefix", action="append", default=[],
                     help="text (e.g. a public system prompt) whose cached pages every tenant may share")
     up.add_argument("--kv-pages", type=int, default=None, help="device KV pool size in pages (overrides --kv-memory-gb)")
@@ -190,6 +192,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys,
         served_model_name=args.served_model_name,
         shared_prefix_texts=tuple(args.shared_prefix),
+        prefill_workers=args.prefill,
     )
     return run(cfg)
 

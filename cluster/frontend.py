@@ -16,20 +16,43 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from cluster.admission import Admission, AdmissionConfig, Ticket
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.metrics import EdgeMetrics
 from cluster.tenants import Tenant, TenantLimits
-from engine.async_engine import AsyncEngine
-from engine.outputs import StepOutput
+from engine.engine import Engine
+from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+
+
+class EngineFront(Protocol):
+    """What the Frontend needs from the engine side: an AsyncEngine (colocated) or a PDFront
+    (prefill and decode apart)."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    @property
+    def heartbeat(self) -> float: ...
+
+    @property
+    def last_stats(self) -> StepStats | None: ...
+
+    def generate(
+        self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0,
+        cache_salt: str = "",
+    ) -> AsyncIterator[StepOutput]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +68,7 @@ class GenerateRequest:
 class Frontend:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineFront,
         model_name: str,
         admission: AdmissionConfig | None = None,
         request_timeout_s: float = 600.0,

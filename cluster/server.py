@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,12 @@ import uvloop
 from cluster.admission import AdmissionConfig
 from cluster.frontend import Frontend
 from cluster.http_api import HttpConfig, create_app
+from cluster.pd import PDFront
 from cluster.tenants import ApiKeys
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from kvcache.tiers import TierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class ServerConfig:
     api_keys_file: Path | None = None
     request_timeout_s: float = 600.0
     served_model_name: str | None = None
+    prefill_workers: int = 0  # 0: colocated; 1: a prefill engine beside the decode one (in-process)
     shared_prefix_texts: tuple[str, ...] = ()  # prompts every tenant may share (tokenized at start)
 
 
@@ -52,8 +55,8 @@ def load_api_keys(path: Path | None) -> ApiKeys:
 class Running:
     """A started server's parts (tests drive these directly)."""
 
-    engine: Engine
-    front: AsyncEngine
+    engine: Engine  # the decode (or colocated) engine
+    front: AsyncEngine | PDFront
     frontend: Frontend
     http: uvicorn.Server
     grpc: Any | None
@@ -71,7 +74,14 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     if engine is None:
         engine = await asyncio.to_thread(Engine, cfg.engine)
     engine.shared_prefixes += tuple(tuple(engine.tokenizer.encode(t)) for t in cfg.shared_prefix_texts)
-    front = AsyncEngine(engine)
+    decode = AsyncEngine(engine)
+    front: AsyncEngine | PDFront = decode
+    if cfg.prefill_workers:
+        # Disaggregated in one process: the prefill role gets its own engine (its own pool and
+        # prefix cache); the Ray deployment puts each role in its own actor instead.
+        prefill = await asyncio.to_thread(Engine, replace(cfg.engine, tiers=TierConfig()))
+        prefill.shared_prefixes = engine.shared_prefixes
+        front = PDFront(AsyncEngine(prefill), decode)
     front.start()
     name = cfg.served_model_name or Path(cfg.engine.model).name
     frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s)

@@ -50,12 +50,15 @@ class DecodeWorker:
             if done is not None:
                 self._release(done)
 
-    def start_prefilled(self, job: PrefillJob, dest: KVDestination, first_token: int) -> None:
+    def start_prefilled(
+        self, job: PrefillJob, dest: KVDestination, first_token: int, num_cached_tokens: int = 0
+    ) -> None:
         done = self.book.completed.pop(dest.transfer_id, None)
         if done is None:
             raise TransferError(f"transfer {dest.transfer_id} did not complete")
         self.engine.add_prefilled(
-            job.req_id, job.prompt_ids, first_token, job.sampling, list(done.page_ids), job.priority, job.cache_salt
+            job.req_id, job.prompt_ids, first_token, job.sampling, list(done.page_ids), job.priority,
+            job.cache_salt, num_cached_tokens,
         )
 
     def start_local(self, job: PrefillJob) -> None:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 from engine.engine import Engine
 from engine.errors import RequestError, SlowReaderError
@@ -30,12 +30,26 @@ from engine.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class _Add(NamedTuple):
+class _Start(NamedTuple):
     req_id: str
-    prompt_ids: Sequence[int]
-    sampling: SamplingParams
-    priority: int
-    cache_salt: str
+    start: Callable[[Engine], None]  # puts the request into the engine, on the step thread
+
+
+class _Call(NamedTuple):
+    fn: Callable[[Engine], Any]
+    future: asyncio.Future[Any]
+
+
+T = TypeVar("T")
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class _Failed(NamedTuple):
@@ -49,7 +63,7 @@ class AsyncEngine:
         # A consumer more than this many step outputs behind is cancelled: its buffer is
         # bounded and the batch never waits for it.
         self._max_buffered = max_buffered
-        self._commands: deque[_Add | str] = deque()  # a str is an abort
+        self._commands: deque[_Start | _Call | str] = deque()  # a str is an abort
         self._wake = threading.Event()
         self._queues: dict[str, asyncio.Queue[StepOutput | _Failed]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -74,7 +88,7 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    async def generate(
+    def generate(
         self,
         req_id: str,
         prompt_ids: Sequence[int],
@@ -83,13 +97,17 @@ class AsyncEngine:
         cache_salt: str = "",
     ) -> AsyncIterator[StepOutput]:
         """Stream a request's outputs; raises the engine's RequestError if it is refused."""
+        return self.stream(req_id, lambda e: e.add_request(req_id, prompt_ids, sampling, priority, cache_salt))
+
+    async def stream(self, req_id: str, start: Callable[[Engine], None]) -> AsyncIterator[StepOutput]:
+        """Stream the outputs of the request that `start` puts into the engine (any role)."""
         if not self.is_alive:
             raise RuntimeError("the engine's step loop is not running")
         if req_id in self._queues:
             raise RequestError("req_id", f"request {req_id!r} is already running")
         queue: asyncio.Queue[StepOutput | _Failed] = asyncio.Queue()
         self._queues[req_id] = queue
-        self._commands.append(_Add(req_id, prompt_ids, sampling, priority, cache_salt))
+        self._commands.append(_Start(req_id, start))
         self._wake.set()
         finished = False
         try:
@@ -105,6 +123,15 @@ class AsyncEngine:
             self._queues.pop(req_id, None)
             if not finished:
                 self.abort(req_id)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the step thread (the only thread that touches the engine)."""
+        if not self.is_alive:
+            raise RuntimeError("the engine's step loop is not running")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._commands.append(_Call(fn, future))
+        self._wake.set()
+        return cast(T, await future)
 
     def abort(self, req_id: str) -> None:
         self._commands.append(req_id)
@@ -136,11 +163,16 @@ class AsyncEngine:
             command = self._commands.popleft()
             if isinstance(command, str):
                 self.engine.abort(command)
-                continue
-            try:
-                self.engine.add_request(*command)
-            except Exception as exc:  # refused: tell that caller only
-                self._post(self._deliver, command.req_id, _Failed(exc))
+            elif isinstance(command, _Call):
+                try:
+                    self._post(_resolve, command.future, command.fn(self.engine), None)
+                except Exception as exc:
+                    self._post(_resolve, command.future, None, exc)
+            else:
+                try:
+                    command.start(self.engine)
+                except Exception as exc:  # refused: tell that caller only
+                    self._post(self._deliver, command.req_id, _Failed(exc))
 
     def _post(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None

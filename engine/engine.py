@@ -289,6 +289,7 @@ class Engine:
         page_ids: list[int],
         priority: int = 0,
         cache_salt: str = "",
+        num_cached_tokens: int = 0,
     ) -> None:
         """Join the running batch with a prompt whose KV already fills `page_ids` (reserved
         with `reserve_pages`; ownership passes to the request) and whose first token was
@@ -297,6 +298,7 @@ class Engine:
         request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
         self._arrivals += 1
         request.cache_salt = cache_salt.encode()
+        request.num_cached_tokens = num_cached_tokens  # the prefill side's reuse, for usage
         request.output_ids.append(first_token)
         request.num_computed_tokens = len(request.prompt_ids)
         request.page_ids = page_ids

@@ -7,8 +7,9 @@ check), so what passes here passes over gRPC too.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
-from kvtransfer.codec import CodecLimits
+from kvtransfer.codec import CodecLimits, TransferError, WireChunk, decode_chunk
 from kvtransfer.transport import (
     Chunks,
     KVDestination,
@@ -36,3 +37,24 @@ class LocalSender:
         except TimeoutError:  # receive_push released the reservation on its cancellation
             return PushResult(False, 0, "deadline exceeded")
         return PushResult(ack.accepted, ack.pages_received, ack.error)
+
+
+def receive_all(receiver: KVReceiver, chunks: Sequence[WireChunk], limits: CodecLimits) -> str:
+    """Apply a whole transfer synchronously on the receiver's own thread (the in-process
+    disaggregated mode): "" when every page arrived and verified, else why not. The same
+    checks as a pushed stream: codec bounds and checksum, token, epoch, completeness."""
+    transfer_id = ""
+    try:
+        for chunk in chunks:
+            pages = decode_chunk(chunk, limits)
+            if not receiver.accept(chunk.header):
+                raise TransferError("refused")
+            transfer_id = chunk.header.transfer_id
+            receiver.store(chunk.header, pages)
+        if not transfer_id or not receiver.is_complete(transfer_id):
+            raise TransferError("transfer incomplete")
+        return ""
+    except TransferError as err:
+        if transfer_id:
+            receiver.abort(transfer_id)
+        return err.reason

@@ -47,11 +47,15 @@ class PrefillWorker:
         self._jobs: dict[str, tuple[PrefillJob, KVDestination]] = {}
 
     def submit(self, job: PrefillJob, dest: KVDestination) -> None:
-        # One token, sampled with the request's own parameters (the seed is keyed on the
-        # position, so decode continues the same random stream).
-        first = replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
-        self.engine.add_request(job.req_id, job.prompt_ids, first, job.priority, job.cache_salt, export_kv=True)
+        self.start(self.engine, job)
         self._jobs[job.req_id] = (job, dest)
+
+    @staticmethod
+    def start(engine: Engine, job: PrefillJob) -> None:
+        """Queue the prefill of `job` on `engine`: one token, sampled with the request's own
+        parameters (the seed is keyed on the position, so decode continues the same stream)."""
+        first = replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
+        engine.add_request(job.req_id, job.prompt_ids, first, job.priority, job.cache_salt, export_kv=True)
 
     def abort(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)
@@ -69,7 +73,7 @@ class PrefillWorker:
             job, dest = self._jobs.pop(out.req_id)
             exported = self.engine.take_exported(out.req_id)
             assert exported is not None
-            finished = out.finish_reason if self._ends_here(job, out.finish_reason) else None
+            finished = out.finish_reason if self.ends_here(job, out.finish_reason) else None
             chunks: tuple[WireChunk, ...] = ()
             if finished is None:
                 # a page-major block: each chunk is a slice of it, sent without a copy
@@ -78,7 +82,7 @@ class PrefillWorker:
         return done
 
     @staticmethod
-    def _ends_here(job: PrefillJob, reason: FinishReason) -> bool:
+    def ends_here(job: PrefillJob, reason: FinishReason) -> bool:
         # LENGTH is only real when the client asked for one token; STOP (EOS, a stop id or
         # a stop string on the first token) always ends the request.
         return reason != FinishReason.LENGTH or job.sampling.max_tokens == 1
