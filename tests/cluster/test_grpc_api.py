@@ -221,7 +221,7 @@ async def test_server_timeout_is_deadline_exceeded(front: AsyncEngine, engine: E
             async for _ in client.generate(PROMPT, sampling=LONG_SAMPLING):
                 pass
         assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "deadline" in caught.value.message
+        assert "deadline" in caught.value.message.lower()  # ours, or grpc's "Deadline Exceeded" under load
         assert _outcomes(s.frontend, "deadline") == 1
     assert await _all_pages_free(engine)
 
