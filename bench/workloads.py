@@ -83,6 +83,12 @@ def _single(session_id: str, parts: tuple[Segment, ...], output_len: int, tag: s
     return Session(session_id, (Turn(parts, output_len),), tag=tag)
 
 
+def _unique_prompts(name: str, seed: str, prompt_len: int, output_len: int) -> Iterator[Session]:
+    """Sessions of one prompt each, no two sharing a token prefix (random, code)."""
+    for i in itertools.count():
+        yield _single(f"{name}-{i}", (Segment(f"{seed}/{name}/{i}", prompt_len),), output_len)
+
+
 @dataclass(frozen=True, slots=True)
 class RandomWorkload(Workload):
     """Raw batching throughput: nothing shared."""
@@ -92,8 +98,7 @@ class RandomWorkload(Workload):
     output_len: int = 128
 
     def sessions(self, seed: str) -> Iterator[Session]:
-        for i in itertools.count():
-            yield _single(f"random-{i}", (Segment(f"{seed}/random/{i}", self.prompt_len),), self.output_len)
+        return _unique_prompts(self.name, seed, self.prompt_len, self.output_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +126,7 @@ class CodeWorkload(Workload):
     output_len: int = 64
 
     def sessions(self, seed: str) -> Iterator[Session]:
-        for i in itertools.count():
-            yield _single(f"code-{i}", (Segment(f"{seed}/code/{i}", self.prompt_len),), self.output_len)
+        return _unique_prompts(self.name, seed, self.prompt_len, self.output_len)
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,6 +147,10 @@ class Frontend:
         start = last = time.monotonic()
         outcome = "error"
         m = self.metrics
+        # Label lookups hash and lock: resolve this tenant's counters once, not per token.
+        prompt_tokens, cached_tokens, generated_tokens = (
+            m.tenant_tokens.labels(req.tenant.name, kind) for kind in ("prompt", "cached", "generated")
+        )
         try:
             async with asyncio.timeout(self._remaining(req)):
                 stream = self.engine.generate(
@@ -157,12 +161,12 @@ class Frontend:
                     if out.num_output_tokens == len(out.token_ids):
                         ticket.started()
                         m.ttft.observe(now - start)
-                        m.tenant_tokens.labels(req.tenant.name, "prompt").inc(out.num_prompt_tokens)
-                        m.tenant_tokens.labels(req.tenant.name, "cached").inc(out.num_cached_tokens)
+                        prompt_tokens.inc(out.num_prompt_tokens)
+                        cached_tokens.inc(out.num_cached_tokens)
                     else:
                         m.itl.observe(now - last)
                     last = now
-                    m.tenant_tokens.labels(req.tenant.name, "generated").inc(len(out.token_ids))
+                    generated_tokens.inc(len(out.token_ids))
                     self.limits.charge_generated(req.tenant, len(out.token_ids))
                     yield out
             outcome = "ok"

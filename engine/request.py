@@ -69,10 +69,6 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival)
 
-    def token_at(self, index: int) -> int:
-        n_prompt = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < n_prompt else self.output_ids[index - n_prompt]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_ids)
         if end <= n_prompt:

@@ -62,9 +62,6 @@ class PagePool:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
         """`n` fresh pages with one reference each, or None (and no change) if they don't fit."""
         if n < 0:

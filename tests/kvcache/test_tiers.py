@@ -99,3 +99,8 @@ def test_a_page_travels_down_and_back_up(tmp_path: Path) -> None:
     assert [cache.tier_of(h) for h in hashes] == [Tier.DEVICE, Tier.DEVICE]
     assert cache.stats.hit_pages_by_tier == [0, 0, 2] and cache.stats.promoted_pages == 2
     cache.check_integrity()
+    device.pages.free(got)
+    cache.evict(1)  # the leaf goes back down to the host: the snapshot shows both tiers
+    seq, pages = cache.snapshot()
+    assert dict(pages) == {hashes[0]: Tier.DEVICE, hashes[1]: Tier.HOST}
+    assert seq == cache._seq > 0  # the index rebuilds from here and follows events after seq
