@@ -1,12 +1,13 @@
 """KV transfer against prefill (BENCHMARKS.md P8): how long moving a prompt's pages takes
-next to computing them, per transport, and against the raw ceiling of that path here.
+next to computing them, per transport, and against the raw ceiling of each path here.
 
     python -m bench.transfer [--model baton-small] [--prompt-len 2000]
 
 For one prompt: the prefill time (engine, export on), then for each transport the time of a
 full push into a decode engine's reserved pages (encode, checksum, move, verify, write), and
 for gRPC the raw grpc.aio ceiling: the same bytes streamed as opaque messages of the same
-size through a trivial service on loopback. Prints JSON lines and a table.
+size through a trivial service on loopback; for shm the raw memcpy ceiling: the same bytes
+copied chunk by chunk into a shared-memory region. Prints JSON lines and a table.
 """
 
 from __future__ import annotations
@@ -41,21 +42,24 @@ def _prefill(model: str, prompt_len: int) -> tuple[Any, Any, float]:
 
 async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int) -> tuple[float, int]:
     from decode.worker import DecodeWorker
+    from engine.sampling import SamplingParams
     from kvtransfer.grpc_transport import GrpcSender, start_kv_server
     from kvtransfer.local import LocalSender
+    from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
     from kvtransfer.transport import build_chunks
     from prefill.worker import PrefillJob
 
     worker = DecodeWorker(decode, address="decode-0")
-    server = None
-    sender: Any
-    if transport == "grpc":
-        server, port = await start_kv_server(worker.receiver, "127.0.0.1:0")
+    server = region = None
+    sender: Any = LocalSender({"decode-0": worker.receiver})
+    if transport in ("grpc", "shm"):
+        extra: list[Any] = []
+        if transport == "shm":  # a decode worker's region: 4 slots of one chunk each
+            region = ShmRegion(num_slots=4, slot_bytes=_chunk_bytes(exported, pages_per_chunk))
+            extra = [shm_handler(worker.receiver, region)]
+        server, port = await start_kv_server(worker.receiver, "127.0.0.1:0", extra_handlers=extra)
         worker.address = f"127.0.0.1:{port}"
-        sender = GrpcSender()
-    else:
-        sender = LocalSender({"decode-0": worker.receiver})
-    from engine.sampling import SamplingParams
+        sender = GrpcSender() if transport == "grpc" else ShmSender()
 
     job = PrefillJob("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
     dest = worker.reserve(job, sender_epoch=1)
@@ -69,7 +73,34 @@ async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int
     if server is not None:
         await sender.close()
         await server.stop(None)
+    if region is not None:
+        region.close()
     return seconds, exported.kv.numel() * exported.kv.element_size()
+
+
+def _chunk_bytes(exported: Any, pages_per_chunk: int) -> int:
+    page = exported.kv[0]
+    return int(page.numel() * page.element_size() * min(pages_per_chunk, exported.kv.shape[0]))
+
+
+def _raw_shm(exported: Any, chunk_bytes: int) -> float:
+    """Copy the same bytes, chunk by chunk, into the slots of a (pre-faulted) shm region: one
+    memcpy per chunk, no header, no checksum, no receiver."""
+    import torch
+
+    from kvtransfer.shm import ShmRegion
+
+    block = memoryview(exported.kv.contiguous().view(-1).view(torch.uint8).numpy())
+    with ShmRegion(num_slots=2, slot_bytes=chunk_bytes) as region:
+        slots = [region.view(i * chunk_bytes, chunk_bytes) for i in range(2)]
+        start = time.perf_counter()
+        for i, offset in enumerate(range(0, len(block), chunk_bytes)):
+            piece = block[offset : offset + chunk_bytes]
+            slots[i % 2][: len(piece)] = piece
+        seconds = time.perf_counter() - start
+        for slot in slots:
+            slot.release()
+    return seconds
 
 
 async def _raw_grpc(num_bytes: int, message_bytes: int) -> float:
@@ -108,6 +139,11 @@ async def _raw_grpc(num_bytes: int, message_bytes: int) -> float:
     return seconds
 
 
+def _row(transport: str, seconds: float, nbytes: int, prefill_s: float) -> dict[str, Any]:
+    return {"transport": transport, "seconds": round(seconds, 4), "bytes": nbytes,
+            "gb_per_s": round(nbytes / seconds / 1e9, 3), "vs_prefill": round(seconds / prefill_s, 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.transfer", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--model", default="baton-small")
@@ -116,14 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exported, decode, prefill_s = _prefill(args.model, args.prompt_len)
     rows = []
-    for transport in ("local", "grpc"):
+    for transport in ("local", "grpc", "shm"):
         seconds, nbytes = asyncio.run(_push(exported, decode, transport, args.pages_per_chunk))
-        rows.append({"transport": transport, "seconds": round(seconds, 4), "bytes": nbytes,
-                     "gb_per_s": round(nbytes / seconds / 1e9, 3), "vs_prefill": round(seconds / prefill_s, 3)})
-    chunk_bytes = nbytes // exported.kv.shape[0] * args.pages_per_chunk
-    raw_s = asyncio.run(_raw_grpc(nbytes, chunk_bytes))
-    rows.append({"transport": "raw grpc.aio (ceiling)", "seconds": round(raw_s, 4), "bytes": nbytes,
-                 "gb_per_s": round(nbytes / raw_s / 1e9, 3), "vs_prefill": round(raw_s / prefill_s, 3)})
+        rows.append(_row(transport, seconds, nbytes, prefill_s))
+    chunk_bytes = _chunk_bytes(exported, args.pages_per_chunk)
+    rows.append(_row("raw grpc.aio (ceiling)", asyncio.run(_raw_grpc(nbytes, chunk_bytes)), nbytes, prefill_s))
+    rows.append(_row("raw shm memcpy (ceiling)", _raw_shm(exported, chunk_bytes), nbytes, prefill_s))
     print(json.dumps({"model": args.model, "prompt_len": args.prompt_len, "prefill_s": round(prefill_s, 3)}))
     for row in rows:
         print(json.dumps(row))

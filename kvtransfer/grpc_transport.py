@@ -9,7 +9,7 @@ Message limits are raised to fit one multi-MiB chunk and nothing larger.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -44,9 +44,13 @@ def _unframe_or_poison(data: bytes) -> WireChunk:
 
 
 async def start_kv_server(
-    receiver: KVReceiver, address: str = "127.0.0.1:0", limits: CodecLimits | None = None
+    receiver: KVReceiver,
+    address: str = "127.0.0.1:0",
+    limits: CodecLimits | None = None,
+    extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
 ) -> tuple[grpc.aio.Server, int]:
-    """A started server hosting KVTransfer.Push for `receiver`, and the port it bound."""
+    """A started server hosting KVTransfer.Push for `receiver`, and the port it bound;
+    `extra_handlers` add methods next to it (KVTransfer.PushShm: kvtransfer.shm.shm_handler)."""
     limits = limits or CodecLimits()
 
     async def push(request_iterator: AsyncIterator[WireChunk], context: object) -> pb.PushAck:
@@ -59,7 +63,7 @@ async def start_kv_server(
         )},
     )  # fmt: skip
     server = grpc.aio.server(options=_message_options(limits))
-    server.add_generic_rpc_handlers((handler,))
+    server.add_generic_rpc_handlers((handler, *extra_handlers))
     port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")

@@ -19,6 +19,7 @@ from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, decode_chunk
 from kvtransfer.grpc_transport import GrpcSender, start_kv_server
 from kvtransfer.local import LocalSender
+from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
 from kvtransfer.transport import build_chunks
 from prefill.worker import PrefillJob, PrefillWorker
 
@@ -64,17 +65,21 @@ def _jobs() -> list[PrefillJob]:
     ]
 
 
-@pytest.mark.parametrize("transport", ["local", "grpc"])
+@pytest.mark.parametrize("transport", ["local", "grpc", "shm"])
 async def test_pd_tokens_equal_one_engine(engines: tuple[Engine, Engine, Engine], transport: str) -> None:
     single, p_engine, d_engine = engines
     prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
-    server = None
+    server, region = None, None
     if transport == "local":
         sender: Any = LocalSender({"decode-0": decode.receiver})
     else:
-        server, port = await start_kv_server(decode.receiver, "127.0.0.1:0")
+        extra: list[Any] = []
+        if transport == "shm":  # page bytes through /dev/shm, headers over the same KV server
+            region = ShmRegion(num_slots=2, slot_bytes=4 << 20)  # a chunk is 32 pages of 64 KiB
+            extra = [shm_handler(decode.receiver, region)]
+        server, port = await start_kv_server(decode.receiver, "127.0.0.1:0", extra_handlers=extra)
         decode.address = f"127.0.0.1:{port}"
-        sender = GrpcSender()
+        sender = GrpcSender() if transport == "grpc" else ShmSender()
     try:
         for job in _jobs():
             expected = single.generate([list(job.prompt_ids)], job.sampling)[0]
@@ -83,6 +88,8 @@ async def test_pd_tokens_equal_one_engine(engines: tuple[Engine, Engine, Engine]
         if server is not None:
             await sender.close()
             await server.stop(None)
+        if region is not None:
+            region.close()
     assert decode.book.num_open == 0 and not decode.book.completed
     assert d_engine.free_pages_at_idle() == d_engine.pool.num_pages
     assert p_engine.free_pages_at_idle() == p_engine.pool.num_pages

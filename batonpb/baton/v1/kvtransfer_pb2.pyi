@@ -114,6 +114,79 @@ class PageChunkHeader(_message.Message):
 Global___PageChunkHeader: _TypeAlias = PageChunkHeader  # noqa: Y015
 
 @_typing.final
+class ShmChunk(_message.Message):
+    """Same host (kvtransfer/shm.py): /baton.v1.KVTransfer/PushShm, bidirectional streaming. The
+    decode side grants the stream slots of its shared-memory staging region (first ShmReply);
+    the sender writes a chunk's payload into a granted slot and sends its header and place as a
+    ShmChunk; each slot comes back in a ShmReply once its chunk is stored; the last reply
+    carries the PushAck. The checksum covers the header and the payload as read from the slot.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """of a slot granted to this stream"""
+    length: _builtins.int
+    """== header.payload_bytes, at most slot_bytes"""
+    @_builtins.property
+    def header(self) -> Global___PageChunkHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PageChunkHeader | None = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmChunk: _TypeAlias = ShmChunk  # noqa: Y015
+
+@_typing.final
+class ShmReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    REGION_BYTES_FIELD_NUMBER: _builtins.int
+    SLOT_BYTES_FIELD_NUMBER: _builtins.int
+    FREE_OFFSETS_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """first reply only: the region's file name under /dev/shm"""
+    region_bytes: _builtins.int
+    slot_bytes: _builtins.int
+    @_builtins.property
+    def free_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """slots the sender may (re)write"""
+
+    @_builtins.property
+    def ack(self) -> Global___PushAck:
+        """the last reply"""
+
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+        region_bytes: _builtins.int = ...,
+        slot_bytes: _builtins.int = ...,
+        free_offsets: _abc.Iterable[_builtins.int] | None = ...,
+        ack: Global___PushAck | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "free_offsets", b"free_offsets", "region", b"region", "region_bytes", b"region_bytes", "slot_bytes", b"slot_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmReply: _TypeAlias = ShmReply  # noqa: Y015
+
+@_typing.final
 class PushAck(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
