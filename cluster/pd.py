@@ -2,7 +2,7 @@
 a decode engine, each on its own step thread, behind the surface the Frontend expects.
 
     generate(req)
-      short prompt ─────────────────────────────▶ decode engine prefills it itself
+      uncached part short ──────────────────────▶ decode engine prefills it itself
       otherwise:
         decode.call(reserve)         pages + a one-time transfer token   (decode thread)
         prefill.stream(start)        prefill, sample the first token      (prefill thread)
@@ -82,10 +82,11 @@ class PDFront:
         cache_salt: str = "",
     ) -> AsyncIterator[StepOutput]:
         job = PrefillJob(req_id, tuple(prompt_ids), sampling, priority, cache_salt)
-        dest = None
-        if not self.worker.prefers_local(job):
-            dest = await self.decode.call(lambda _: self.worker.reserve(job, self.epoch))
-        if dest is None:  # short prompt, or no room to reserve: prefill on the decode side
+        # On the decode thread: prefers_local reads the decode engine's prefix cache.
+        dest = await self.decode.call(
+            lambda _: None if self.worker.prefers_local(job) else self.worker.reserve(job, self.epoch)
+        )
+        if dest is None:  # uncached part short, or no room to reserve: prefill on the decode side
             self.num_local += 1
             async for out in self.decode.generate(req_id, prompt_ids, sampling, priority, cache_salt):
                 yield out

@@ -3,19 +3,58 @@
     reserve(job)        allocate pages for the prompt; a KVDestination with a one-time token
     (transport)         chunks land through `receiver` (token, epoch and checksum checked)
     start_prefilled()   every page arrived: the request joins the batch after its first token
-    start_local(job)    or prefill here, when the prompt is short (conditional disaggregation)
+    start_local(job)    or prefill here, when the uncached part of the prompt is short
+                        (conditional disaggregation)
     step()              one engine step; expired reservations return their pages first
+    abort(req_id)       the client went away: the request, or its reservation, lets go
+
+A reservation ends in exactly one of: admitted (start_prefilled), cancelled (cancel / abort),
+expired while open (its transfer deadline passed), or expired once complete but never admitted
+(its admission lease, from the moment the last page arrived, passed). Every ending but
+admission returns the pages to the pool; `on_settle` hears of every completion and failure.
 
 A plain class: cluster/ wraps it in a Ray actor; tests drive it directly.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+import torch
+
+from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from engine.engine import Engine
 from engine.outputs import StepOutput
+from kvcache.hashing import page_hashes
 from kvtransfer.codec import TransferError
 from kvtransfer.transport import KVDestination, PoolReceiver, Reservation, ReservationBook
 from prefill.worker import PrefillJob
+
+
+class _Receiver:
+    """The pool's KVReceiver, noting when each transfer completes or fails."""
+
+    def __init__(self, inner: PoolReceiver, worker: DecodeWorker) -> None:
+        self.inner = inner
+        self.worker = worker
+
+    def accept(self, header: pb.PageChunkHeader) -> bool:
+        return self.inner.accept(header)
+
+    def store(self, header: pb.PageChunkHeader, pages: torch.Tensor) -> int:
+        done = self.inner.store(header, pages)
+        if self.inner.is_complete(header.transfer_id):
+            self.worker.completed_at[header.transfer_id] = self.worker.clock()
+            self.worker.on_settle()
+        return done
+
+    def is_complete(self, transfer_id: str) -> bool:
+        return self.inner.is_complete(transfer_id)
+
+    def abort(self, transfer_id: str) -> None:
+        self.inner.abort(transfer_id)
+        self.worker.on_settle()
 
 
 class DecodeWorker:
@@ -25,23 +64,65 @@ class DecodeWorker:
         address: str = "decode-0",
         reservation_ttl_s: float = 10.0,
         local_prefill_tokens: int = 32,
+        admit_lease_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_settle: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine
         self.address = address
         self.reservation_ttl_s = reservation_ttl_s
         self.local_prefill_tokens = local_prefill_tokens
-        self.book = ReservationBook(engine.model_config.num_layers, on_release=self._release)
-        self.receiver = PoolReceiver(engine.pool, self.book)
+        self.admit_lease_s = admit_lease_s  # how long a complete transfer waits for admission
+        self.clock = clock
+        self.on_settle = on_settle
+        self.book = ReservationBook(engine.model_config.num_layers, on_release=self._release, clock=clock)
+        self.receiver = _Receiver(PoolReceiver(engine.pool, self.book), self)
+        self.completed_at: dict[str, float] = {}  # transfer_id -> when its last page arrived
+        self._dests: dict[str, KVDestination] = {}  # req_id -> its reservation, until it ends
+        self.num_lease_expired = 0
+        self.num_reserved_pages = 0  # held by reservations (open or complete, not admitted)
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def cached_tokens(self, job: PrefillJob) -> int:
+        """Prompt tokens this worker's prefix cache holds (a read: nothing is pinned).
+        Counts tenant-salted pages only; an operator-shared prefix is not credited here."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return 0
+        ps = self.engine.cfg.page_size
+        max_pages = (len(job.prompt_ids) - 1) // ps  # at least one token is always computed
+        hashes = page_hashes(job.prompt_ids[: max_pages * ps], ps, job.cache_salt.encode(), self.engine.fingerprint)
+        n = 0
+        for page_hash in hashes:
+            if page_hash not in cache:
+                break
+            n += 1
+        return n * ps
 
     def prefers_local(self, job: PrefillJob) -> bool:
-        """Short prompts are cheaper to prefill here than to move."""
-        return len(job.prompt_ids) <= self.local_prefill_tokens
+        """The uncached part of the prompt is short: cheaper to prefill here than to move."""
+        return len(job.prompt_ids) - self.cached_tokens(job) <= self.local_prefill_tokens
+
+    # -- reservations -------------------------------------------------------------------------
 
     def reserve(self, job: PrefillJob, sender_epoch: int) -> KVDestination | None:
+        if job.req_id in self._dests:
+            raise TransferError(f"{job.req_id} already holds a reservation")
         pages = self.engine.reserve_pages(len(job.prompt_ids))
         if pages is None:
             return None
-        return self.book.reserve(self.address, job.req_id, pages, sender_epoch, self.reservation_ttl_s)
+        dest = self.book.reserve(self.address, job.req_id, pages, sender_epoch, self.reservation_ttl_s)
+        self._dests[job.req_id] = dest
+        self.num_reserved_pages += len(pages)
+        return dest
+
+    def is_settled(self, dest: KVDestination) -> bool:
+        """The transfer ended: complete (admissible) or released (failed, expired, cancelled)."""
+        return self.book.get(dest.transfer_id) is None
+
+    def is_complete(self, dest: KVDestination) -> bool:
+        return dest.transfer_id in self.book.completed
 
     def cancel(self, dest: KVDestination) -> None:
         """The transfer failed or the request went elsewhere: the pages go back."""
@@ -56,6 +137,7 @@ class DecodeWorker:
         done = self.book.completed.pop(dest.transfer_id, None)
         if done is None:
             raise TransferError(f"transfer {dest.transfer_id} did not complete")
+        self._forget(done)
         self.engine.add_prefilled(
             job.req_id, job.prompt_ids, first_token, job.sampling, list(done.page_ids), job.priority,
             job.cache_salt, num_cached_tokens,
@@ -64,9 +146,41 @@ class DecodeWorker:
     def start_local(self, job: PrefillJob) -> None:
         self.engine.add_request(job.req_id, job.prompt_ids, job.sampling, job.priority, job.cache_salt)
 
+    def abort(self, req_id: str) -> None:
+        """Stop `req_id` wherever it is: running, or still waiting on its pages."""
+        dest = self._dests.get(req_id)
+        if dest is not None:
+            self.cancel(dest)
+        self.engine.abort(req_id)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Release open reservations past their deadline and complete ones past their
+        admission lease; how many ended."""
+        n = len(self.book.expire())
+        now = self.clock()
+        stale = [t for t, at in self.completed_at.items() if at + self.admit_lease_s <= now]
+        for transfer_id in stale:
+            res = self.book.completed.pop(transfer_id, None)
+            self.completed_at.pop(transfer_id, None)
+            if res is not None:
+                self.num_lease_expired += 1
+                self._release(res)
+        if n or stale:
+            self.on_settle()
+        return n + len(stale)
+
     def step(self) -> list[StepOutput]:
-        self.book.expire()
+        self.expire()
         return self.engine.step()
 
-    def _release(self, reservation: Reservation) -> None:
-        self.engine.release_pages(list(reservation.page_ids))
+    def _forget(self, res: Reservation) -> None:
+        self.num_reserved_pages -= len(res.page_ids)
+        self.completed_at.pop(res.transfer_id, None)
+        if (dest := self._dests.get(res.req_id)) is not None and dest.transfer_id == res.transfer_id:
+            del self._dests[res.req_id]
+
+    def _release(self, res: Reservation) -> None:
+        self._forget(res)
+        self.engine.release_pages(list(res.page_ids))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.engine import Engine
+from engine.outputs import StepOutput
 from engine.request import FinishReason
 from engine.sampling import SamplingParams
 from kvtransfer.codec import WireChunk
@@ -37,6 +38,7 @@ class PrefillDone:
     finish_reason: FinishReason | None  # set when the first token already ends the request
     dest: KVDestination
     chunks: tuple[WireChunk, ...]  # empty when the request is finished
+    output: StepOutput  # the first token as the edge streams it (logprobs, cached tokens)
 
 
 class PrefillWorker:
@@ -78,7 +80,8 @@ class PrefillWorker:
             if finished is None:
                 # a page-major block: each chunk is a slice of it, sent without a copy
                 chunks = tuple(build_chunks(dest, exported.kv, self.epoch, self.pages_per_chunk))
-            done.append(PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks))
+            first = replace(out, finish_reason=finished)  # LENGTH of the 1-token prefill is not the request's
+            done.append(PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks, first))
         return done
 
     @staticmethod

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import uvloop
 
+from cluster import ray_runtime  # sets Ray's environment before any test module imports `ray`
 from cluster.server import Running, ServerConfig, start
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -36,6 +37,7 @@ class ServerHandle:
 
     @property
     def engine(self) -> Engine:
+        assert self.running.engine is not None, "this server's engines are Ray actors"
         return self.running.engine
 
     def pages_free(self) -> bool:
@@ -59,7 +61,7 @@ class ServerHandle:
         self.thread.join(timeout=15)
 
 
-def start_server(cfg: ServerConfig, engine: Engine) -> ServerHandle:
+def start_server(cfg: ServerConfig, engine: Engine | None) -> ServerHandle:
     port = free_port()
     cfg = replace(cfg, http=replace(cfg.http, port=port))
     loop = uvloop.new_event_loop()
@@ -81,13 +83,29 @@ def start_server(cfg: ServerConfig, engine: Engine) -> ServerHandle:
             finally:
                 await running.stop()
 
-        loop.run_until_complete(go())
+        try:
+            loop.run_until_complete(go())
+        except BaseException as exc:  # a failed start fails the test at once, not at the timeout
+            failed.append(exc)
+            started.set()
 
+    failed: list[BaseException] = []
     thread = threading.Thread(target=main, name="baton-test-server", daemon=True)
     thread.start()
-    if not started.wait(30):
-        raise RuntimeError("test server did not start")
+    if not started.wait(120) or failed:
+        raise RuntimeError("test server did not start") from (failed[0] if failed else None)
     return ServerHandle(f"http://127.0.0.1:{port}", box["running"], loop, thread)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """One private loopback Ray for the whole session (its start costs seconds): the tests that
+    need actors share it, and each stops the actors it started."""
+    pytest.importorskip("ray")
+    info = ray_runtime.start_local()
+    assert info.node_ip == ray_runtime.LOOPBACK
+    yield info
+    ray_runtime.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from tests.cluster.conftest import ServerHandle, free_port
 
 MODEL = "baton-tiny"
 LONG = "def fibonacci(n):\n    " * 20  # ~180 tokens: disaggregated
-SHORT = "import os"  # a few tokens: prefilled on the decode side
+SHORT = "import os"  # a few tokens: prefilled on the decode side (so is a prompt cached there)
 
 
 def test_disaggregated_server_matches_colocated(server: ServerHandle, make_server: Any) -> None:
@@ -35,9 +35,14 @@ def test_disaggregated_server_matches_colocated(server: ServerHandle, make_serve
         model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=6, temperature=0
     )
     assert chat.choices[0].message.content
-    assert front.num_disaggregated >= 3 and front.num_local >= 2
-    # The prefill side's prefix cache is reported through the decode side's stream.
-    again = disaggregated.completions.create(model=MODEL, prompt=LONG, max_tokens=2, temperature=0)
+    # LONG's repeat was prefilled on the decode side: its pages were cached there by then.
+    assert front.num_disaggregated >= 2 and front.num_local >= 3
+    # The prefill side's prefix cache is reported through the decode side's stream: LONG's pages
+    # are cached on both sides, but the 40-odd new tokens after them are moved.
+    disaggregated_before = front.num_disaggregated
+    longer = LONG + " x" * 40
+    again = disaggregated.completions.create(model=MODEL, prompt=longer, max_tokens=2, temperature=0)
+    assert front.num_disaggregated == disaggregated_before + 1
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 

@@ -1,0 +1,173 @@
+"""The decode role as a Ray actor: its own step loop, a KV server, one output feed.
+
+    start()                          serve KV pushes (gRPC) and start the step loop; the address
+    place(job, epoch | None)         reserve pages for a push -> KVDestination; or, when the
+                                     uncached part is short, no prefill worker is healthy
+                                     (epoch None) or no pages are free, prefill here -> None
+    admit(job, dest, first, wait_s)  once every page arrived: join the batch -> True; a
+                                     transfer that fails or misses wait_s -> False, pages freed
+    next_batch(after, wait_s)        the output stream: every step after `after` (long-poll)
+    abort(req_id) / cancel(dest)     the request or its reservation lets go of its pages
+
+The engine steps run on the actor's event loop between awaits, so pushes land between two
+steps, never inside one. Reservations that are never completed expire at their deadline;
+complete ones that are never admitted expire at their admission lease (decode.worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import torch
+
+from cluster.output_feed import OutputFeed
+from cluster.worker_msgs import DecodeStats, OutputBatch
+from decode.worker import DecodeWorker
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.outputs import StepOutput
+from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
+from prefill.worker import PrefillJob
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.25  # expiry runs at least this often
+
+
+class _Signal:
+    """Wakes everyone waiting for 'something changed' (a broadcast, unlike one Event)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._event.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            pass
+
+
+class DecodeActor:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        reservation_ttl_s: float = DEFAULT_DEADLINE_S,
+        local_prefill_tokens: int = 32,
+        num_threads: int = 1,
+        host: str = "127.0.0.1",
+        admit_lease_s: float = DEFAULT_DEADLINE_S,
+        max_feed_steps: int = 4096,
+    ) -> None:
+        torch.set_num_threads(num_threads)
+        self._settled = _Signal()
+        self.worker = DecodeWorker(Engine(cfg), "", reservation_ttl_s, local_prefill_tokens, admit_lease_s,
+                                   on_settle=self._settled.fire)
+        self.host = host
+        self.feed = OutputFeed(max_feed_steps)
+        self._wake = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.Task[None] | None = None
+        self.error: str = ""
+
+    async def start(self) -> str:
+        """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
+        if self._server is None:
+            self._server, port = await start_kv_server(self.worker.receiver, f"{self.host}:0")
+            self.worker.address = f"{self.host}:{port}"
+            self._loop = asyncio.create_task(self._run())
+        return self.worker.address
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def place(self, job: PrefillJob, sender_epoch: int | None) -> KVDestination | None:
+        self._check_started()
+        if sender_epoch is not None and not self.worker.prefers_local(job):
+            dest = self.worker.reserve(job, sender_epoch)
+            if dest is not None:
+                return dest
+        self.worker.start_local(job)  # no room to reserve: the engine queues it like any request
+        self._wake.set()
+        return None
+
+    async def admit(self, job: PrefillJob, dest: KVDestination, first: StepOutput, wait_s: float) -> bool:
+        """Join the batch once the transfer completes; False (pages freed) if it fails first."""
+        end = time.monotonic() + wait_s
+        while not self.worker.is_settled(dest) and time.monotonic() < end:
+            await self._settled.wait(end - time.monotonic())
+        if not self.worker.is_complete(dest):
+            self.worker.cancel(dest)
+            return False
+        self.worker.start_prefilled(job, dest, first.token_ids[0], first.num_cached_tokens)
+        self._wake.set()
+        return True
+
+    async def cancel(self, dest: KVDestination) -> None:
+        self.worker.cancel(dest)
+        self._settled.fire()
+
+    async def abort(self, req_id: str) -> None:
+        self.worker.abort(req_id)
+        self._settled.fire()
+
+    async def next_batch(self, after: int, wait_s: float) -> OutputBatch:
+        if self.error:
+            raise RuntimeError(f"decode step loop died: {self.error}")
+        taken = await self.feed.take(after, wait_s)
+        return OutputBatch(taken.first_seq, taken.last_seq, taken.outputs, self._stats())
+
+    async def stats(self) -> DecodeStats:
+        return self._stats()
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+        if self._server is not None:
+            await self._server.stop(None)
+        self._server = self._loop = None
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        engine = self.worker.engine
+        try:
+            while True:
+                self.worker.expire()
+                if not engine.has_unfinished():
+                    engine.flush_cache()
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), IDLE_WAIT_S)
+                    except TimeoutError:
+                        pass
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self.feed.publish(outputs)
+                await asyncio.sleep(0)  # pushes and calls run between steps
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # report the death through next_batch, never vanish
+            logger.exception("decode step loop died")
+            self.error = repr(exc)
+
+    def _check_started(self) -> None:
+        if self._server is None:
+            raise RuntimeError("start() the decode actor before placing requests")
+
+    def _stats(self) -> DecodeStats:
+        w, engine, book = self.worker, self.worker.engine, self.worker.book
+        cached = engine.prefix_cache.num_cached_pages if engine.prefix_cache is not None else 0
+        return DecodeStats(
+            w.address, engine.pool.num_pages, engine.pool.pages.num_used, engine.free_pages_at_idle(), cached,
+            w.num_reserved_pages, book.num_open, book.num_expired, w.num_lease_expired,
+            len(engine.scheduler.running), engine.scheduler.num_waiting,
+            book.refused_bad_token, book.refused_stale_epoch, book.refused_bad_page,
+        )  # fmt: skip

@@ -1,0 +1,75 @@
+"""What crosses the gateway <-> actor boundary: frozen values only, nothing alive.
+
+    PrefillResult   prefill -> gateway: the first token, at once (before the pages move)
+    TransferReport  prefill -> gateway: how one push went (bytes, seconds, transport, outcome)
+    OutputBatch     decode  -> gateway: every request's new tokens of one or more steps
+    PrefillStats / DecodeStats   what each worker reports for /metrics and for placement
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.outputs import StepOutput
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    output: StepOutput  # the first token as the edge streams it; finish_reason set if it ends here
+    transfer_id: str  # the push that was started ("" when nothing has to move)
+
+    @property
+    def first_token(self) -> int:
+        return self.output.token_ids[0]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    transfer_id: str
+    transport: str  # "grpc", ...
+    accepted: bool  # every page arrived and verified
+    num_pages: int
+    num_bytes: int  # payload bytes sent
+    seconds: float
+    error: str  # why not, when not accepted ("aborted", "deadline exceeded", ...)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStats:
+    epoch: int
+    num_running: int  # prompts in the engine
+    num_inflight_transfers: int
+    num_pinned_pages: int  # pages held for transfers until ack, abort or lease end
+    num_transfers: int
+    num_failed_transfers: int
+    num_lease_expired: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStats:
+    address: str
+    num_pages: int
+    num_used_pages: int
+    num_free_pages_at_idle: int  # free or only cached: equals num_pages when nothing is held
+    num_cached_pages: int
+    num_reserved_pages: int  # held by reservations not yet admitted
+    num_open_reservations: int
+    num_expired: int  # open reservations whose transfer deadline passed
+    num_lease_expired: int  # complete reservations never admitted
+    num_running: int
+    num_waiting: int
+    refused_bad_token: int
+    refused_stale_epoch: int
+    refused_bad_page: int
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBatch:
+    """Steps `first_seq..last_seq` of one decode worker, merged (a consumer that keeps up
+    gets one step per batch). `first_seq > after + 1` means steps were dropped: the consumer
+    fell past the feed's bound."""
+
+    first_seq: int
+    last_seq: int
+    outputs: tuple[StepOutput, ...]
+    stats: DecodeStats
