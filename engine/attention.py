@@ -10,9 +10,15 @@ sequence's whole context (cached prefix + new tokens) back from its pages. So a 
 a cached prefix and a chunk of a long prompt are the same case: queries at positions
 [ctx - n, ctx) attend causally to keys [0, ctx).
 
-Decode is the hot path: one query per sequence, so the batch gathers every sequence's pages
-with one index op per layer and attends with one masked SDPA call, with GQA expressed as
-a reshape (no repeat of K/V).
+Decode is the hot path: one query per sequence. Two backends, chosen per call:
+
+- `torch` (CPU, and the reference): gather every sequence's pages with one index op per
+  layer and attend with one masked SDPA call, GQA expressed as a reshape (no repeat of K/V).
+- `triton` (CUDA): engine.triton_attention reads K/V straight from the pages through the page
+  table, one program per (sequence, KV head), online softmax; no gather, no mask tensor.
+
+Both take only shape-static inputs (the page table and the sequence lengths), so a decode
+step can be captured in a CUDA graph (engine.cuda_graphs).
 """
 
 from __future__ import annotations
@@ -40,9 +46,10 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset of each new token
     prefills: tuple[PrefillSeq, ...]
     num_prefill_tokens: int
-    decode_page_table: torch.Tensor  # [B_d, max_pages] int64, padded with page 0
-    decode_bias: torch.Tensor  # [B_d, 1, 1, max_pages * page_size]: 0 where attended, -inf beyond
+    decode_page_table: torch.Tensor  # [B_d, max_pages] int64, padded with any valid page id
+    decode_seq_lens: torch.Tensor  # [B_d] int64: keys each decode attends (its context length)
     scale: float
+    decode_backend: str = "torch"  # "torch" | "triton"
 
     @property
     def num_decodes(self) -> int:
@@ -70,9 +77,14 @@ def paged_attention(
         end = seq.start + seq.num_new
         out[seq.start : end] = _prefill_one(q[seq.start : end], k_cache, v_cache, seq, meta.scale)
     if meta.num_decodes:
-        out[meta.num_prefill_tokens :] = _decode_batch(
-            q[meta.num_prefill_tokens :], k_cache, v_cache, meta
-        )
+        qd = q[meta.num_prefill_tokens :]
+        if meta.decode_backend == "triton":
+            from engine.triton_attention import paged_decode
+
+            dst = out[meta.num_prefill_tokens :]  # written in place: rows of `out` are contiguous
+            paged_decode(qd, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, meta.scale, out=dst)
+        else:
+            out[meta.num_prefill_tokens :] = _decode_batch(qd, k_cache, v_cache, meta)
     return out
 
 
@@ -114,5 +126,9 @@ def _decode_batch(
     # one KV head become the query rows of one attention ([B, kvh, group, hd]); measured ~3x
     # faster on CPU than expanding K/V (see BENCHMARKS.md's decode-step profile).
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_bias, scale=meta.scale)
+    key_pos = torch.arange(num_keys, device=q.device)
+    beyond = key_pos[None, :] >= meta.decode_seq_lens[:, None]  # [B, L]
+    bias = torch.zeros(batch, 1, 1, num_keys, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(beyond.view(bias.shape), float("-inf"))
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=meta.scale)
     return o.reshape(batch, num_heads, head_dim)

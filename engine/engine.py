@@ -18,6 +18,7 @@ import torch
 
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.loader import checkpoint_fingerprint, load_state_dict
@@ -72,7 +73,16 @@ class Engine:
         )
         # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
-        self.runner = ModelRunner(self.model, self.pool, Sampler(mc.vocab_size, seed=cfg.seed), self.eos_ids)
+        backend = cfg.resolve_attention_backend()
+        self.model.fused = backend == "triton" and self.device.type == "cuda"
+        graphs = None
+        if self.device.type == "cuda" and backend == "triton" and cfg.cuda_graph_max_batch > 0:
+            graphs = DecodeGraphs(
+                self.model, self.pool, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs), self.max_model_len,
+                backend, capture=True,
+            )  # fmt: skip
+        sampler = Sampler(mc.vocab_size, seed=cfg.seed)
+        self.runner = ModelRunner(self.model, self.pool, sampler, self.eos_ids, backend, graphs)
         self._arrivals = 0
         self._exported: dict[str, ExportedKV] = {}
         # Operator-shared prefixes; the server may add tokenized ones after start-up.
@@ -151,6 +161,8 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        if self.prefix_cache is not None and self.prefix_cache.host is not None:
+            self.prefix_cache.host.fence()  # promoted pages are in, evicted ones out (CUDA)
         result = self.runner.execute(sched)
         outputs = self._update(sched.scheduled, result)
         pages = self.pool.pages

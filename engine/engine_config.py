@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -33,6 +34,11 @@ class EngineConfig:
     shared_prefixes: tuple[tuple[int, ...], ...] = ()
     seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None
+    # Decode attention: "torch" (the reference, CPU), "triton" (paged kernel, CUDA), or "auto"
+    # (triton on CUDA when Triton is installed, else torch).
+    attention_backend: str = "auto"
+    # CUDA only: capture decode steps in CUDA graphs for batches up to this size (0: eager).
+    cuda_graph_max_batch: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -45,6 +51,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(name, f"must be a positive integer or unset, got {value!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError("attention_backend", f"use auto, torch or triton, got {self.attention_backend!r}")
+        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
+            raise ConfigError("cuda_graph_max_batch", f"must be 0 or a positive integer, got {self.cuda_graph_max_batch!r}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ConfigError("device", f"unsupported device {self.device!r}; use cpu or cuda[:N]")
 
@@ -59,6 +69,13 @@ class EngineConfig:
         if dtype == torch.float16 and not self.device.startswith("cuda"):
             raise ConfigError("dtype", "float16 is not supported on CPU; use float32 or bfloat16")
         return dtype
+
+    def resolve_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None:
+            return "triton"
+        return "torch"
 
     def kv_bytes(self, device: torch.device) -> int:
         """The KV pool budget: configured, or 85% of free device memory / 1 GiB of host RAM."""

@@ -55,6 +55,9 @@ class CausalLM:
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # CUDA with Triton: the elementwise work runs in engine.triton_ops' fused kernels
+        # (same roundings); the engine turns it on with the triton attention backend.
+        self.fused = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,6 +88,8 @@ class CausalLM:
         meta: AttnMetadata,
         pool: DevicePool,
     ) -> torch.Tensor:
+        if self.fused:
+            return self._forward_fused(input_ids, positions, meta, pool)
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions)  # [T, head_dim] each
@@ -105,6 +110,32 @@ class CausalLM:
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             h = residual + F.linear(F.silu(gate) * up, layer.down)
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttnMetadata,
+        pool: DevicePool,
+    ) -> torch.Tensor:
+        """The same layers with nine launches each: the residual add fused into the next
+        RMSNorm, RoPE fused with the KV write, SiLU fused with the up product."""
+        from engine.triton_ops import add_rms_norm, rope_and_cache, silu_mul
+
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]: the residual stream, updated in place
+        delta: torch.Tensor | None = None
+        for idx, layer in enumerate(self.layers):
+            x = add_rms_norm(h, delta, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            k_cache, v_cache = pool.layer(idx)
+            q = rope_and_cache(
+                qkv, self.rope.cos, self.rope.sin, positions, meta.slot_mapping, k_cache, v_cache, cfg.num_heads
+            )
+            attn = paged_attention(q, k_cache, v_cache, meta)
+            x = add_rms_norm(h, F.linear(attn.reshape(-1, self.q_size), layer.o), layer.post_norm, eps)
+            delta = F.linear(silu_mul(F.linear(x, layer.gate_up)), layer.down)
+        return add_rms_norm(h, delta, self.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

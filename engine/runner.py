@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import AttnMetadata, PrefillSeq
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
@@ -44,13 +45,23 @@ class RunResult(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: DevicePool, sampler: Sampler, eos_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: DevicePool,
+        sampler: Sampler,
+        eos_ids: tuple[int, ...],
+        decode_backend: str = "torch",
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.sampler = sampler
         self.eos_ids = eos_ids
         self.page_size = pool.layout.page_size
         self.device = model.device
+        self.decode_backend = decode_backend
+        self.graphs = graphs  # decode-only steps that fit replay a captured graph
 
     def execute(self, out: SchedulerOutput) -> RunResult:
         """Forward the scheduled tokens and sample for every request that caught up."""
@@ -64,8 +75,6 @@ class ModelRunner:
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
         ordered = prefills + decodes
-        input_ids, positions, slots = self._flat_inputs(ordered)
-        meta = self._metadata(prefills, decodes, slots)
         sample_idx: list[int] = []
         sampled: list[tuple[Request, int]] = []
         offset = 0
@@ -76,11 +85,29 @@ class ModelRunner:
                 sample_idx.append(offset - 1)
 
         start = time.perf_counter()
-        hidden = self.model.forward(input_ids, positions, meta, self.pool)
-        logits = self.model.compute_logits(hidden[self._tensor(sample_idx)])
+        if self.graphs is not None and not prefills and self.graphs.fits(len(decodes)):
+            logits = self._graph_step(decodes)[self._tensor(sample_idx)]
+        else:
+            input_ids, positions, slots = self._flat_inputs(ordered)
+            meta = self._metadata(prefills, decodes, slots)
+            hidden = self.model.forward(input_ids, positions, meta, self.pool)
+            logits = self.model.compute_logits(hidden[self._tensor(sample_idx)])
         forward_s = time.perf_counter() - start
         num_prefill = sum(s.num_new for s in prefills)
         return ForwardResult(logits, sampled, forward_s, num_prefill, len(decodes))
+
+    def _graph_step(self, decodes: Sequence[ScheduledRequest]) -> torch.Tensor:
+        assert self.graphs is not None
+        ps = self.page_size
+        ids, positions, slots, tables = [], [], [], []
+        for request, _ in decodes:
+            pos = request.num_computed_tokens
+            pages = request.page_ids
+            ids.append(request.token_slice(pos, pos + 1)[0])
+            positions.append(pos)
+            slots.append(pages[pos // ps] * ps + pos % ps)
+            tables.append(pages[: pos // ps + 1])
+        return self.graphs.run(ids, positions, slots, tables)
 
     def _flat_inputs(
         self, ordered: Sequence[ScheduledRequest]
@@ -117,16 +144,14 @@ class ModelRunner:
         table = [r.page_ids + [0] * (max_pages - len(r.page_ids)) for r, _ in decodes]
         page_table = self._tensor(table).view(len(decodes), max_pages)
         seq_lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
-        key_pos = torch.arange(max_pages * self.page_size, device=self.device)
-        bias = torch.zeros(len(decodes), 1, 1, key_pos.numel(), dtype=self.model.dtype, device=self.device)
-        bias.masked_fill_((key_pos[None, :] >= seq_lens[:, None]).view(bias.shape), float("-inf"))
         return AttnMetadata(
             slot_mapping=slots,
             prefills=tuple(seqs),
             num_prefill_tokens=start,
             decode_page_table=page_table,
-            decode_bias=bias,
+            decode_seq_lens=seq_lens,
             scale=self.model.scale,
+            decode_backend=self.decode_backend,
         )
 
     def _sampling_row(self, request: Request) -> SamplingRow:

@@ -117,9 +117,12 @@ class DevicePool:
     ) -> None:
         self.layout = layout
         self.pages = PagePool(num_pages)
-        # [layers, 2, num_pages, page_size, kv_heads, head_dim]
+        # One page past the pool's own is never handed out: a CUDA-graph decode step pads its
+        # batch with rows that write their K/V there (engine.cuda_graphs).
+        self.scratch_page = num_pages
+        # [layers, 2, num_pages + 1, page_size, kv_heads, head_dim]
         self.kv = torch.zeros(
-            (layout.num_layers, 2, num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim),
+            (layout.num_layers, 2, num_pages + 1, layout.page_size, layout.num_kv_heads, layout.head_dim),
             dtype=dtype,
             device=device,
         )

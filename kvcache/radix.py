@@ -333,10 +333,10 @@ class PrefixCache:
             if page is None:  # indexed but unreadable: corrupt, truncated, deleted — a miss
                 self.stats.failed_reads += 1
                 return None
+            self.device.write_page(page_id, page)
         else:
             assert self.host is not None and node.tier == Tier.HOST
-            page = self.host.load(node.page_id)
-        self.device.write_page(page_id, page)
+            self.host.load_into(node.page_id, self.device.kv[:, :, page_id])
         if node is None:
             salt = parent.salt if parent is not None else b""
             node = self._add(page_hash, parent, page_id, Tier.DEVICE, self._disk_salts.pop(page_hash, salt))

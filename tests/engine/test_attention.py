@@ -57,11 +57,7 @@ def test_mixed_prefill_and_decode_batch_matches_reference() -> None:
     max_pages = max(len(pg) for _, pg in decodes)
     table = torch.tensor([pg + [0] * (max_pages - len(pg)) for _, pg in decodes])
     lens = torch.tensor([ctx for ctx, _ in decodes])
-    bias = torch.zeros(len(decodes), 1, 1, max_pages * PAGE)
-    bias.masked_fill_(
-        (torch.arange(max_pages * PAGE)[None, :] >= lens[:, None]).view(bias.shape), float("-inf")
-    )
-    meta = AttnMetadata(torch.tensor(slots), tuple(prefills), start, table, bias, DIM**-0.5)
+    meta = AttnMetadata(torch.tensor(slots), tuple(prefills), start, table, lens, DIM**-0.5)
 
     write_kv(k_cache, v_cache, torch.cat(new_k), torch.cat(new_v), meta.slot_mapping)
     out = paged_attention(torch.cat(qs), k_cache, v_cache, meta)

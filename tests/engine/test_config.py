@@ -415,3 +415,14 @@ def test_from_dir_errors_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(changed(LLAMA2_7B, hidden_act="relu")))
     with pytest.raises(UnsupportedModelError, match="config.json"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_attention_backend_resolves_by_device_and_is_validated() -> None:
+    from engine.engine_config import EngineConfig
+
+    assert EngineConfig().resolve_attention_backend() == "torch"
+    assert EngineConfig(attention_backend="triton").resolve_attention_backend() == "triton"
+    with pytest.raises(ConfigError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
+        EngineConfig(cuda_graph_max_batch=-1)

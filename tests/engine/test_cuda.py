@@ -28,3 +28,11 @@ def test_cuda_bf16_engine_tracks_the_cpu_float32_engine(tiny_model_dir: Path) ->
     outputs = gpu.generate([prompt, prompt[:50], [7]], SamplingParams(max_tokens=16, temperature=0.0))
     assert [len(o) for o in outputs] == [16, 16, 16]
     assert gpu.free_pages_at_idle() == gpu.pool.num_pages
+
+
+def test_cuda_engine_decodes_through_triton_and_cuda_graphs(tiny_model_dir: Path) -> None:
+    gpu = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=512, max_num_seqs=8))
+    assert gpu.runner.decode_backend == "triton" and gpu.model.fused
+    assert gpu.runner.graphs is not None and gpu.runner.graphs.num_graphs == len(gpu.runner.graphs.sizes)
+    gpu.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=8, temperature=0.0))
+    assert gpu.runner.graphs.num_replays > 0

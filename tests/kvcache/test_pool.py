@@ -93,7 +93,8 @@ def test_device_pool_layout_and_budget() -> None:
     assert layout.page_bytes(torch.float32) == 4 * 2 * 16 * 2 * 64 * 4
     assert layout.num_pages_for_budget(10 * layout.page_bytes(torch.float32) + 1, torch.float32) == 10
     pool = DevicePool(layout, 8, torch.float32)
-    assert pool.kv.shape == (4, 2, 8, 16, 2, 64)
+    assert pool.kv.shape == (4, 2, 9, 16, 2, 64)  # + the scratch page
+    assert pool.scratch_page == 8 and pool.num_pages == 8
     k, v = pool.layer(1)
-    assert k.shape == (8, 16, 2, 64) and k.data_ptr() != v.data_ptr()
+    assert k.shape == (9, 16, 2, 64) and k.data_ptr() != v.data_ptr()
     pool.check_integrity()

@@ -1,0 +1,170 @@
+"""Decode steps replayed from CUDA graphs: one graph per batch-size bucket, captured once.
+
+A decode-only step of `n` sequences runs the graph of the smallest bucket >= n. The runner
+owns every buffer a graph reads or writes, so a replay only refreshes their contents:
+
+    staging (pinned host, int64)  --one copy-->  inputs (device, int64), viewed as
+        ids [B] | positions [B] | slots [B] | lens [B] | table [B, max_pages]
+    graph[bucket]: model.forward(ids[:b], positions[:b], meta(table[:b], lens[:b])) -> logits[:b]
+
+Rows n..b-1 of a bucket are padding: token 0 at position 0, length 1, every page the pool's
+scratch page (never handed out), so their K/V writes and reads touch nothing real and their
+logits are dropped. The table is `max_pages` wide (the model's whole context) so every graph
+is shape-static; the Triton kernel walks only each row's own length, which is why graphs are
+used with the `triton` backend and the torch reference stays eager.
+
+On CPU (`capture=False`) the same buffers and padding run eagerly: the tests check the
+bucketing and padding against the plain runner there, and bench/gpu_check.py times
+graph replay against eager steps on a device.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import AttnMetadata
+from engine.model import CausalLM
+from kvcache.pool import DevicePool
+
+
+def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """Buckets 1, 2, 4, 8, then every 8 up to 64, then every 16: a step pads fewer than 8
+    rows (16 past 64), and the number of graphs (captures, memory) stays small."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch]
+    sizes += list(range(8, min(max_batch, 64) + 1, 8))
+    sizes += list(range(80, max_batch + 1, 16))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return tuple(sorted(set(sizes)))
+
+
+def bucket_for(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket that holds `n` rows, or None when `n` is past the largest."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: DevicePool,
+        max_batch: int,
+        max_model_len: int,
+        backend: str,
+        capture: bool,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        ps = pool.layout.page_size
+        self.page_size = ps
+        self.max_pages = -(-max_model_len // ps)
+        device = model.device
+        b, w = self.max_batch, self.max_pages
+        self._width = 4 * b + b * w
+        pin = device.type == "cuda"
+        self._staging = torch.zeros(self._width, dtype=torch.int64, pin_memory=pin)
+        self._inputs = torch.zeros(self._width, dtype=torch.int64, device=device)
+        self.ids, self.positions, self.slots, self.lens = self._inputs[: 4 * b].view(4, b)
+        self.table = self._inputs[4 * b :].view(b, w)
+        self.logits = torch.zeros(b, model.cfg.vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
+        if capture:
+            self._capture_all()
+
+    def fits(self, n: int) -> bool:
+        return 0 < n <= self.max_batch
+
+    def run(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Logits [n, vocab] of one decode step of n = len(ids) sequences (a view: read it
+        before the next call)."""
+        n = len(ids)
+        bucket = bucket_for(n, self.sizes)
+        if bucket is None:
+            raise ValueError(f"batch of {n} is past the largest graph ({self.max_batch})")
+        self._stage(ids, positions, slots, tables, bucket)
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            self.num_replays += 1
+        else:
+            self._forward(bucket)
+        return self.logits[:n]
+
+    def _stage(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        bucket: int,
+    ) -> None:
+        n, b, w = len(ids), self.max_batch, self.max_pages
+        scratch = self.pool.scratch_page
+        host = self._staging
+        cols = host[: 4 * b].view(4, b)
+        cols[0, :n] = torch.as_tensor(ids, dtype=torch.int64)
+        cols[1, :n] = torch.as_tensor(positions, dtype=torch.int64)
+        cols[2, :n] = torch.as_tensor(slots, dtype=torch.int64)
+        cols[3, :n] = torch.as_tensor([p + 1 for p in positions], dtype=torch.int64)
+        cols[0:2, n:bucket] = 0
+        cols[2, n:bucket] = scratch * self.page_size
+        cols[3, n:bucket] = 1
+        table = host[4 * b :].view(b, w)
+        table[:bucket].fill_(scratch)
+        for row, pages in enumerate(tables):
+            if len(pages) > w:
+                raise ValueError(f"a sequence of {len(pages)} pages is past the graphs' {w}")
+            table[row, : len(pages)] = torch.as_tensor(pages, dtype=torch.int64)
+        # Two copies per step (the columns, the bucket's table rows). The previous step's copies
+        # have finished before the staging buffer is rewritten: its logits were read.
+        self._inputs[: 4 * b].copy_(host[: 4 * b], non_blocking=True)
+        self.table[:bucket].copy_(table[:bucket], non_blocking=True)
+
+    def _forward(self, bucket: int) -> None:
+        meta = AttnMetadata(
+            slot_mapping=self.slots[:bucket],
+            prefills=(),
+            num_prefill_tokens=0,
+            decode_page_table=self.table[:bucket],
+            decode_seq_lens=self.lens[:bucket],
+            scale=self.model.scale,
+            decode_backend=self.backend,
+        )
+        hidden = self.model.forward(self.ids[:bucket], self.positions[:bucket], meta, self.pool)
+        self.logits[:bucket].copy_(self.model.compute_logits(hidden))
+
+    def _capture_all(self) -> None:
+        # Largest first, into one memory pool: smaller graphs reuse the larger ones' blocks.
+        # Padding rows only (every row writes the scratch page) while capturing.
+        mempool = torch.cuda.graph_pool_handle()
+        for bucket in sorted(self.sizes, reverse=True):
+            self._stage([], [], [], [], bucket)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles the Triton kernel and warms cuBLAS outside capture
+                    self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                self._forward(bucket)
+            self._graphs[bucket] = graph
+        torch.cuda.synchronize()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)

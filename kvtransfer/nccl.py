@@ -1,0 +1,363 @@
+"""The NCCL transport: KV pages GPU to GPU through one communicator per (prefill, decode) pair.
+
+Headers travel on the control channel, page bytes over NCCL, straight between device buffers:
+
+    rendezvous  decode makes a unique id and hands it over with its destination; both sides
+                open the communicator (rank 0 sends, rank 1 receives) within the deadline
+    sender      nccl_chunks(dest, kv): one header per chunk of a page-major device block; its
+                checksum covers the header and an 8-byte digest of the chunk computed on the
+                device; the headers go over the control channel, then send(block) per chunk
+    receiver    prepare(header): codec bounds, token, epoch, reserved pages -> a device staging
+                buffer the recv lands in; finish(header, staging): digest, checksum, store into
+                the reserved pages. A refused header posts no recv and touches nothing.
+    deadline    every group of sends/recvs is polled against the transfer's deadline; past it the
+                communicator is aborted (ncclCommAbort) and the channel is dead: the reservation
+                is released and a new rendezvous is needed. NCCL never blocks the caller forever.
+
+On one GPU, `transfer_to_self` runs a sender and a receiver over a one-rank communicator: each
+chunk's send and recv go in one group (NCCL's send-to-self), through the same prepare/finish
+checks. `Comm` is the seam: `CupyComm` is CuPy's NCCL binding (GPU only); tests drive the state
+machine on CPU through `LoopbackFabric`, which pairs sends with recvs in memory.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+
+from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from kvtransfer.codec import DTYPES, CodecLimits, TransferError, _checksum, check_header
+from kvtransfer.transport import KVDestination, KVReceiver
+
+_WIRE_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+class Completion(Protocol):
+    def query(self) -> bool: ...
+
+
+class Comm(Protocol):
+    """The NCCL calls the channel makes; ranks are 0 and 1 (or 0 alone, sending to itself)."""
+
+    def group(self) -> Any: ...  # a context manager: ncclGroupStart / ncclGroupEnd
+
+    def send(self, buf: torch.Tensor, peer: int) -> None: ...
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None: ...
+
+    def completion(self) -> Completion: ...  # done when every op enqueued so far has finished
+
+    def abort(self) -> None: ...
+
+
+class ChannelState(enum.Enum):
+    NEW = "new"
+    READY = "ready"
+    BUSY = "busy"
+    ABORTED = "aborted"
+    CLOSED = "closed"
+
+
+class NcclChannel:
+    """One pair's communicator and its state machine: every operation has a deadline."""
+
+    def __init__(
+        self,
+        connect: Callable[[], Comm],
+        peer: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._connect = connect
+        self.peer = peer
+        self._clock = clock
+        self.state = ChannelState.NEW
+        self.comm: Comm | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def open(self, deadline_s: float) -> None:
+        """Join the communicator (a collective: the peer must join too) within the deadline."""
+        if self.state is not ChannelState.NEW:
+            raise TransferError(f"channel is {self.state.value}, not new")
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["comm"] = self._connect()
+            except Exception as err:  # noqa: BLE001 - reported to the opener below
+                box["error"] = err
+
+        thread = threading.Thread(target=join, name="nccl-rendezvous", daemon=True)
+        thread.start()
+        thread.join(deadline_s)
+        if "comm" not in box:
+            self.state = ChannelState.ABORTED
+            why = f"rendezvous failed: {box['error']}" if "error" in box else "rendezvous deadline exceeded"
+            raise TransferError(why)
+        self.comm = box["comm"]
+        self.state = ChannelState.READY
+
+    def run(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], deadline_s: float) -> None:
+        """Enqueue sends and recvs as one group and wait for them; abort past the deadline."""
+        if self.state is not ChannelState.READY or self.comm is None:
+            raise TransferError(f"channel is {self.state.value}")
+        self.state = ChannelState.BUSY
+        comm = self.comm
+        deadline = self._clock() + deadline_s
+        try:
+            with comm.group():
+                for buf in sends:
+                    comm.send(buf, self.peer)
+                for buf in recvs:
+                    comm.recv(buf, self.peer)
+            done = comm.completion()
+            pause = 20e-6
+            while not done.query():
+                if self._clock() >= deadline:
+                    raise TransferError("deadline exceeded")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        except BaseException:
+            self._abort()
+            raise
+        self.bytes_sent += sum(_nbytes(b) for b in sends)
+        self.bytes_received += sum(_nbytes(b) for b in recvs)
+        self.state = ChannelState.READY
+
+    def _abort(self) -> None:
+        self.state = ChannelState.ABORTED
+        if self.comm is not None:
+            self.comm.abort()
+
+    def close(self) -> None:
+        if self.state in (ChannelState.READY, ChannelState.NEW):
+            self.state = ChannelState.CLOSED
+
+
+def device_digest(block: torch.Tensor) -> bytes:
+    """8 bytes summarising a chunk, computed where it lives: a position-weighted sum of its
+    32-bit words (a flipped, dropped or swapped word changes it). Integrity, not secrecy: who
+    may send is decided by the transfer token."""
+    raw = block.contiguous().view(-1).view(torch.uint8)
+    if raw.numel() % 4:
+        raise ValueError("a chunk's size must be a multiple of 4 bytes")
+    words = raw.view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    total = int((words * weights).sum().item())
+    return (total & (1 << 64) - 1).to_bytes(8, "little")
+
+
+def nccl_chunks(
+    dest: KVDestination,
+    kv: torch.Tensor,
+    epoch: int,
+    pages_per_chunk: int = 64,
+) -> Iterator[tuple[pb.PageChunkHeader, torch.Tensor]]:
+    """(header, device block) per chunk of a page-major block [pages, layers, 2, ...]."""
+    if kv.shape[0] != len(dest.dest_page_ids):
+        raise ValueError(f"{kv.shape[0]} pages for {len(dest.dest_page_ids)} reserved")
+    for start in range(0, kv.shape[0], pages_per_chunk):
+        block = kv[start : start + pages_per_chunk].contiguous()
+        header = pb.PageChunkHeader(
+            req_id=dest.req_id,
+            transfer_id=dest.transfer_id,
+            transfer_token=dest.token,
+            sender_epoch=epoch,
+            dest_page_ids=list(dest.dest_page_ids[start : start + pages_per_chunk]),
+            layer_start=0,
+            layer_end=block.shape[1],
+            dtype=DTYPES[block.dtype],
+            shape=list(block.shape[1:]),
+            payload_bytes=_nbytes(block),
+            is_last=start + pages_per_chunk >= kv.shape[0],
+        )
+        header.checksum = _checksum(header, device_digest(block))
+        yield header, block
+
+
+class NcclReceiver:
+    """The decode side of one pair: checks each header before posting its recv."""
+
+    def __init__(self, receiver: KVReceiver, device: torch.device, limits: CodecLimits | None = None) -> None:
+        self.receiver = receiver
+        self.device = device
+        self.limits = limits or CodecLimits()
+        self.refused = 0
+
+    def prepare(self, header: pb.PageChunkHeader) -> torch.Tensor:
+        dtype = _WIRE_DTYPES.get(header.dtype)
+        if dtype is None:
+            raise TransferError("unknown dtype")
+        expected = check_header(header, torch.empty((), dtype=dtype).element_size(), self.limits)
+        if header.payload_bytes != expected:
+            raise TransferError("payload length does not match the header")
+        if not self.receiver.accept(header):
+            self.refused += 1
+            raise TransferError("refused")
+        return torch.empty((len(header.dest_page_ids), *header.shape), dtype=dtype, device=self.device)
+
+    def finish(self, header: pb.PageChunkHeader, staging: torch.Tensor) -> int:
+        if _checksum(header, device_digest(staging)) != header.checksum:
+            raise TransferError("checksum mismatch")
+        return self.receiver.store(header, staging)
+
+
+def transfer_to_self(
+    channel: NcclChannel,
+    receiver: NcclReceiver,
+    chunks: Iterator[tuple[pb.PageChunkHeader, torch.Tensor]],
+    deadline_s: float,
+) -> str:
+    """Both ends on one rank: each chunk's send and recv in one group. "" when every page
+    arrived and verified, else why not (and the reservation is released)."""
+    deadline = time.monotonic() + deadline_s
+    transfer_id = ""
+    try:
+        for header, block in chunks:
+            transfer_id = header.transfer_id
+            staging = receiver.prepare(header)
+            channel.run([block], [staging], max(0.0, deadline - time.monotonic()))
+            receiver.finish(header, staging)
+        if not transfer_id or not receiver.receiver.is_complete(transfer_id):
+            raise TransferError("transfer incomplete")
+        return ""
+    except TransferError as err:
+        if transfer_id:
+            receiver.receiver.abort(transfer_id)
+        return err.reason
+
+
+def _nbytes(buf: torch.Tensor) -> int:
+    return buf.numel() * buf.element_size()
+
+
+# -- CuPy's NCCL (GPU) ------------------------------------------------------------------------
+
+
+def unique_id() -> bytes:
+    """A fresh NCCL unique id (128 bytes), made by the receiving side."""
+    from cupy.cuda import nccl
+
+    uid = nccl.get_unique_id()
+    return uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
+
+
+class _Event:
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+
+class CupyComm:
+    """A Comm over cupy.cuda.nccl on its own CUDA stream (ordered after the caller's)."""
+
+    def __init__(self, nranks: int, uid: bytes, rank: int, device: torch.device) -> None:
+        import cupy
+        from cupy.cuda import nccl
+
+        self._nccl = nccl
+        self.device = device
+        with cupy.cuda.Device(device.index or 0):
+            self._comm = nccl.NcclCommunicator(nranks, uid, rank)
+        self.stream = torch.cuda.Stream(device)
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages are written
+        self._nccl.groupStart()
+        try:
+            yield
+        finally:
+            self._nccl.groupEnd()
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self._comm.send(buf.data_ptr(), _nbytes(buf), self._nccl.NCCL_UINT8, peer, self.stream.cuda_stream)
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self._comm.recv(buf.data_ptr(), _nbytes(buf), self._nccl.NCCL_UINT8, peer, self.stream.cuda_stream)
+
+    def completion(self) -> Completion:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _Event(event)
+
+    def abort(self) -> None:
+        self._comm.abort()
+
+
+# -- an in-memory fabric for the state machine's tests (CPU) ----------------------------------
+
+
+class LoopbackFabric:
+    """Pairs sends with recvs between in-process ranks, in order, byte for byte. `stall` makes
+    every op hang (a dead peer); `flip` corrupts the next delivered byte."""
+
+    def __init__(self) -> None:
+        self.queues: dict[tuple[int, int], deque[torch.Tensor]] = {}
+        self.stall = False
+        self.flip = False
+        self.aborted: list[int] = []
+        self._lock = threading.Lock()
+
+    def comm(self, rank: int) -> _LoopbackComm:
+        return _LoopbackComm(self, rank)
+
+
+class _Done:
+    def __init__(self, check: Callable[[], bool]) -> None:
+        self._check = check
+
+    def query(self) -> bool:
+        return self._check()
+
+
+class _LoopbackComm:
+    def __init__(self, fabric: LoopbackFabric, rank: int) -> None:
+        self.fabric = fabric
+        self.rank = rank
+        self._pending: list[tuple[torch.Tensor, int]] = []
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        yield
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        with self.fabric._lock:
+            self.fabric.queues.setdefault((self.rank, peer), deque()).append(buf.clone())
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self._pending.append((buf, peer))
+
+    def _deliver(self) -> bool:
+        if self.fabric.stall:
+            return False
+        with self.fabric._lock:
+            while self._pending:
+                buf, peer = self._pending[0]
+                queue = self.fabric.queues.get((peer, self.rank))
+                if not queue:
+                    return False
+                sent = queue.popleft().view(-1).view(torch.uint8)
+                if sent.numel() != _nbytes(buf):
+                    raise TransferError("size mismatch on the fabric")
+                if self.fabric.flip:
+                    sent[0] ^= 1
+                    self.fabric.flip = False
+                buf.view(-1).view(torch.uint8).copy_(sent)
+                self._pending.pop(0)
+        return True
+
+    def completion(self) -> Completion:
+        return _Done(lambda: not self.fabric.stall and self._deliver())
+
+    def abort(self) -> None:
+        self.fabric.aborted.append(self.rank)
