@@ -1,7 +1,9 @@
 """The `baton` command line.
 
-    baton run                         start on embedded defaults (today: offline generation
-                                      with the built-in baton-tiny; the server comes later)
+    baton run                         offline generation with the built-in baton-tiny
+    baton up [--prefill P --decode D] serve on one machine: colocated, or P prefill and D decode
+                                      actors on a private loopback Ray (--no-ray: in-process)
+    baton serve --ray-address ADDR    the same on an existing Ray cluster
     baton generate --model M --prompt P
     baton model create {tiny,small} DIR
     baton bench ...                   from the `baton.commands` entry point (bench/)
@@ -60,26 +62,14 @@ def _build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     up = sub.add_parser("up", help="serve the OpenAI HTTP API and gRPC on one machine (embedded defaults)")
-    _add_engine_args(up)
-    up.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
-    up.add_argument("--port", type=int, default=8000, help="HTTP port")
-    up.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0 disables gRPC")
-    up.add_argument("--api-keys", type=Path, default=None, help="API key file (or BATON_API_KEYS)")
-    up.add_argument("--served-model-name", default=None)
-    up.add_argument("--max-model-len", type=int, default=None)
-    up.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget")
-    up.add_argument("--no-prefix-cache", action="store_true", help="turn KV prefix reuse off")
-    up.add_argument("--prefill", type=int, default=0, choices=[0, 1],
-                    help="prefill workers: 0 colocated, 1 a prefill engine beside the decode engine (in-process)")
-    up.add_argument("--shared-prefix", action="append", default=[],
-                    help="text (e.g. a public system prompt) whose cached pages every tenant may share")
-    up.add_argument("--kv-pages", type=int, default=None, help="device KV pool size in pages (overrides --kv-memory-gb)")
-    up.add_argument("--host-cache-pages", type=int, default=0, help="host-RAM tier size in pages (0: off)")
-    up.add_argument("--disk-cache-pages", type=int, default=0, help="disk tier size in pages (0: off)")
-    up.add_argument("--disk-cache-dir", default=None, help="disk tier directory (kept across restarts)")
-    up.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS and gRPC over TLS")
-    up.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    _add_server_args(up, default_prefill=0)
     up.set_defaults(func=_cmd_up)
+
+    serve = sub.add_parser("serve", help="serve on an existing Ray cluster (prefill and decode actors on it)")
+    _add_server_args(serve, default_prefill=1)
+    serve.add_argument("--ray-address", required=True,
+                       help="the cluster's GCS address (host:port); token auth: RAY_AUTH_TOKEN or ~/.ray/auth_token")
+    serve.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text offline from one prompt")
     _add_engine_args(gen)
@@ -101,6 +91,35 @@ def _build_parser() -> argparse.ArgumentParser:
     for ep in entry_points(group="baton.commands"):
         ep.load()(sub)
     return parser
+
+
+def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0 disables gRPC")
+    p.add_argument("--api-keys", type=Path, default=None, help="API key file (or BATON_API_KEYS)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget (per engine)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="turn KV prefix reuse off")
+    p.add_argument("--prefill", type=int, default=default_prefill,
+                   help="prefill workers: 0 colocated (one engine); P > 0 prefill actors on Ray")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (Ray actors) when --prefill > 0")
+    p.add_argument("--no-ray", action="store_true",
+                   help="with --prefill 1 --decode 1: both engines in this process, no Ray")
+    p.add_argument("--local-prefill-tokens", type=int, default=32,
+                   help="decode prefills a prompt itself when its uncached part is at most this long")
+    p.add_argument("--transfer-deadline", type=float, default=10.0,
+                   help="seconds a KV transfer may take before the request is re-dispatched")
+    p.add_argument("--shared-prefix", action="append", default=[],
+                   help="text (e.g. a public system prompt) whose cached pages every tenant may share")
+    p.add_argument("--kv-pages", type=int, default=None, help="device KV pool size in pages (overrides --kv-memory-gb)")
+    p.add_argument("--host-cache-pages", type=int, default=0, help="host-RAM tier size in pages (0: off)")
+    p.add_argument("--disk-cache-pages", type=int, default=0, help="disk tier size in pages (0: off)")
+    p.add_argument("--disk-cache-dir", default=None, help="disk tier directory (kept across restarts)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS and gRPC over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -175,17 +194,43 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    from cluster.server import run
+
+    return run(_server_config(args, ray_address=None))
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    if args.prefill < 1 or args.no_ray:
+        raise BatonError("baton serve runs prefill and decode actors on Ray: use --prefill >= 1, not --no-ray")
+    # A driver attaching to a token-auth cluster must say so before `ray` is imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from cluster.server import run
+
+    return run(_server_config(args, ray_address=args.ray_address))
+
+
+def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: ignore[no-untyped-def]
+    from cluster.disagg_config import DisaggConfig
     from cluster.http_api import HttpConfig
-    from cluster.server import ServerConfig, run
+    from cluster.server import ServerConfig
     from engine.engine_config import EngineConfig
     from kvcache.tiers import TierConfig
 
+    if args.no_ray and (args.prefill != 1 or args.decode != 1):
+        raise BatonError("--no-ray runs exactly one prefill and one decode engine: use --prefill 1 --decode 1")
+    disagg = None
+    if args.prefill > 0 and not args.no_ray:
+        disagg = DisaggConfig(num_prefill=args.prefill, num_decode=args.decode, ray_address=ray_address,
+                              local_prefill_tokens=args.local_prefill_tokens,
+                              transfer_deadline_s=args.transfer_deadline, num_threads=args.threads or 1)
     kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
                           max_model_len=args.max_model_len, kv_memory_bytes=kv,
                           enable_prefix_cache=not args.no_prefix_cache, num_pages=args.kv_pages,
                           tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir))
-    cfg = ServerConfig(
+    return ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),
         grpc_port=args.grpc_port or None,
@@ -193,8 +238,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         shared_prefix_texts=tuple(args.shared_prefix),
         prefill_workers=args.prefill,
+        local_prefill_tokens=args.local_prefill_tokens,
+        disagg=disagg,
     )
-    return run(cfg)
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:

@@ -18,12 +18,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from cluster.admission import Admission, AdmissionConfig, Ticket
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.metrics import EdgeMetrics
 from cluster.tenants import Tenant, TenantLimits
+from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
@@ -32,13 +33,40 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-
-class EngineFront(Protocol):
-    """What the Frontend needs from the engine side: an AsyncEngine (colocated) or a PDFront
-    (prefill and decode apart)."""
+class ModelView(Protocol):
+    """What the edge reads of the model: an Engine in-process, or the gateway's own copy of
+    the tokenizer and config when the engines live in Ray actors."""
 
     @property
-    def engine(self) -> Engine: ...
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+
+class PoolUsage(NamedTuple):
+    used: int  # held by requests (and reservations)
+    cached: int  # held only by the prefix cache
+    total: int
+    running: int  # requests in the running batches
+
+
+@runtime_checkable
+class ReportsPools(Protocol):
+    """An engine side whose pools live elsewhere (Ray actors) reports them itself."""
+
+    def pool_usage(self) -> PoolUsage: ...
+
+
+class EngineFront(Protocol):
+    """What the Frontend needs from the engine side: an AsyncEngine (colocated), a PDFront
+    (prefill and decode apart, in-process) or a RayFront (actors)."""
+
+    @property
+    def engine(self) -> ModelView: ...
 
     @property
     def is_alive(self) -> bool: ...
@@ -75,13 +103,16 @@ class Frontend:
     ) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer: Tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.vocab_size = engine.engine.model_config.vocab_size
+        model = engine.engine
+        self.tokenizer: Tokenizer = model.tokenizer
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.model_config.vocab_size
         self.admission = Admission(admission or AdmissionConfig())
         self.limits = TenantLimits()
         self.metrics = EdgeMetrics()
-        self.metrics.watch_engine(engine.engine)
+        self._local = model if isinstance(model, Engine) else None  # its pools are read directly
+        if self._local is not None:
+            self.metrics.watch_engine(self._local)
         self.request_timeout_s = request_timeout_s
         self.draining = False
 
@@ -201,13 +232,24 @@ class Frontend:
         return self.is_live() and not self.draining
 
     def refresh_gauges(self) -> None:
-        m, adm, stats = self.metrics, self.admission, self.engine.last_stats
+        m, adm = self.metrics, self.admission
         m.waiting.set(adm.num_waiting)
         m.inflight.set(adm.num_inflight)
-        pages = self.engine.engine.pool.pages
-        cached = self.engine.engine.prefix_cache.num_cached_pages if self.engine.engine.prefix_cache else 0
-        m.pages_used.labels("device").set(pages.num_used - cached)
-        m.pages_cached.labels("device").set(cached)
-        m.pages_total.labels("device").set(pages.num_pages)
-        if stats is not None:
-            m.running.set(stats.num_running)
+        usage = self._pool_usage()
+        if usage is None:
+            return
+        m.pages_used.labels("device").set(usage.used)
+        m.pages_cached.labels("device").set(usage.cached)
+        m.pages_total.labels("device").set(usage.total)
+        if usage.running >= 0:
+            m.running.set(usage.running)
+
+    def _pool_usage(self) -> PoolUsage | None:
+        if isinstance(self.engine, ReportsPools):
+            return self.engine.pool_usage()
+        if self._local is None:
+            return None
+        pages, cache, stats = self._local.pool.pages, self._local.prefix_cache, self.engine.last_stats
+        cached = cache.num_cached_pages if cache else 0
+        running = stats.num_running if stats is not None else -1
+        return PoolUsage(pages.num_used - cached, cached, pages.num_pages, running)

@@ -1,9 +1,13 @@
-"""`baton up`: one process serving the OpenAI HTTP API (and gRPC, when available) over one
-colocated engine. The disaggregated Ray deployment replaces the engine behind the same
-Frontend later; the edges do not change.
+"""`baton up` / `baton serve`: one gateway process serving the OpenAI HTTP API (and gRPC, when
+available) in front of one of three engine sides; the edges do not change between them.
 
     engine (step thread) <- AsyncEngine <- Frontend <- FastAPI on uvicorn (uvloop)
                                                     <- grpc.aio server (same event loop)
+
+    colocated      AsyncEngine: one engine in this process (--prefill 0)
+    in-process PD  PDFront: a prefill and a decode engine in this process (--prefill 1 --no-ray)
+    Ray PD         RayFront: P PrefillActors and D DecodeActors on Ray (--prefill P --decode D);
+                   a private loopback Ray, or an existing cluster (`baton serve --ray-address`)
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 import uvloop
 
 from cluster.admission import AdmissionConfig
+from cluster.disagg_config import DisaggConfig
 from cluster.frontend import Frontend
 from cluster.http_api import HttpConfig, create_app
 from cluster.pd import PDFront
@@ -28,6 +33,9 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from kvcache.tiers import TierConfig
+
+if TYPE_CHECKING:
+    from cluster.ray_front import RayFront
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +49,10 @@ class ServerConfig:
     api_keys_file: Path | None = None
     request_timeout_s: float = 600.0
     served_model_name: str | None = None
-    prefill_workers: int = 0  # 0: colocated; 1: a prefill engine beside the decode one (in-process)
+    prefill_workers: int = 0  # 0: colocated; 1 without `disagg`: a prefill engine beside the decode one
+    disagg: DisaggConfig | None = None  # set: prefill and decode workers are Ray actors
     shared_prefix_texts: tuple[str, ...] = ()  # prompts every tenant may share (tokenized at start)
+    local_prefill_tokens: int = 32  # in-process PD: decode prefills prompts this short itself
 
 
 def load_api_keys(path: Path | None) -> ApiKeys:
@@ -55,8 +65,8 @@ def load_api_keys(path: Path | None) -> ApiKeys:
 class Running:
     """A started server's parts (tests drive these directly)."""
 
-    engine: Engine  # the decode (or colocated) engine
-    front: AsyncEngine | PDFront
+    engine: Engine | None  # the decode (or colocated) engine; None when the engines are actors
+    front: AsyncEngine | PDFront | RayFront
     frontend: Frontend
     http: uvicorn.Server
     grpc: Any | None
@@ -66,11 +76,39 @@ class Running:
         if self.grpc is not None:
             await self.grpc.stop(grace=2.0)
         await self.front.stop()
-        await asyncio.to_thread(self.engine.close)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
 
 
 async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
-    """Build and start everything but the HTTP accept loop (`running.http.serve()`)."""
+    """Build and start everything but the HTTP accept loop (`running.http.serve()`). With
+    `cfg.disagg`, Ray must be up in this process already (`run` starts or connects it)."""
+    front: AsyncEngine | PDFront | RayFront
+    ray_front: RayFront | None = None
+    if cfg.disagg is not None:
+        from cluster.ray_launch import launch
+
+        front = ray_front = await launch(cfg.engine, cfg.disagg, cfg.shared_prefix_texts)
+        engine = None
+    else:
+        engine, front = await _start_in_process(cfg, engine)
+    front.start()
+    name = cfg.served_model_name or Path(cfg.engine.model).name
+    frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s)
+    if ray_front is not None:
+        ray_front.metrics.register(frontend.metrics.registry, ray_front)
+    keys = load_api_keys(cfg.api_keys_file)
+    app = create_app(frontend, keys, cfg.http)
+    grpc_server = await _start_grpc(frontend, keys, cfg)
+    http = uvicorn.Server(
+        uvicorn.Config(app, host=cfg.http.host, port=cfg.http.port, loop="none", log_level="warning",
+                       lifespan="off", timeout_graceful_shutdown=5,
+                       ssl_certfile=cfg.http.tls_certfile, ssl_keyfile=cfg.http.tls_keyfile)
+    )
+    return Running(engine, front, frontend, http, grpc_server)
+
+
+async def _start_in_process(cfg: ServerConfig, engine: Engine | None) -> tuple[Engine, AsyncEngine | PDFront]:
     if engine is None:
         engine = await asyncio.to_thread(Engine, cfg.engine)
     engine.shared_prefixes += tuple(tuple(engine.tokenizer.encode(t)) for t in cfg.shared_prefix_texts)
@@ -81,19 +119,8 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
         # prefix cache); the Ray deployment puts each role in its own actor instead.
         prefill = await asyncio.to_thread(Engine, replace(cfg.engine, tiers=TierConfig()))
         prefill.shared_prefixes = engine.shared_prefixes
-        front = PDFront(AsyncEngine(prefill), decode)
-    front.start()
-    name = cfg.served_model_name or Path(cfg.engine.model).name
-    frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s)
-    keys = load_api_keys(cfg.api_keys_file)
-    app = create_app(frontend, keys, cfg.http)
-    grpc_server = await _start_grpc(frontend, keys, cfg)
-    http = uvicorn.Server(
-        uvicorn.Config(app, host=cfg.http.host, port=cfg.http.port, loop="none", log_level="warning",
-                       lifespan="off", timeout_graceful_shutdown=5,
-                       ssl_certfile=cfg.http.tls_certfile, ssl_keyfile=cfg.http.tls_keyfile)
-    )
-    return Running(engine, front, frontend, http, grpc_server)
+        front = PDFront(AsyncEngine(prefill), decode, cfg.local_prefill_tokens)
+    return engine, front
 
 
 async def serve(cfg: ServerConfig) -> None:
@@ -139,5 +166,17 @@ def _announce(cfg: ServerConfig, name: str, auth: bool, grpc_on: bool) -> None:
 
 
 def run(cfg: ServerConfig) -> int:
-    uvloop.run(serve(cfg))
+    if cfg.disagg is None:
+        uvloop.run(serve(cfg))
+        return 0
+    from cluster import ray_runtime  # before anything imports `ray`
+
+    # Ray first, outside the event loop: its init blocks for seconds and wants the main thread.
+    address = cfg.disagg.ray_address
+    info = ray_runtime.connect(address) if address else ray_runtime.start_local()
+    try:
+        uvloop.run(serve(cfg))
+    finally:
+        ray_runtime.shutdown()  # stops a local Ray; detaches from a connected one
+        logger.info("Ray %s %s", info.gcs_address, "stopped" if info.is_local else "detached")
     return 0

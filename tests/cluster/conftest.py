@@ -97,15 +97,29 @@ def start_server(cfg: ServerConfig, engine: Engine | None) -> ServerHandle:
     return ServerHandle(f"http://127.0.0.1:{port}", box["running"], loop, thread)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Any]:
-    """One private loopback Ray for the whole session (its start costs seconds): the tests that
-    need actors share it, and each stops the actors it started."""
+_ray: list[ray_runtime.RayInfo] = []  # the running local Ray, if any
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> ray_runtime.RayInfo:
+    """One private loopback Ray shared by the cluster tests that need actors (its start costs
+    seconds); each test stops the actors it started. It is stopped when the run leaves
+    tests/cluster, so the suites after it do not share the machine with an idle Ray."""
     pytest.importorskip("ray")
-    info = ray_runtime.start_local()
-    assert info.node_ip == ray_runtime.LOOPBACK
-    yield info
-    ray_runtime.shutdown()
+    if not _ray:
+        info = ray_runtime.start_local()
+        assert info.node_ip == ray_runtime.LOOPBACK
+        _ray.append(info)
+    return _ray[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the item's fixtures (servers, actors) are torn down first
+    if _ray and (nextitem is None or HERE not in nextitem.path.parents):
+        ray_runtime.shutdown()
+        _ray.clear()
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,283 @@
+"""Disaggregated serving on Ray, seen from the gateway: the EngineFront the HTTP and gRPC edges
+call when the engines live in PrefillActors and DecodeActors (DESIGN.md section 3).
+
+    generate(req)
+      decode = least loaded healthy decode worker; subscribe to its output stream
+      dest = decode.place(job, prefill.epoch)   pages reserved -> KVDestination; or None: the
+                                                uncached part is short (or no prefill worker is
+                                                healthy, or no room): decode prefills it itself
+      first = prefill.prefill(job, dest)        -> the edge at once; the push runs meanwhile
+      decode.admit(job, dest, first)            joins the batch once every page arrived
+      outputs: decode's per-step batches, demultiplexed by ray_workers.DecodeHandle
+
+    failure (prefill dead, push refused, transfer deadline): the reservation is cancelled (its
+    pages return to the pool) and the request goes to the next healthy prefill worker, then to
+    decode-local prefill. A re-run's first token is the one already sent (greedy, or seeded:
+    an unseeded sampled request gets a seed here, so a re-run draws the same stream), so it is
+    not sent twice. Cancellation aborts the request on every worker it touched.
+
+`ray` is imported after cluster.ray_runtime (which sets Ray's environment first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+from cluster import ray_runtime  # noqa: F401  (before `ray`)
+from cluster.disagg_config import DisaggConfig
+from cluster.errors import EdgeError, Kind
+from cluster.frontend import ModelView, PoolUsage
+from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
+from cluster.transfer_metrics import TransferMetrics
+from cluster.worker_msgs import PrefillResult, TransferReport
+from engine.outputs import StepOutput, StepStats
+from engine.sampling import SamplingParams
+from kvtransfer.transport import KVDestination
+from prefill.worker import PrefillJob
+
+import ray  # isort: skip
+
+logger = logging.getLogger(__name__)
+
+HEALTH_PERIOD_S = 1.0
+
+
+class _Placed(NamedTuple):
+    first: StepOutput
+    dest: KVDestination
+    transfer_id: str
+    prefill: PrefillHandle
+
+
+class _Redispatch(Exception):
+    """This path failed; the request goes down the next one."""
+
+
+class RayFront:
+    def __init__(
+        self, model: ModelView, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], cfg: DisaggConfig
+    ) -> None:
+        self.model = model  # ray_launch.GatewayModel: the tokenizer and config, no weights
+        self.prefills = list(prefills)
+        self.decodes = list(decodes)
+        self.cfg = cfg
+        self.metrics = TransferMetrics()
+        self._health: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Future[Any]] = set()  # fire-and-forget calls in flight
+
+    # -- the surface the Frontend uses --------------------------------------------------------
+
+    @property
+    def engine(self) -> ModelView:
+        return self.model
+
+    @property
+    def is_alive(self) -> bool:
+        return any(d.is_alive for d in self.decodes)
+
+    @property
+    def heartbeat(self) -> float:
+        return max((d.heartbeat for d in self.decodes if d.is_alive), default=0.0)
+
+    @property
+    def last_stats(self) -> StepStats | None:
+        return None  # pool_usage reports the running batches instead
+
+    def pool_usage(self) -> PoolUsage:
+        stats = [d.stats for d in self.decodes if d.stats is not None]
+        cached = sum(s.num_cached_pages for s in stats)
+        return PoolUsage(sum(s.num_used_pages for s in stats) - cached, cached,
+                         sum(s.num_pages for s in stats), sum(s.num_running for s in stats))
+
+    def start(self) -> None:
+        for d in self.decodes:
+            d.start()
+        self._health = asyncio.create_task(self._watch_prefills())
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        for d in self.decodes:
+            await d.stop()
+        for actor in [p.actor for p in self.prefills] + [d.actor for d in self.decodes]:
+            ray.kill(actor)  # the actors are this gateway's: they go with it
+
+    # -- one request ----------------------------------------------------------------------------
+
+    async def generate(
+        self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0,
+        cache_salt: str = "",
+    ) -> AsyncIterator[StepOutput]:
+        if sampling.seed is None and not sampling.is_greedy:
+            sampling = replace(sampling, seed=secrets.randbits(62))  # a re-run replays the stream
+        job = PrefillJob(req_id, tuple(prompt_ids), sampling, priority, cache_salt)
+        decode = self._pick_decode()
+        queue = decode.subscribe(req_id)
+        prefill: PrefillHandle | None = None
+        sent_first = is_local = finished = False
+        try:
+            paths: list[PrefillHandle | None] = [*self._healthy_prefills(), None]  # None: local
+            for prefill in paths:
+                try:
+                    placed = await self._place(job, decode, prefill)
+                    if placed is None:  # decode prefills it itself
+                        is_local = True
+                        break
+                    if not sent_first:  # the first token goes to the edge before the pages move
+                        sent_first = True
+                        yield placed.first
+                        if placed.first.finished:
+                            finished = True
+                            return
+                    await self._hand_over(job, decode, placed)
+                    break
+                except _Redispatch:
+                    self.metrics.redispatches.labels("prefill" if self._healthy_prefills() else "local").inc()
+            prefill = None
+            # A local re-run's first token was already sent by a prefill worker.
+            async for out in self._stream(decode, queue, skip_first=is_local and sent_first):
+                finished = out.finished
+                yield out
+        finally:
+            decode.unsubscribe(req_id)
+            if not finished:  # cancelled or failed: every worker it touched lets go
+                self._fire(decode.actor.abort.remote(req_id))
+                if prefill is not None:
+                    self._fire(prefill.actor.abort.remote(req_id))
+
+    async def _stream(self, decode: DecodeHandle, queue: Outputs, skip_first: bool) -> AsyncIterator[StepOutput]:
+        async for out in decode.outputs(queue):
+            if skip_first and out.num_output_tokens == len(out.token_ids):
+                skip_first = False
+                if not out.finished:
+                    continue
+                out = replace(out, token_ids=(), text="", logprobs=())  # only the finish is news
+            yield out
+
+    async def _place(self, job: PrefillJob, decode: DecodeHandle, prefill: PrefillHandle | None) -> _Placed | None:
+        """Start the request down this path: None when decode prefills it itself; else the
+        first token from `prefill`, whose push to decode has started."""
+        epoch = prefill.epoch if prefill is not None else None
+        dest: KVDestination | None = await self._decode_call(decode, decode.actor.place.remote(job, epoch))
+        if dest is None:
+            self.metrics.placements.labels("local").inc()
+            return None
+        assert prefill is not None
+        prefill.num_inflight += 1
+        try:
+            call = prefill.actor.prefill.remote(job, dest)
+            result: PrefillResult = await asyncio.wait_for(_ray_await(call), self.cfg.reservation_ttl_s)
+        except Exception as exc:
+            self._fire(decode.actor.cancel.remote(dest))  # the pages go back at once
+            self._prefill_failed(prefill, job, exc)
+            raise _Redispatch from None
+        finally:
+            prefill.num_inflight -= 1
+        self.metrics.placements.labels("disaggregated").inc()
+        if result.output.finished:  # the first token ends it: nothing moves
+            self._fire(decode.actor.cancel.remote(dest))
+        return _Placed(result.output, dest, result.transfer_id, prefill)
+
+    async def _hand_over(self, job: PrefillJob, decode: DecodeHandle, placed: _Placed) -> None:
+        """Wait for the push; the request joins decode's batch, or _Redispatch (pages freed)."""
+        wait_s = self.cfg.transfer_deadline_s
+        admit = decode.actor.admit.remote(job, placed.dest, placed.first, wait_s)  # waits there
+        failed: str | None = None
+        self.metrics.inflight.inc()
+        try:
+            call = placed.prefill.actor.push_result.remote(placed.transfer_id)
+            report: TransferReport = await asyncio.wait_for(_ray_await(call), wait_s + 1)
+            self.metrics.observe(report)
+            if not report.accepted:
+                failed = report.error
+                self.metrics.failures.labels(_reason(failed)).inc()
+        except Exception as exc:
+            failed = self._prefill_failed(placed.prefill, job, exc)  # counted there
+        finally:
+            self.metrics.inflight.dec()
+        if failed is not None:
+            self._fire(decode.actor.cancel.remote(placed.dest))  # admit then answers False at once
+        if not await self._decode_call(decode, admit, wait_s + 2):
+            if failed is None:  # the push said yes, but the pages did not all arrive in time
+                failed = "deadline"
+                self.metrics.failures.labels(failed).inc()
+            logger.info("%s: transfer %s failed (%s); re-dispatching", job.req_id, placed.transfer_id, failed)
+            raise _Redispatch
+
+    # -- workers ----------------------------------------------------------------------------------
+
+    def _pick_decode(self) -> DecodeHandle:
+        alive = [d for d in self.decodes if d.is_alive]
+        if not alive:
+            raise EdgeError(Kind.UNAVAILABLE, "no decode worker is available", None, 1.0)
+        return min(alive, key=DecodeHandle.load)
+
+    def _healthy_prefills(self) -> list[PrefillHandle]:
+        return sorted((p for p in self.prefills if p.is_alive), key=lambda p: p.num_inflight)
+
+    def _prefill_failed(self, prefill: PrefillHandle, job: PrefillJob, exc: BaseException) -> str:
+        if isinstance(exc, ray.exceptions.RayActorError):
+            prefill.mark_dead(exc)
+            reason = "prefill worker died"
+        elif isinstance(exc, TimeoutError):
+            reason = "deadline"
+        else:
+            logger.warning("%s: prefill on %s failed: %r", job.req_id, prefill.name, exc)
+            reason = "prefill error"
+        self._fire(prefill.actor.abort.remote(job.req_id))
+        self.metrics.failures.labels(_reason(reason)).inc()
+        return reason
+
+    async def _decode_call(self, decode: DecodeHandle, ref: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return await asyncio.wait_for(_ray_await(ref), timeout_s or self.cfg.reservation_ttl_s)
+        except ray.exceptions.RayActorError:
+            decode.is_alive = False
+            raise WorkerLost(f"decode worker {decode.name} failed") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, Exception):  # e.g. the engine refusing the request
+                raise cause from None
+            raise
+
+    async def _watch_prefills(self) -> None:
+        """Health and stats of the prefill workers (decode ones report with every batch)."""
+        while True:
+            for p in self.prefills:
+                if not p.is_alive:
+                    continue
+                try:
+                    p.stats = await asyncio.wait_for(_ray_await(p.actor.stats.remote()), 5 * HEALTH_PERIOD_S)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    p.mark_dead(exc)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    def _fire(self, ref: Any) -> None:
+        """A call whose answer nobody waits for; its failure (a dead actor) is only logged."""
+        task = asyncio.ensure_future(_ray_await(ref))
+        self._pending.add(task)
+        task.add_done_callback(self._settle)
+
+    def _settle(self, task: asyncio.Future[Any]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("fire-and-forget call failed: %r", task.exception())
+
+
+async def _ray_await(ref: Any) -> Any:
+    return await ref
+
+
+def _reason(text: str) -> str:
+    for key in ("died", "deadline", "refused", "aborted", "transport"):
+        if key in text:
+            return key
+    return "other"

@@ -1,0 +1,89 @@
+"""Start disaggregated serving on Ray: P PrefillActors and D DecodeActors, and the gateway's
+RayFront over them (`baton up --prefill P --decode D`, `baton serve --ray-address ADDR`).
+
+    ray_runtime.start_local() / connect(addr)    (the caller; Ray first, then this)
+    front = await launch(engine_cfg, DisaggConfig(num_prefill=P, num_decode=D))
+    front.start()                                the output streams and the health poll
+
+The gateway keeps no weights: it loads the checkpoint's tokenizer and config only
+(GatewayModel), enough for the edge to tokenize, validate and render.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cluster.disagg_config import DisaggConfig
+from cluster.ray_actors import spawn_decode, spawn_prefill
+from cluster.ray_front import RayFront
+from cluster.ray_workers import DecodeHandle, PrefillHandle
+from engine.builtin import resolve_model_dir
+from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
+from engine.tokenizer import Tokenizer
+from kvcache.tiers import TierConfig
+
+logger = logging.getLogger(__name__)
+
+ACTOR_START_S = 300.0  # loading a model into each actor; generous for a cold node
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayModel:
+    """What the edge needs of the model (frontend.ModelView), without the weights."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    model_config: ModelConfig
+
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> GatewayModel:
+        model_dir = resolve_model_dir(cfg.model)
+        mc = ModelConfig.from_dir(model_dir)
+        max_len = min(cfg.max_model_len or mc.max_model_len, mc.max_model_len)  # as the Engine does
+        return cls(Tokenizer.from_dir(model_dir), max_len, mc)
+
+
+async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_texts: Sequence[str] = ()) -> RayFront:
+    """Spawn the actors on the connected Ray and wait until each has loaded its model."""
+    model = await asyncio.to_thread(GatewayModel.load, engine_cfg)
+    shared = tuple(tuple(model.tokenizer.encode(t)) for t in shared_prefix_texts)
+    engine_cfg = replace(engine_cfg, shared_prefixes=engine_cfg.shared_prefixes + shared)
+    run = secrets.token_hex(3)  # actor names of this gateway, apart from any other's
+    decodes = [
+        spawn_decode(_decode_cfg(engine_cfg, i, cfg.num_decode), name=f"baton-{run}-decode-{i}",
+                     reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
+                     local_prefill_tokens=cfg.local_prefill_tokens, num_threads=cfg.num_threads)
+        for i in range(cfg.num_decode)
+    ]  # fmt: skip
+    # The prefill role keeps only its device cache: the lower tiers belong to decode workers.
+    prefill_cfg = replace(engine_cfg, tiers=TierConfig())
+    prefills = [
+        spawn_prefill(prefill_cfg, name=f"baton-{run}-prefill-{i}", epoch=i + 1,
+                      pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads,
+                      push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s)
+        for i in range(cfg.num_prefill)
+    ]  # fmt: skip
+    async with asyncio.timeout(ACTOR_START_S):
+        addresses: list[str] = await asyncio.gather(*(d.start.remote() for d in decodes))
+        await asyncio.gather(*(p.ping.remote() for p in prefills))
+    logger.info("%d prefill and %d decode actors up; decode KV at %s", len(prefills), len(decodes), addresses)
+    return RayFront(
+        model,
+        [PrefillHandle(f"prefill-{i}", actor, i + 1) for i, actor in enumerate(prefills)],
+        [DecodeHandle(f"decode-{i}", actor, addr, cfg.poll_wait_s) for i, (actor, addr)
+         in enumerate(zip(decodes, addresses, strict=True))],
+        cfg,
+    )  # fmt: skip
+
+
+def _decode_cfg(cfg: EngineConfig, index: int, count: int) -> EngineConfig:
+    """Each decode worker owns its disk tier: a directory is locked by one engine."""
+    if count == 1 or not cfg.tiers.disk_dir:
+        return cfg
+    return replace(cfg, tiers=replace(cfg.tiers, disk_dir=str(Path(cfg.tiers.disk_dir) / f"decode-{index}")))

@@ -1,0 +1,156 @@
+"""The gateway's view of each worker actor: health, load, and the decode output streams.
+
+    DecodeHandle   one long-poll loop per decode actor (`next_batch`): each batch carries every
+                   request's new tokens of the steps since the last one, plus the worker's
+                   stats; the handle demultiplexes them to per-request queues
+    PrefillHandle  health (a failed call or stats poll marks it dead) and in-flight count
+
+A request subscribes before it is started on the actor, so no output can arrive unseen. A
+reader more than `max_buffered` outputs behind is cancelled (its request aborted on the actor)
+rather than stalling the batch or growing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from cluster.errors import EdgeError, Kind
+from cluster.worker_msgs import DecodeStats, OutputBatch, PrefillStats
+from engine.errors import SlowReaderError
+from engine.outputs import StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerLost(EdgeError):
+    """The worker died or its output stream broke; the message is safe to show a client."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Kind.UNAVAILABLE, message, None, 1.0)
+
+
+class _Failed(NamedTuple):
+    error: BaseException
+
+
+Outputs = asyncio.Queue[StepOutput | _Failed]
+
+
+@dataclass(slots=True)
+class PrefillHandle:
+    name: str
+    actor: Any  # ray.actor.ActorHandle[PrefillActor]
+    epoch: int
+    is_alive: bool = True
+    num_inflight: int = 0  # requests this gateway has on it now
+    stats: PrefillStats | None = None
+
+    def mark_dead(self, why: object) -> None:
+        if self.is_alive:
+            logger.warning("prefill worker %s is gone: %s", self.name, why)
+        self.is_alive = False
+
+
+class DecodeHandle:
+    def __init__(
+        self, name: str, actor: Any, address: str, poll_wait_s: float = 1.0, max_buffered: int = 4096
+    ) -> None:
+        self.name = name
+        self.actor = actor  # ray.actor.ActorHandle[DecodeActor]
+        self.address = address
+        self.poll_wait_s = poll_wait_s
+        self.max_buffered = max_buffered
+        self.stats: DecodeStats | None = None
+        self.heartbeat = time.monotonic()
+        self.is_alive = True
+        self._queues: dict[str, Outputs] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.num_batches = 0
+        self.num_outputs = 0
+
+    @property
+    def num_active(self) -> int:
+        return len(self._queues)
+
+    def load(self) -> tuple[int, int]:
+        """Lower is less loaded: active requests, then fewest free pages."""
+        free = self.stats.num_free_pages_at_idle - self.stats.num_reserved_pages if self.stats else 0
+        return (self.num_active, -free)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll(), name=f"baton-poll-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    # -- per request ----------------------------------------------------------------------------
+
+    def subscribe(self, req_id: str) -> Outputs:
+        if not self.is_alive:
+            raise WorkerLost(f"decode worker {self.name} is not available")
+        queue: Outputs = asyncio.Queue()
+        self._queues[req_id] = queue
+        return queue
+
+    def unsubscribe(self, req_id: str) -> None:
+        self._queues.pop(req_id, None)
+
+    @staticmethod
+    async def outputs(queue: Outputs) -> AsyncIterator[StepOutput]:
+        """A subscription's outputs until its request finishes; raises what the stream failed with."""
+        while True:
+            item = await queue.get()
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+            if item.finished:
+                return
+
+    # -- the stream -----------------------------------------------------------------------------
+
+    async def _poll(self) -> None:
+        after = 0
+        while True:
+            try:
+                batch: OutputBatch = await self.actor.next_batch.remote(after, self.poll_wait_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._fail_all(WorkerLost(f"decode worker {self.name} failed"), exc)
+                return
+            if batch.first_seq > after + 1:  # the feed dropped steps we never saw
+                self._fail_all(WorkerLost(f"decode worker {self.name}'s output stream lost steps"), None)
+            after = max(after, batch.last_seq)
+            self.stats, self.heartbeat = batch.stats, time.monotonic()
+            self.num_batches += bool(batch.outputs)
+            self.num_outputs += len(batch.outputs)
+            for out in batch.outputs:
+                self._deliver(out)
+
+    def _deliver(self, out: StepOutput) -> None:
+        queue = self._queues.get(out.req_id)
+        if queue is None:
+            return  # cancelled or re-dispatched meanwhile
+        if queue.qsize() >= self.max_buffered:
+            logger.warning("cancelling %s: its reader is %d outputs behind", out.req_id, queue.qsize())
+            del self._queues[out.req_id]
+            self.actor.abort.remote(out.req_id)
+            queue.put_nowait(_Failed(SlowReaderError(f"request {out.req_id} cancelled: the client reads too slowly")))
+            return
+        queue.put_nowait(out)
+
+    def _fail_all(self, error: WorkerLost, cause: BaseException | None) -> None:
+        if cause is not None:
+            logger.warning("decode worker %s: output stream ended: %r", self.name, cause)
+            self.is_alive = False
+        for queue in self._queues.values():
+            queue.put_nowait(_Failed(error))
+        self._queues.clear()

@@ -1,0 +1,106 @@
+"""Prometheus metrics of disaggregated serving, on the gateway's /metrics.
+
+Transfers (bytes, seconds, outcome, per transport) are observed from the TransferReport each
+push returns; pinned, reserved and in-flight figures come from the stats the actors report
+(decode: with every output batch; prefill: the gateway's health poll), read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cluster.ray_workers import DecodeHandle, PrefillHandle
+from cluster.worker_msgs import TransferReport
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_BYTES = tuple(float(1 << k) for k in range(12, 32, 2))  # 4 KiB .. 1 GiB
+
+
+class Workers(Protocol):
+    @property
+    def prefills(self) -> Sequence[PrefillHandle]: ...
+
+    @property
+    def decodes(self) -> Sequence[DecodeHandle]: ...
+
+
+class TransferMetrics:
+    def __init__(self) -> None:
+        self.transfers = Counter(
+            "baton_kv_transfers_total", "KV transfers by transport and outcome", ["transport", "outcome"], registry=None
+        )
+        self.bytes = Counter("baton_kv_transfer_bytes_total", "KV payload bytes moved", ["transport"], registry=None)
+        self.seconds = Histogram(
+            "baton_kv_transfer_seconds", "Time of one KV push, first chunk to ack", ["transport"],
+            buckets=_SECONDS, registry=None,
+        )  # fmt: skip
+        self.size = Histogram(
+            "baton_kv_transfer_size_bytes", "Payload bytes of one KV push", ["transport"], buckets=_BYTES, registry=None
+        )
+        self.failures = Counter(
+            "baton_kv_transfer_failures_total", "Failed transfers and prefills, by reason", ["reason"], registry=None
+        )
+        self.redispatches = Counter(
+            "baton_redispatches_total", "Requests sent down another path after a failure", ["to"], registry=None
+        )
+        self.placements = Counter(
+            "baton_placements_total", "Requests by where their prompt was prefilled", ["route"], registry=None
+        )
+        self.inflight = Gauge("baton_kv_transfers_inflight", "Transfers the gateway is waiting on", registry=None)
+
+    def observe(self, report: TransferReport) -> None:
+        outcome = "ok" if report.accepted else "failed"
+        self.transfers.labels(report.transport, outcome).inc()
+        if report.accepted:
+            self.bytes.labels(report.transport).inc(report.num_bytes)
+            self.seconds.labels(report.transport).observe(report.seconds)
+            self.size.labels(report.transport).observe(report.num_bytes)
+
+    def register(self, registry: CollectorRegistry, workers: Workers) -> None:
+        for metric in (self.transfers, self.bytes, self.seconds, self.size, self.failures, self.redispatches,
+                       self.placements, self.inflight):
+            registry.register(metric)
+        registry.register(_WorkerCollector(workers))
+
+
+class _WorkerCollector(Collector):
+    """Per-worker figures from the actors' last reported stats (no calls at scrape time)."""
+
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        up = GaugeMetricFamily("baton_worker_up", "1 while the gateway considers the worker healthy",
+                               labels=["role", "worker"])
+        pinned = GaugeMetricFamily("baton_kv_pinned_pages", "Prefill pages held for transfers", labels=["worker"])
+        pushing = GaugeMetricFamily("baton_kv_worker_transfers_inflight", "Pushes a prefill worker is sending",
+                                    labels=["worker"])
+        lease = CounterMetricFamily("baton_kv_lease_expired", "Held pages released because a lease ended",
+                                    labels=["role", "worker"])
+        reserved = GaugeMetricFamily("baton_kv_reserved_pages", "Decode pages reserved for transfers",
+                                     labels=["worker"])
+        expired = CounterMetricFamily("baton_kv_reservations_expired", "Reservations whose transfer deadline passed",
+                                      labels=["worker"])
+        refused = CounterMetricFamily("baton_kv_pushes_refused", "Push chunks refused, by reason",
+                                      labels=["worker", "reason"])
+        for p in self.workers.prefills:
+            up.add_metric(["prefill", p.name], float(p.is_alive))
+            if p.stats is not None:
+                pinned.add_metric([p.name], p.stats.num_pinned_pages)
+                pushing.add_metric([p.name], p.stats.num_inflight_transfers)
+                lease.add_metric(["prefill", p.name], p.stats.num_lease_expired)
+        for d in self.workers.decodes:
+            up.add_metric(["decode", d.name], float(d.is_alive))
+            if (s := d.stats) is not None:
+                reserved.add_metric([d.name], s.num_reserved_pages)
+                expired.add_metric([d.name], s.num_expired)
+                lease.add_metric(["decode", d.name], s.num_lease_expired)
+                for reason, n in (("token", s.refused_bad_token), ("epoch", s.refused_stale_epoch),
+                                  ("page", s.refused_bad_page)):
+                    refused.add_metric([d.name, reason], n)
+        yield from (up, pinned, pushing, lease, reserved, expired, refused)

@@ -1,0 +1,133 @@
+"""Faults in Ray-disaggregated serving (two prefill actors, one decode actor, pushes slowed so a
+transfer can be caught in flight): a prefill actor killed in the middle of a transfer sends the
+request to the other one, and once no prefill worker is left, decode prefills itself. Each
+request completes with the colocated server's greedy text, and the decode worker's pages return
+to their baseline. When the decode worker itself dies, its streams fail at once with a clear
+error and the gateway stops admitting."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from cluster.disagg_config import DisaggConfig
+from cluster.ray_workers import PrefillHandle
+from cluster.server import ServerConfig
+from cluster.worker_msgs import PrefillStats
+from engine.engine_config import EngineConfig
+from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.test_ray_serving import (
+    LONG,
+    MODEL,
+    OTHER,
+    decode_stats,
+    front_of,
+    metric,
+    wait_decode_idle,
+)
+
+ray = pytest.importorskip("ray")
+
+# 12 pages of LONG in chunks of 2, 0.25 s apart: each push takes ~1.5 s.
+SLOW_PUSH = DisaggConfig(num_prefill=2, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.25)
+
+
+@pytest.fixture(scope="module")
+def slow(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
+    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=MODEL,
+                       prefill_workers=2, disagg=SLOW_PUSH)
+    handle = start_server(cfg, None)
+    yield handle
+    handle.stop()
+
+
+def _prefill_stats(p: PrefillHandle) -> PrefillStats:
+    stats: PrefillStats = ray.get(p.actor.stats.remote(), timeout=30)
+    return stats
+
+
+def _kill(p: PrefillHandle) -> None:
+    ray.kill(p.actor)
+    with pytest.raises(ray.exceptions.RayActorError):  # the fault happened: it is dead
+        ray.get(p.actor.ping.remote(), timeout=30)
+
+
+def test_prefill_killed_mid_transfer_then_all_gone(slow: ServerHandle, server: ServerHandle) -> None:
+    front = front_of(slow)
+    want = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    want_long = want.completions.create(model=MODEL, prompt=LONG, max_tokens=12, temperature=0).choices[0].text
+    client = openai.OpenAI(base_url=slow.url + "/v1", api_key="x", timeout=60, max_retries=0)
+    baseline = wait_decode_idle(front)
+
+    chunks: list[str] = []
+    first = threading.Event()
+
+    def read() -> None:
+        for c in client.completions.create(model=MODEL, prompt=LONG, max_tokens=12, temperature=0, stream=True):
+            chunks.extend(x.text for x in c.choices)
+            first.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    started = time.monotonic()
+    reader.start()
+    assert first.wait(30)
+    # The first token is out while its pages are still moving: a transfer is in flight.
+    [victim] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
+    assert _prefill_stats(victim).num_pinned_pages > 0
+    assert decode_stats(front).num_open_reservations == 1
+    _kill(victim)
+
+    reader.join(60)
+    assert not reader.is_alive()
+    assert "".join(chunks) == want_long  # re-dispatched: the other prefill worker, same tokens
+    assert time.monotonic() - started < SLOW_PUSH.transfer_deadline_s + 10
+    assert not victim.is_alive
+    [survivor] = [p for p in front.prefills if p is not victim]
+    assert metric(slow, "baton_redispatches_total", to="prefill") == 1
+    assert metric(slow, "baton_kv_transfer_failures_total", reason="died") == 1
+    assert metric(slow, "baton_kv_transfers_total", transport="grpc", outcome="ok") == 1
+    assert _prefill_stats(survivor).num_transfers == 1  # the survivor moved the pages
+    assert metric(slow, "baton_worker_up", role="prefill", worker=victim.name) == 0
+    stats = wait_decode_idle(front)
+    assert stats.num_reserved_pages == 0 and stats.num_open_reservations == 0
+    assert stats.num_free_pages_at_idle == baseline.num_free_pages_at_idle == stats.num_pages
+    assert _prefill_stats(survivor).num_pinned_pages == 0
+
+    # No prefill worker left: decode prefills a long, uncached prompt itself.
+    _kill(survivor)
+    local = metric(slow, "baton_placements_total", route="local")
+    got = client.completions.create(model=MODEL, prompt=OTHER, max_tokens=8, temperature=0)
+    assert got.choices[0].text == want.completions.create(
+        model=MODEL, prompt=OTHER, max_tokens=8, temperature=0
+    ).choices[0].text
+    assert metric(slow, "baton_placements_total", route="local") == local + 1
+    stats = wait_decode_idle(front)
+    assert stats.num_reserved_pages == 0 and stats.num_free_pages_at_idle == stats.num_pages
+
+
+def test_decode_killed_mid_stream_fails_fast_and_clearly(slow: ServerHandle) -> None:
+    """Runs last in this module: it ends the cluster."""
+    front = front_of(slow)
+    client = openai.OpenAI(base_url=slow.url + "/v1", api_key="x", timeout=60, max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt=OTHER + "!", max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    received = iter(stream)
+    next(received)
+    decode = front.decodes[0]
+    ray.kill(decode.actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(decode.actor.stats.remote(), timeout=30)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError, match="decode worker decode-0 failed"):
+        for _ in received:
+            pass
+    assert time.monotonic() - started < 10
+    assert not front.is_alive
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=MODEL, prompt=OTHER, max_tokens=4, temperature=0)
+    assert refused.value.status_code == 503

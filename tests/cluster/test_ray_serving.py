@@ -1,0 +1,172 @@
+"""`baton up --prefill 1 --decode 1` on a real local Ray: the gateway (HTTP + gRPC) in this
+process, a PrefillActor and a DecodeActor behind it, pages over real gRPC. Greedy outputs equal
+the colocated server's through the official openai client and baton's gRPC client; short and
+mostly cached prompts are prefilled on the decode side; a client that goes away frees its
+pages; transfer metrics reach /metrics."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from cluster.client import BatonClient, Sampling
+from cluster.disagg_config import DisaggConfig
+from cluster.ray_front import RayFront
+from cluster.server import ServerConfig
+from cluster.worker_msgs import DecodeStats
+from engine.engine_config import EngineConfig
+from tests.cluster.conftest import ServerHandle, free_port, start_server
+
+ray = pytest.importorskip("ray")
+
+MODEL = "baton-tiny"
+LONG = "def fibonacci(n):\n    " * 20  # ~180 tokens: disaggregated
+OTHER = "class Request:\n    def __init__(self):\n        " * 10  # long, and apart from LONG
+SHORT = "import os"  # a few tokens: prefilled on the decode side
+
+
+@dataclass
+class PD(ServerHandle):
+    grpc_port: int = 0
+
+
+@pytest.fixture(scope="module")
+def pd(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[PD]:
+    grpc_port = free_port()
+    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=grpc_port, served_model_name=MODEL,
+                       prefill_workers=1, disagg=DisaggConfig(num_prefill=1, num_decode=1))
+    handle = start_server(cfg, None)
+    yield PD(handle.url, handle.running, handle.loop, handle.thread, grpc_port)
+    handle.stop()
+
+
+def front_of(handle: ServerHandle) -> RayFront:
+    front = handle.running.front
+    assert isinstance(front, RayFront)
+    return front
+
+
+def decode_stats(front: RayFront, index: int = 0) -> DecodeStats:
+    stats: DecodeStats = ray.get(front.decodes[index].actor.stats.remote(), timeout=30)
+    return stats
+
+
+def wait_decode_idle(front: RayFront, timeout_s: float = 10.0) -> DecodeStats:
+    """The decode worker's pages are all back (free or only cached) and nothing runs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = decode_stats(front)
+        idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.num_reserved_pages == 0
+        if (idle and stats.num_free_pages_at_idle == stats.num_pages) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def metric(handle: ServerHandle, name: str, **labels: str) -> float:
+    text = httpx.get(handle.url + "/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        m = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
+        if m and ",".join(sorted((m.group(1) or "").split(","))) == want:
+            return float(m.group(2))
+    return 0.0
+
+
+def test_openai_and_grpc_through_ray_actors_match_one_engine(pd: PD, server: ServerHandle) -> None:
+    colocated = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    disaggregated = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", timeout=60)
+    for prompt in (LONG, SHORT):
+        want = colocated.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        got = disaggregated.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage is not None and got.usage.completion_tokens == want.usage.completion_tokens  # type: ignore[union-attr]
+        stream = disaggregated.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want.choices[0].text
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": OTHER}], max_tokens=6, temperature=0)
+    want_chat = colocated.chat.completions.create(**chat)  # type: ignore[call-overload]
+    assert disaggregated.chat.completions.create(**chat).choices[0].message.content == (  # type: ignore[call-overload]
+        want_chat.choices[0].message.content
+    )
+
+    with BatonClient(f"127.0.0.1:{pd.grpc_port}", model=MODEL, timeout_s=60) as client:
+        greedy = Sampling(max_tokens=10, temperature=0.0)
+        done = client.complete(OTHER + "x", sampling=greedy)
+        streamed = "".join(d.text for d in client.generate(OTHER + "x", sampling=greedy))
+    want = colocated.completions.create(model=MODEL, prompt=OTHER + "x", max_tokens=10, temperature=0)
+    assert done.text == streamed == want.choices[0].text
+
+    # First sight of LONG, the chat and OTHER+"x" moved pages; SHORT, and the repeats of LONG
+    # and OTHER+"x" (now cached on the decode side), were prefilled there.
+    assert metric(pd, "baton_placements_total", route="disaggregated") == 3
+    assert metric(pd, "baton_placements_total", route="local") == 4
+    assert metric(pd, "baton_kv_transfers_total", transport="grpc", outcome="ok") == 3
+    assert metric(pd, "baton_kv_transfer_bytes_total", transport="grpc") > 0
+    assert metric(pd, "baton_kv_transfer_seconds_count", transport="grpc") == 3
+    assert metric(pd, "baton_worker_up", role="prefill", worker="prefill-0") == 1.0
+    assert metric(pd, "baton_kv_pages_total", tier="device") == decode_stats(front_of(pd)).num_pages
+    stats = wait_decode_idle(front_of(pd))
+    assert stats.num_free_pages_at_idle == stats.num_pages and stats.num_open_reservations == 0
+    assert metric(pd, "baton_kv_pinned_pages", worker="prefill-0") == 0
+
+
+def test_a_mostly_cached_prompt_is_prefilled_on_the_decode_side(pd: PD, server: ServerHandle) -> None:
+    """Conditional disaggregation counts the uncached part: the decode worker cached LONG's pages
+    when it served it, so the same prompt again (only a partial page uncached) stays there."""
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", timeout=60)
+    prompt = LONG + "# again"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    remote, local = (metric(pd, "baton_placements_total", route=r) for r in ("disaggregated", "local"))
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert metric(pd, "baton_placements_total", route="local") == local + 1
+    assert metric(pd, "baton_placements_total", route="disaggregated") == remote
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens >= 160  # served from decode's cache
+    want = openai.OpenAI(base_url=server.url + "/v1", api_key="x").completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0
+    )
+    assert again.choices[0].text == want.choices[0].text
+
+
+def test_a_client_that_leaves_frees_the_decode_pages(pd: PD) -> None:
+    front = front_of(pd)
+    with httpx.Client(base_url=pd.url, timeout=60) as http:
+        body = {"model": MODEL, "prompt": OTHER + "leave", "max_tokens": 400, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            seen = [line for _, line in zip(range(6), lines, strict=False) if line.startswith("data:")]
+            assert len(seen) >= 2
+            assert decode_stats(front).num_running == 1  # it is decoding on the actor now
+    stats = wait_decode_idle(front)  # the abort reached the actor
+    assert stats.num_running == 0 and stats.num_free_pages_at_idle == stats.num_pages
+    assert not front.decodes[0].num_active
+
+
+def test_per_step_batches_carry_every_request(pd: PD) -> None:
+    """One output message per decode step, not one per token per request."""
+    front, decode = front_of(pd), front_of(pd).decodes[0]
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", timeout=60)
+    batches, outputs = decode.num_batches, decode.num_outputs
+    threads = [
+        threading.Thread(target=client.completions.create,
+                         kwargs=dict(model=MODEL, prompt=f"{i} " + SHORT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}))
+        for i in range(4)
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert decode.num_outputs - outputs == 4 * 24
+    assert decode.num_batches - batches < 4 * 24  # steps carried several requests' tokens
+    assert wait_decode_idle(front).num_running == 0
