@@ -107,8 +107,8 @@ class DecodeWorker:
     # -- reservations -------------------------------------------------------------------------
 
     def reserve(self, job: PrefillJob, sender_epoch: int) -> KVDestination | None:
-        if job.req_id in self._dests:
-            raise TransferError(f"{job.req_id} already holds a reservation")
+        if (old := self._dests.get(job.req_id)) is not None:
+            self.cancel(old)  # a new placement of the request supersedes the one before
         pages = self.engine.reserve_pages(len(job.prompt_ids))
         if pages is None:
             return None

@@ -1,0 +1,126 @@
+"""The decode worker's bookkeeping, on one engine with a fake clock: conditional disaggregation
+counts the uncached part of the prompt; every way a reservation ends (admitted, cancelled,
+aborted, superseded, expired open, expired complete at its admission lease) leaves the pool
+whole, and `on_settle` hears of completions and failures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decode.worker import DecodeWorker
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+from kvtransfer.codec import CodecLimits
+from kvtransfer.local import receive_all
+from kvtransfer.transport import KVDestination, build_chunks
+from prefill.worker import PrefillJob
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = tuple(range(100, 180))  # 80 tokens: 5 pages
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_pages=32))
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def settles() -> list[int]:
+    return []
+
+
+@pytest.fixture
+def worker(engine: Engine, clock: Clock, settles: list[int]) -> DecodeWorker:
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()  # each test starts from an empty cache
+    return DecodeWorker(engine, "decode-0", reservation_ttl_s=5.0, local_prefill_tokens=32, admit_lease_s=2.0,
+                        clock=clock, on_settle=lambda: settles.append(1))
+
+
+def _whole(worker: DecodeWorker) -> bool:
+    engine = worker.engine
+    engine.check_integrity()
+    return engine.free_pages_at_idle() == engine.pool.num_pages and worker.num_reserved_pages == 0
+
+
+def _fill(worker: DecodeWorker, dest: KVDestination) -> None:
+    """Every page of `dest`, zeros, through the real receive path."""
+    import torch
+
+    lay = worker.engine.pool.layout
+    kv = torch.zeros(len(dest.dest_page_ids), lay.num_layers, 2, lay.page_size, lay.num_kv_heads, lay.head_dim,
+                     dtype=worker.engine.pool.kv.dtype)
+    assert receive_all(worker.receiver, build_chunks(dest, kv, dest.epoch), CodecLimits()) == ""
+
+
+def test_prefers_local_counts_only_the_uncached_part(worker: DecodeWorker) -> None:
+    job = PrefillJob("long", PROMPT, GREEDY)
+    assert worker.cached_tokens(job) == 0 and not worker.prefers_local(job)
+    assert worker.prefers_local(PrefillJob("short", PROMPT[:20], GREEDY))
+    worker.start_local(job)  # served here: its full pages enter the prefix cache
+    while worker.engine.has_unfinished():
+        worker.step()
+    again = PrefillJob("again", PROMPT + (7, 8, 9), GREEDY)
+    assert worker.cached_tokens(again) == 80 and worker.prefers_local(again)
+    other_tenant = PrefillJob("t2", PROMPT + (7, 8, 9), GREEDY, cache_salt="t2")
+    assert worker.cached_tokens(other_tenant) == 0 and not worker.prefers_local(other_tenant)
+    assert _whole(worker)
+
+
+def test_every_end_of_a_reservation_returns_its_pages(worker: DecodeWorker, clock: Clock, settles: list[int]) -> None:
+    job = PrefillJob("r", PROMPT, GREEDY)
+    dest = worker.reserve(job, 1)
+    assert dest is not None and worker.num_reserved_pages == 5
+    worker.cancel(dest)
+    assert _whole(worker) and worker.is_settled(dest) and not worker.is_complete(dest)
+
+    first = worker.reserve(job, 1)
+    second = worker.reserve(job, 1)  # a new placement of the same request supersedes the first
+    assert first is not None and second is not None and worker.num_reserved_pages == 5
+    assert worker.is_settled(first) and not worker.is_settled(second)
+    worker.abort(job.req_id)
+    assert _whole(worker)
+
+    open_dest = worker.reserve(job, 1)
+    assert open_dest is not None
+    clock.now += 5.0
+    assert worker.expire() == 1 and worker.book.num_expired == 1 and _whole(worker)
+
+    done = worker.reserve(job, 1)
+    assert done is not None
+    n = len(settles)
+    _fill(worker, done)
+    assert worker.is_complete(done) and len(settles) == n + 1  # completion is heard
+    clock.now += 1.9
+    assert worker.expire() == 0 and worker.num_reserved_pages == 5  # within its lease
+    clock.now += 0.1
+    assert worker.expire() == 1 and worker.num_lease_expired == 1 and _whole(worker)
+
+
+def test_an_admitted_transfer_is_the_requests(worker: DecodeWorker, clock: Clock) -> None:
+    job = PrefillJob("a", PROMPT, GREEDY)
+    dest = worker.reserve(job, 1)
+    assert dest is not None
+    _fill(worker, dest)
+    worker.start_prefilled(job, dest, first_token=5)
+    assert worker.num_reserved_pages == 0
+    clock.now += 60.0
+    assert worker.expire() == 0  # no lease on pages a request owns
+    worker.abort("a")  # and aborting the request frees them
+    assert _whole(worker)
