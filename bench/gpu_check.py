@@ -17,6 +17,7 @@ still reports what it finished); a stage that fails records its error and the ne
               checks, digests and reservation book as between two; GB/s vs a device copy
     host      (e) host-tier (pinned, side stream) copy GB/s each way, per page and in bulk
     graphs    (f) CUDA-graph replay vs eager decode step, and Triton vs torch decode attention
+    kernels   each kernel of a decode layer timed alone at batch 64: where the step's time goes
 """
 
 from __future__ import annotations
@@ -342,6 +343,62 @@ def stage_graphs(plan: Plan, engine: Engine) -> dict[str, Any]:
     return result
 
 
+def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
+    """Where one decode step's GPU time goes: each kernel of a layer timed alone at the step's
+    shapes (batch 64 or the CPU plan's largest), with the bytes it must move per second."""
+    import torch.nn.functional as F
+
+    from engine.attention import AttnMetadata, paged_attention
+
+    model, pool = engine.model, engine.pool
+    cfg, lay = model.cfg, pool.layout
+    batch = 64 if not plan.cpu else plan.batches[-1]
+    ctx = plan.decode_context + plan.decode_steps // 2
+    dev, dtype = model.device, model.dtype
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(batch, cfg.hidden_size, device=dev, generator=gen).to(dtype)
+    layer = model.layers[0]
+    result: dict[str, Any] = {"batch": batch, "context": ctx}
+    reps = 50 if not plan.cpu else 3
+
+    def row(name: str, fn: Callable[[], Any], nbytes: int) -> float:
+        s = timed(fn, reps)
+        result[name] = {"us": round(s * 1e6, 1), "gbs": round(nbytes / s / 1e9, 1)}
+        return s
+
+    per_layer = 0.0
+    for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
+        xin = torch.randn(batch, w.shape[1], device=dev, generator=gen).to(dtype)
+        per_layer += row(f"gemm_{name}", lambda xin=xin, w=w: F.linear(xin, w), w.numel() * w.element_size())
+    pages_per_seq = -(-ctx // lay.page_size)
+    table = torch.randint(0, pool.num_pages, (batch, pages_per_seq), device=dev, generator=gen)
+    lens = torch.full((batch,), ctx, dtype=torch.int64, device=dev)
+    q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, generator=gen).to(dtype)
+    k_cache, v_cache = pool.layer(0)
+    kv_bytes = batch * ctx * lay.num_kv_heads * lay.head_dim * 2 * pool.kv.element_size()
+    for backend in (engine.runner.decode_backend, "torch"):
+        meta = AttnMetadata(torch.zeros(batch, dtype=torch.int64, device=dev), (), 0, table, lens, model.scale, backend)
+        s = row(f"attention_{backend}", lambda meta=meta: paged_attention(q, k_cache, v_cache, meta), kv_bytes)
+        if backend == engine.runner.decode_backend:
+            per_layer += s
+    if model.fused:
+        from engine.triton_ops import add_rms_norm, rope_and_cache, silu_mul
+
+        h = x.clone()
+        act = x.numel() * x.element_size()
+        per_layer += 2 * row("add_rms_norm", lambda: add_rms_norm(h, x, layer.input_norm, 1e-5), 3 * act)
+        qkv = F.linear(x, layer.qkv)
+        pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
+        slots = torch.arange(batch, device=dev) * lay.page_size
+        per_layer += row("rope_and_cache", lambda: rope_and_cache(qkv, model.rope.cos, model.rope.sin, pos, slots,
+                                                                  k_cache, v_cache, cfg.num_heads), 2 * qkv.numel() * 2)  # fmt: skip
+        gu = F.linear(x, layer.gate_up)
+        per_layer += row("silu_mul", lambda: silu_mul(gu), gu.numel() * gu.element_size() * 3 // 2)
+    head = row("lm_head", lambda: F.linear(x, model.lm_head), model.lm_head.numel() * model.lm_head.element_size())
+    result["sum_of_kernels_per_step_ms"] = round((per_layer * cfg.num_layers + head) * 1e3, 3)
+    return result
+
+
 # -- (c) prefill ----------------------------------------------------------------------------
 
 
@@ -514,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
             report.stage("decode", lambda: stage_decode(plan, engine, ceilings))
         if "graphs" not in skip:
             report.stage("graphs", lambda: stage_graphs(plan, engine))
+        if "kernels" not in skip:
+            report.stage("kernels", lambda: stage_kernels(plan, engine))
         if "nccl" not in skip:
             report.stage("nccl", lambda: stage_nccl(plan, engine))
         if "host" not in skip:
