@@ -122,6 +122,22 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _ray.clear()
 
 
+def kill_actor(actor: Any, timeout_s: float = 30.0) -> None:
+    """ray.kill, then prove the actor is dead: ray.kill only asks, and a call made right after
+    it may still be served, so call until Ray answers RayActorError (bounded)."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{actor} still answers {timeout_s} s after ray.kill")
+
+
 @pytest.fixture(scope="session")
 def tiny_engine_config(tiny_model_dir: Path) -> EngineConfig:
     return EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512, num_pages=256)

@@ -1,5 +1,6 @@
 """Faults in Ray-disaggregated serving (two prefill actors, one decode actor, pushes slowed so a
-transfer can be caught in flight): a prefill actor killed in the middle of a transfer sends the
+transfer can be caught in flight): a client that leaves mid-transfer frees the pages on both
+sides; a prefill actor killed in the middle of a transfer sends the
 request to the other one, and once no prefill worker is left, decode prefills itself. Each
 request completes with the colocated server's greedy text, and the decode worker's pages return
 to their baseline. When the decode worker itself dies, its streams fail at once with a clear
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -20,7 +22,7 @@ from cluster.ray_workers import PrefillHandle
 from cluster.server import ServerConfig
 from cluster.worker_msgs import PrefillStats
 from engine.engine_config import EngineConfig
-from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.conftest import ServerHandle, kill_actor, start_server
 from tests.cluster.test_ray_serving import (
     LONG,
     MODEL,
@@ -52,9 +54,29 @@ def _prefill_stats(p: PrefillHandle) -> PrefillStats:
 
 
 def _kill(p: PrefillHandle) -> None:
-    ray.kill(p.actor)
-    with pytest.raises(ray.exceptions.RayActorError):  # the fault happened: it is dead
-        ray.get(p.actor.ping.remote(), timeout=30)
+    kill_actor(p.actor)  # the fault happened: it is dead
+
+
+def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> None:
+    front = front_of(slow)
+    baseline = wait_decode_idle(front)
+    with httpx.Client(base_url=slow.url, timeout=60) as http:
+        body = {"model": MODEL, "prompt": LONG + "# leave", "max_tokens": 12, "stream": True, "temperature": 0}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()  # held: dropping the iterator would close the stream
+            assert next(line for line in lines if line.startswith("data:"))  # the first token
+            [pushing] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
+            assert decode_stats(front).num_open_reservations == 1  # its pages are still moving
+    deadline = time.monotonic() + 10  # the aborts reach both actors
+    while (_prefill_stats(pushing).num_pinned_pages or decode_stats(front).num_reserved_pages) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert _prefill_stats(pushing).num_pinned_pages == 0
+    stats = wait_decode_idle(front)
+    assert stats.num_reserved_pages == 0 and stats.num_running == 0
+    assert stats.num_free_pages_at_idle == baseline.num_free_pages_at_idle == stats.num_pages
+    assert metric(slow, "baton_redispatches_total", to="prefill") == 0  # a cancel is not a failure
 
 
 def test_prefill_killed_mid_transfer_then_all_gone(slow: ServerHandle, server: ServerHandle) -> None:
@@ -119,9 +141,7 @@ def test_decode_killed_mid_stream_fails_fast_and_clearly(slow: ServerHandle) -> 
     received = iter(stream)
     next(received)
     decode = front.decodes[0]
-    ray.kill(decode.actor)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(decode.actor.stats.remote(), timeout=30)
+    kill_actor(decode.actor)
     started = time.monotonic()
     with pytest.raises(openai.APIError, match="decode worker decode-0 failed"):
         for _ in received:

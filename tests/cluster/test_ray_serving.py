@@ -6,6 +6,8 @@ pages; transfer metrics reach /metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import re
 import threading
 import time
@@ -116,6 +118,9 @@ def test_openai_and_grpc_through_ray_actors_match_one_engine(pd: PD, server: Ser
     assert metric(pd, "baton_kv_pages_total", tier="device") == decode_stats(front_of(pd)).num_pages
     stats = wait_decode_idle(front_of(pd))
     assert stats.num_free_pages_at_idle == stats.num_pages and stats.num_open_reservations == 0
+    deadline = time.monotonic() + 5  # the gateway polls prefill stats every second
+    while metric(pd, "baton_kv_pinned_pages", worker="prefill-0") and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert metric(pd, "baton_kv_pinned_pages", worker="prefill-0") == 0
 
 
@@ -170,3 +175,40 @@ def test_per_step_batches_carry_every_request(pd: PD) -> None:
     assert decode.num_outputs - outputs == 4 * 24
     assert decode.num_batches - batches < 4 * 24  # steps carried several requests' tokens
     assert wait_decode_idle(front).num_running == 0
+
+
+def test_sixty_streams_cancelled_at_random_points_free_every_page(pd: PD) -> None:
+    """Long prompts (pages moved) and short ones (prefilled on decode), each cut at a random
+    point (before a byte, after the first token, mid-decode): no page stays held anywhere."""
+    rng = random.Random(99)
+    points = [rng.randint(0, 8) for _ in range(60)]
+
+    async def one(client: httpx.AsyncClient, i: int, cut: int) -> int:
+        prompt = [200 + i] * 8 + list(range(1000 + 100 * i, 1000 + 100 * i + (60 if i % 2 else 8)))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 100, "stream": True, "ignore_eos": True,
+                "temperature": 0}
+        seen = 0
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            if cut == 0:
+                return 0
+            async for line in reply.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen >= cut:
+                        break
+        return seen
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=pd.url, timeout=60, limits=httpx.Limits(max_connections=20)) as c:
+            return await asyncio.gather(*(one(c, i, cut) for i, cut in enumerate(points)))
+
+    assert asyncio.run(main()) == points
+    front = front_of(pd)
+    stats = wait_decode_idle(front)
+    assert stats.num_running == stats.num_waiting == stats.num_reserved_pages == 0
+    assert stats.num_open_reservations == 0 and stats.num_free_pages_at_idle == stats.num_pages
+    prefill = ray.get(front.prefills[0].actor.stats.remote(), timeout=30)
+    assert prefill.num_pinned_pages == 0 and prefill.num_inflight_transfers == 0
+    assert prefill.num_transfers > 0  # some were cut mid-transfer, the rest moved
+    assert not front.decodes[0].num_active

@@ -20,6 +20,7 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
 from prefill.worker import PrefillJob
+from tests.cluster.conftest import kill_actor
 
 ray = pytest.importorskip("ray")
 
@@ -159,8 +160,8 @@ def test_dead_prefill_actor_reservation_expires(ray_cluster: Any, cfg: EngineCon
     dest = ray.get(decode.actor.place.remote(job, EPOCH))
     assert dest is not None and decode.stats().num_used_pages == len(dest.dest_page_ids)
 
-    ray.kill(victim)
-    with pytest.raises(ray.exceptions.RayActorError):  # the fault happened: it is dead
+    kill_actor(victim)  # the fault happened: it is dead (before it could push anything)
+    with pytest.raises(ray.exceptions.RayActorError):
         ray.get(victim.prefill.remote(job, dest), timeout=30)
 
     deadline = time.monotonic() + 10.0  # bounded wait for the decode actor's own expiry
