@@ -112,6 +112,8 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
                    help="decode prefills a prompt itself when its uncached part is at most this long")
     p.add_argument("--transfer-deadline", type=float, default=10.0,
                    help="seconds a KV transfer may take before the request is re-dispatched")
+    p.add_argument("--kv-transport", choices=["auto", "grpc", "shm"], default="auto",
+                   help="how pages move between actors: auto (shm on one host, else gRPC)")
     p.add_argument("--shared-prefix", action="append", default=[],
                    help="text (e.g. a public system prompt) whose cached pages every tenant may share")
     p.add_argument("--kv-pages", type=int, default=None, help="device KV pool size in pages (overrides --kv-memory-gb)")
@@ -224,7 +226,8 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
     if args.prefill > 0 and not args.no_ray:
         disagg = DisaggConfig(num_prefill=args.prefill, num_decode=args.decode, ray_address=ray_address,
                               local_prefill_tokens=args.local_prefill_tokens,
-                              transfer_deadline_s=args.transfer_deadline, num_threads=args.threads or 1)
+                              transfer_deadline_s=args.transfer_deadline, num_threads=args.threads or 1,
+                              transport=args.kv_transport)
     kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
     engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
                           max_model_len=args.max_model_len, kv_memory_bytes=kv,

@@ -1,6 +1,7 @@
 """The decode role as a Ray actor: its own step loop, a KV server, one output feed.
 
-    start()                          serve KV pushes (gRPC) and start the step loop; the address
+    start()                          serve KV pushes (gRPC, and shm when it has a region) and
+                                     start the step loop; the address
     place(job, epoch | None)         reserve pages for a push -> KVDestination; or, when the
                                      uncached part is short, no prefill worker is healthy
                                      (epoch None) or no pages are free, prefill here -> None
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import grpc
@@ -30,6 +32,8 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.outputs import StepOutput
 from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.select import WorkerPlace
+from kvtransfer.shm import ShmRegion, shm_handler
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
 from prefill.worker import PrefillJob
 
@@ -65,6 +69,8 @@ class DecodeActor:
         host: str = "127.0.0.1",
         admit_lease_s: float = DEFAULT_DEADLINE_S,
         max_feed_steps: int = 4096,
+        shm_slots: int = 0,  # > 0: also serve PushShm from a /dev/shm region of this many slots
+        shm_slot_pages: int = 32,  # pages one slot holds: the senders' pages per chunk
     ) -> None:
         torch.set_num_threads(num_threads)
         self._settled = _Signal()
@@ -75,12 +81,20 @@ class DecodeActor:
         self._wake = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._loop: asyncio.Task[None] | None = None
+        self.shm_slots, self.shm_slot_pages = shm_slots, shm_slot_pages
+        self._region: ShmRegion | None = None
         self.error: str = ""
 
     async def start(self) -> str:
         """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
         if self._server is None:
-            self._server, port = await start_kv_server(self.worker.receiver, f"{self.host}:0")
+            receiver, extra = self.worker.receiver, []
+            if self.shm_slots:
+                pool = self.worker.engine.pool
+                page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
+                self._region = ShmRegion(self.shm_slots, self.shm_slot_pages * page_bytes)
+                extra.append(shm_handler(receiver, self._region))
+            self._server, port = await start_kv_server(receiver, f"{self.host}:0", extra_handlers=extra)
             self.worker.address = f"{self.host}:{port}"
             self._loop = asyncio.create_task(self._run())
         return self.worker.address
@@ -126,12 +140,21 @@ class DecodeActor:
     async def stats(self) -> DecodeStats:
         return self._stats()
 
+    async def place_of(self) -> WorkerPlace:
+        """Where this worker runs, for the choice of transport (kvtransfer.select)."""
+        import ray
+
+        return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(),
+                           self.worker.engine.device.type == "cuda", has_shm=self._region is not None)
+
     async def stop(self) -> None:
         if self._loop is not None:
             self._loop.cancel()
         if self._server is not None:
             await self._server.stop(None)
-        self._server = self._loop = None
+        if self._region is not None:
+            self._region.close()
+        self._server = self._loop = self._region = None
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -19,11 +19,17 @@ class DisaggConfig:
     chunk_pause_s: float = 0.0  # fault drills only: prefill pauses before each chunk
     poll_wait_s: float = 1.0  # the output stream's long-poll bound
     ray_address: str | None = None  # None: a private local Ray (or the one this process has)
+    transport: str = "auto"  # auto (shm on one host, else gRPC), grpc or shm
+    shm_slots: int = 4  # per decode worker's /dev/shm region (each slot holds one chunk)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ConfigError("workers", "need --prefill >= 0 and --decode >= 1")
         if self.local_prefill_tokens < 0:
             raise ConfigError("local_prefill_tokens", "must be >= 0")
+        if self.transport not in ("auto", "grpc", "shm"):
+            raise ConfigError("transport", f"use auto, grpc or shm, got {self.transport!r}")
+        if self.shm_slots < 0 or (self.transport == "shm" and not self.shm_slots):
+            raise ConfigError("shm_slots", "the shm transport needs at least one slot")
         if not self.transfer_deadline_s > 0 or not self.reservation_ttl_s > 0:
             raise ConfigError("transfer_deadline_s", "deadlines must be positive")

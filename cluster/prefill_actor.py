@@ -8,7 +8,8 @@
 The pages of a transfer stay pinned here (its chunks, held by the push task) until the decode
 side acks them, the push fails or is aborted, or the transfer's lease ends. Pushes run on the
 actor's event loop and the engine's steps between awaits, so pages leave while the next
-prompt computes. Page bytes travel by the transport (gRPC), never through Ray.
+prompt computes. Page bytes travel by the transport chosen per decode worker (`route`: shm on
+the same host, else gRPC), never through Ray.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import GrpcSender
+from kvtransfer.select import WorkerPlace
+from kvtransfer.shm import ShmSender
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination, KVSender
 from prefill.worker import PrefillDone, PrefillJob, PrefillWorker
 
@@ -56,8 +59,8 @@ class PrefillActor:
     ) -> None:
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
-        self.sender: KVSender = GrpcSender()
-        self.transport = "grpc"
+        self._senders: dict[str, KVSender] = {"grpc": GrpcSender()}
+        self._routes: dict[str, str] = {}  # decode address -> transport ("grpc" when unset)
         self.push_deadline_s = push_deadline_s
         self.chunk_pause_s = chunk_pause_s
         self._firsts: dict[str, asyncio.Future[PrefillDone]] = {}
@@ -68,6 +71,21 @@ class PrefillActor:
 
     async def ping(self) -> int:
         return os.getpid()
+
+    async def place_of(self) -> WorkerPlace:
+        """Where this worker runs, for the choice of transport (kvtransfer.select)."""
+        import ray
+
+        device = self.worker.engine.device.type
+        return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(), device == "cuda")
+
+    async def route(self, address: str, transport: str) -> None:
+        """Push to the decode worker at `address` by `transport` ("grpc" or "shm")."""
+        if transport not in self._senders:
+            if transport != "shm":
+                raise ValueError(f"unknown transport {transport!r}")
+            self._senders["shm"] = ShmSender()
+        self._routes[address] = transport
 
     async def prefill(self, job: PrefillJob, dest: KVDestination) -> PrefillResult:
         if self._loop is None:
@@ -90,7 +108,7 @@ class PrefillActor:
     async def push_result(self, transfer_id: str) -> TransferReport:
         push = self._pushes.get(transfer_id)
         if push is None:
-            return TransferReport(transfer_id, self.transport, False, 0, 0, 0.0, "unknown transfer")
+            return TransferReport(transfer_id, "", False, 0, 0, 0.0, "unknown transfer")
         report = await asyncio.shield(push.task)
         self._pushes.pop(transfer_id, None)
         return report
@@ -116,9 +134,10 @@ class PrefillActor:
             self._loop.cancel()
         for push in self._pushes.values():
             push.task.cancel()
-        close = getattr(self.sender, "close", None)
-        if close is not None:
-            await close()
+        for sender in self._senders.values():
+            close = getattr(sender, "close", None)
+            if close is not None:
+                await close()
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -164,11 +183,12 @@ class PrefillActor:
 
     async def _push(self, done: PrefillDone) -> TransferReport:
         dest, chunks = done.dest, done.chunks
-        num_bytes = sum(len(c.payload) for c in chunks)
+        transport = self._routes.get(dest.address, "grpc")
+        num_bytes = sum(memoryview(c.payload).nbytes for c in chunks)
         start = time.perf_counter()
         try:
             source = self._paced(chunks) if self.chunk_pause_s else chunks
-            result = await self.sender.send(dest, source, self.push_deadline_s)
+            result = await self._senders[transport].send(dest, source, self.push_deadline_s)
             accepted, error = result.accepted, result.error
         except asyncio.CancelledError:  # aborted, or its lease ended: the chunks go now
             accepted, error = False, "aborted"
@@ -178,7 +198,7 @@ class PrefillActor:
         self.num_transfers += 1
         self.num_failed += not accepted
         seconds = time.perf_counter() - start
-        return TransferReport(dest.transfer_id, self.transport, accepted, len(dest.dest_page_ids),
+        return TransferReport(dest.transfer_id, transport, accepted, len(dest.dest_page_ids),
                               num_bytes if accepted else 0, seconds, error)
 
     async def _paced(self, chunks: tuple[WireChunk, ...]) -> AsyncIterator[WireChunk]:

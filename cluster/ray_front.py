@@ -45,6 +45,7 @@ import ray  # isort: skip
 logger = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 1.0
+STOP_S = 5.0  # for the actors' own cleanup at shutdown
 
 
 class _Placed(NamedTuple):
@@ -105,8 +106,13 @@ class RayFront:
             await asyncio.gather(self._health, return_exceptions=True)
         for d in self.decodes:
             await d.stop()
+        # Let live actors close what outlives a process (a decode worker's /dev/shm region,
+        # sockets), then end them: the actors are this gateway's and go with it.
+        closing = [p.actor.close.remote() for p in self.prefills if p.is_alive]
+        closing += [d.actor.stop.remote() for d in self.decodes if d.is_alive]
+        await asyncio.wait([asyncio.ensure_future(_ray_await(ref)) for ref in closing], timeout=STOP_S)
         for actor in [p.actor for p in self.prefills] + [d.actor for d in self.decodes]:
-            ray.kill(actor)  # the actors are this gateway's: they go with it
+            ray.kill(actor)
 
     # -- one request ----------------------------------------------------------------------------
 

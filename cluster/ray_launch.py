@@ -17,6 +17,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from cluster.disagg_config import DisaggConfig
 from cluster.ray_actors import spawn_decode, spawn_prefill
@@ -27,6 +28,7 @@ from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.tokenizer import Tokenizer
 from kvcache.tiers import TierConfig
+from kvtransfer.select import TransportKind, choose_transport
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,8 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     decodes = [
         spawn_decode(_decode_cfg(engine_cfg, i, cfg.num_decode), name=f"baton-{run}-decode-{i}",
                      reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
-                     local_prefill_tokens=cfg.local_prefill_tokens, num_threads=cfg.num_threads)
+                     local_prefill_tokens=cfg.local_prefill_tokens, num_threads=cfg.num_threads,
+                     shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots, shm_slot_pages=cfg.pages_per_chunk)
         for i in range(cfg.num_decode)
     ]  # fmt: skip
     # The prefill role keeps only its device cache: the lower tiers belong to decode workers.
@@ -72,6 +75,7 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     async with asyncio.timeout(ACTOR_START_S):
         addresses: list[str] = await asyncio.gather(*(d.start.remote() for d in decodes))
         await asyncio.gather(*(p.ping.remote() for p in prefills))
+        await _route(prefills, decodes, addresses, cfg.transport)
     logger.info("%d prefill and %d decode actors up; decode KV at %s", len(prefills), len(decodes), addresses)
     return RayFront(
         model,
@@ -80,6 +84,21 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
          in enumerate(zip(decodes, addresses, strict=True))],
         cfg,
     )  # fmt: skip
+
+
+async def _route(prefills: list[Any], decodes: list[Any], addresses: list[str], transport: str) -> None:
+    """Tell each prefill worker how to reach each decode worker: kvtransfer.select's choice for
+    the pair (shm on one host, else gRPC), or the configured transport."""
+    prefill_places = await asyncio.gather(*(p.place_of.remote() for p in prefills))
+    decode_places = await asyncio.gather(*(d.place_of.remote() for d in decodes))
+    calls = []
+    for prefill, p_place in zip(prefills, prefill_places, strict=True):
+        for address, d_place in zip(addresses, decode_places, strict=True):
+            kind = TransportKind(transport) if transport != "auto" else choose_transport(p_place, d_place)
+            if kind not in (TransportKind.SHM, TransportKind.GRPC):
+                kind = TransportKind.GRPC  # local needs one process; nccl is not wired to actors yet
+            calls.append(prefill.route.remote(address, kind.value))
+    await asyncio.gather(*calls)
 
 
 def _decode_cfg(cfg: EngineConfig, index: int, count: int) -> EngineConfig:

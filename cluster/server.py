@@ -130,7 +130,16 @@ async def serve(cfg: ServerConfig) -> None:
     try:
         await running.http.serve()
     finally:
-        await running.stop()
+        # Ctrl-C reaches us as a cancellation (asyncio.Runner's SIGINT handler, re-raised by
+        # uvicorn after its own shutdown): the stop still runs to its end, so the engine's disk
+        # tier is flushed and the actors release what outlives them (/dev/shm regions). A second
+        # Ctrl-C interrupts at once.
+        stopping = asyncio.ensure_future(running.stop())
+        while not stopping.done():
+            try:
+                await asyncio.shield(stopping)
+            except asyncio.CancelledError:
+                continue
 
 
 async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> Any | None:

@@ -36,8 +36,8 @@ def _config(*argv: str):  # type: ignore[no-untyped-def]
 def test_up_flags_pick_the_deployment() -> None:
     assert _config("up").disagg is None  # colocated
     ray = _config("up", "--prefill", "2", "--decode", "2", "--local-prefill-tokens", "64",
-                  "--transfer-deadline", "5").disagg
-    assert ray is not None and (ray.num_prefill, ray.num_decode) == (2, 2)
+                  "--transfer-deadline", "5", "--kv-transport", "grpc").disagg
+    assert ray is not None and (ray.num_prefill, ray.num_decode) == (2, 2) and ray.transport == "grpc"
     assert ray.local_prefill_tokens == 64 and ray.transfer_deadline_s == 5.0 and ray.ray_address is None
     in_process = _config("up", "--prefill", "1", "--no-ray")
     assert in_process.disagg is None and in_process.prefill_workers == 1

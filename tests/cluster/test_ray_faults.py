@@ -35,8 +35,8 @@ from tests.cluster.test_ray_serving import (
 
 ray = pytest.importorskip("ray")
 
-# 12 pages of LONG in chunks of 2, 0.25 s apart: each push takes ~1.5 s.
-SLOW_PUSH = DisaggConfig(num_prefill=2, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.25)
+# 12 pages of LONG in chunks of 2, 0.25 s apart: each push takes ~1.5 s. Pages over gRPC.
+SLOW_PUSH = DisaggConfig(num_prefill=2, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.25, transport="grpc")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """`baton up --prefill 1 --decode 1` on a real local Ray: the gateway (HTTP + gRPC) in this
-process, a PrefillActor and a DecodeActor behind it, pages over real gRPC. Greedy outputs equal
+process, a PrefillActor and a DecodeActor behind it, pages through shm (the transport chosen
+for one host; tests/cluster/test_ray_faults.py runs the gRPC one). Greedy outputs equal
 the colocated server's through the official openai client and baton's gRPC client; short and
 mostly cached prompts are prefilled on the decode side; a client that goes away frees its
 pages; transfer metrics reach /metrics."""
@@ -111,9 +112,11 @@ def test_openai_and_grpc_through_ray_actors_match_one_engine(pd: PD, server: Ser
     # and OTHER+"x" (now cached on the decode side), were prefilled there.
     assert metric(pd, "baton_placements_total", route="disaggregated") == 3
     assert metric(pd, "baton_placements_total", route="local") == 4
-    assert metric(pd, "baton_kv_transfers_total", transport="grpc", outcome="ok") == 3
-    assert metric(pd, "baton_kv_transfer_bytes_total", transport="grpc") > 0
-    assert metric(pd, "baton_kv_transfer_seconds_count", transport="grpc") == 3
+    # One host: kvtransfer.select picked shm for the pair (headers over gRPC, pages in /dev/shm).
+    assert metric(pd, "baton_kv_transfers_total", transport="shm", outcome="ok") == 3
+    assert metric(pd, "baton_kv_transfer_bytes_total", transport="shm") > 0
+    assert metric(pd, "baton_kv_transfer_seconds_count", transport="shm") == 3
+    assert metric(pd, "baton_kv_transfers_total", transport="grpc", outcome="ok") == 0
     assert metric(pd, "baton_worker_up", role="prefill", worker="prefill-0") == 1.0
     assert metric(pd, "baton_kv_pages_total", tier="device") == decode_stats(front_of(pd)).num_pages
     stats = wait_decode_idle(front_of(pd))
