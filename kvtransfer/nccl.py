@@ -5,7 +5,7 @@ Headers travel on the control channel, page bytes over NCCL, straight between de
     rendezvous  decode makes a unique id and hands it over with its destination; both sides
                 open the communicator (rank 0 sends, rank 1 receives) within the deadline
     sender      nccl_chunks(dest, kv): one header per chunk of a page-major device block; its
-                checksum covers the header and an 8-byte digest of the chunk computed on the
+                checksum covers the header and a 16-byte digest of the chunk computed on the
                 device; the headers go over the control channel, then send(block) per chunk
     receiver    prepare(header): codec bounds, token, epoch, reserved pages -> a device staging
                 buffer the recv lands in; finish(header, staging): digest, checksum, store into
@@ -141,17 +141,27 @@ class NcclChannel:
             self.state = ChannelState.CLOSED
 
 
-def device_digest(block: torch.Tensor) -> bytes:
-    """8 bytes summarising a chunk, computed where it lives: a position-weighted sum of its
-    32-bit words (a flipped, dropped or swapped word changes it). Integrity, not secrecy: who
-    may send is decided by the transfer token."""
+def device_digest(block: torch.Tensor, width: int = 1024) -> bytes:
+    """16 bytes summarising a chunk, computed where it lives. Its 32-bit words are laid out
+    as rows of `width`; the digest is the index-weighted sums of the row sums and of the
+    column sums (accumulated in int64). A flipped or dropped word changes both; two unequal
+    words swapped change the row sums unless they share a row, the column sums unless they
+    share a column. Two reductions over the chunk and one device-to-host read. Integrity,
+    not secrecy: who may send is decided by the transfer token."""
     raw = block.contiguous().view(-1).view(torch.uint8)
     if raw.numel() % 4:
         raise ValueError("a chunk's size must be a multiple of 4 bytes")
-    words = raw.view(torch.int32).to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-    total = int((words * weights).sum().item())
-    return (total & (1 << 64) - 1).to_bytes(8, "little")
+    words = raw.view(torch.int32)
+    if words.numel() % width:
+        words = torch.cat([words, words.new_zeros(width - words.numel() % width)])
+    grid = words.view(-1, width)
+    rows = grid.sum(dim=1, dtype=torch.int64)
+    cols = grid.sum(dim=0, dtype=torch.int64)
+    weight_r = torch.arange(1, rows.numel() + 1, device=rows.device, dtype=torch.int64)
+    weight_c = torch.arange(1, width + 1, device=rows.device, dtype=torch.int64)
+    r, c = torch.stack([(rows * weight_r).sum(), (cols * weight_c).sum()]).tolist()
+    mask = (1 << 64) - 1
+    return (r & mask).to_bytes(8, "little") + (c & mask).to_bytes(8, "little")
 
 
 def nccl_chunks(

@@ -137,8 +137,13 @@ def test_two_ranks_send_and_receive_from_their_own_threads() -> None:
     assert receiver.bytes_received == sender.bytes_sent == kv.numel() * 2
 
 
-def test_device_digest_sees_a_swap_of_two_words() -> None:
-    x = torch.arange(64, dtype=torch.int32)
+@pytest.mark.parametrize(("i", "j"), [(3, 9), (3, 3 + 16), (5, 16 * 7 + 2), (0, 299)])
+def test_device_digest_sees_a_swap_of_two_words_in_a_row_a_column_or_neither(i: int, j: int) -> None:
+    x = torch.arange(300, dtype=torch.int32) * 7 + 1  # 300 words: rows of 16, the last padded
     y = x.clone()
-    y[[3, 9]] = y[[9, 3]]
-    assert device_digest(x) != device_digest(y) and device_digest(x) == device_digest(x.clone())
+    y[[i, j]] = y[[j, i]]
+    assert device_digest(x, width=16) != device_digest(y, width=16)
+    assert device_digest(x, width=16) == device_digest(x.clone(), width=16)
+    z = x.clone()
+    z[i] ^= 1 << 30
+    assert device_digest(z, width=16) != device_digest(x, width=16)
