@@ -159,9 +159,9 @@ def device_digest(block: torch.Tensor, width: int = 1024) -> bytes:
     cols = grid.sum(dim=0, dtype=torch.int64)
     weight_r = torch.arange(1, rows.numel() + 1, device=rows.device, dtype=torch.int64)
     weight_c = torch.arange(1, width + 1, device=rows.device, dtype=torch.int64)
-    r, c = torch.stack([(rows * weight_r).sum(), (cols * weight_c).sum()]).tolist()
+    sums: list[int] = torch.stack([(rows * weight_r).sum(), (cols * weight_c).sum()]).tolist()
     mask = (1 << 64) - 1
-    return (r & mask).to_bytes(8, "little") + (c & mask).to_bytes(8, "little")
+    return b"".join((int(v) & mask).to_bytes(8, "little") for v in sums)
 
 
 def nccl_chunks(
