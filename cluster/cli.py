@@ -122,6 +122,13 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
     p.add_argument("--disk-cache-dir", default=None, help="disk tier directory (kept across restarts)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS and gRPC over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--max-prefill-chunk", type=int, default=None,
+                   help="longest piece of one prompt per engine step (chunked prefill; default 512); "
+                        "with --max-batched-tokens at least the prompt length, prompts are not chunked")
+    p.add_argument("--max-batched-tokens", type=int, default=None, help="token budget of one engine step (default 2048)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="each engine on its own core with one torch thread (unless --threads): Ray actors "
+                        "round robin over the cores, prefill first; colocated: the engine's step thread")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -227,12 +234,16 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
         disagg = DisaggConfig(num_prefill=args.prefill, num_decode=args.decode, ray_address=ray_address,
                               local_prefill_tokens=args.local_prefill_tokens,
                               transfer_deadline_s=args.transfer_deadline, num_threads=args.threads or 1,
-                              transport=args.kv_transport)
+                              transport=args.kv_transport, pin_cores=args.pin_cores)
     kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
-    engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
+    threads = args.threads or (1 if args.pin_cores else None)  # a pinned engine: one core, one thread
+    chunking = {k: v for k, v in (("max_prefill_chunk", args.max_prefill_chunk),
+                                  ("max_num_batched_tokens", args.max_batched_tokens)) if v is not None}
+    engine = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_threads=threads,
                           max_model_len=args.max_model_len, kv_memory_bytes=kv,
                           enable_prefix_cache=not args.no_prefix_cache, num_pages=args.kv_pages,
-                          tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir))
+                          tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir),
+                          **chunking)
     return ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),
@@ -243,6 +254,7 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
         prefill_workers=args.prefill,
         local_prefill_tokens=args.local_prefill_tokens,
         disagg=disagg,
+        pin_cores=args.pin_cores,
     )
 
 

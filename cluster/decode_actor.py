@@ -25,6 +25,7 @@ import time
 import grpc
 import torch
 
+from cluster.cpu import between_steps, core_for, pin_process
 from cluster.output_feed import OutputFeed
 from cluster.worker_msgs import DecodeStats, OutputBatch
 from decode.worker import DecodeWorker
@@ -71,7 +72,9 @@ class DecodeActor:
         max_feed_steps: int = 4096,
         shm_slots: int = 0,  # > 0: also serve PushShm from a /dev/shm region of this many slots
         shm_slot_pages: int = 32,  # pages one slot holds: the senders' pages per chunk
+        pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
     ) -> None:
+        self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self._settled = _Signal()
         self.worker = DecodeWorker(Engine(cfg), "", reservation_ttl_s, local_prefill_tokens, admit_lease_s,
@@ -140,6 +143,10 @@ class DecodeActor:
     async def stats(self) -> DecodeStats:
         return self._stats()
 
+    async def cores(self) -> list[int]:
+        """The cores this actor may run on (one, when pinned)."""
+        return sorted(os.sched_getaffinity(0))
+
     async def place_of(self) -> WorkerPlace:
         """Where this worker runs, for the choice of transport (kvtransfer.select)."""
         import ray
@@ -174,7 +181,7 @@ class DecodeActor:
                 outputs = engine.step()
                 if outputs:
                     self.feed.publish(outputs)
-                await asyncio.sleep(0)  # pushes and calls run between steps
+                await between_steps()  # pushes and calls run between steps
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # report the death through next_batch, never vanish

@@ -21,6 +21,7 @@ class DisaggConfig:
     ray_address: str | None = None  # None: a private local Ray (or the one this process has)
     transport: str = "auto"  # auto (shm on one host, else gRPC), grpc or shm
     shm_slots: int = 4  # per decode worker's /dev/shm region (each slot holds one chunk)
+    pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.cpu)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.cpu import between_steps, core_for, pin_process
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -56,7 +57,9 @@ class PrefillActor:
         num_threads: int = 1,
         push_deadline_s: float = DEFAULT_DEADLINE_S,
         chunk_pause_s: float = 0.0,  # fault drills only: a pause before each chunk
+        pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
     ) -> None:
+        self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
         self._senders: dict[str, KVSender] = {"grpc": GrpcSender()}
@@ -71,6 +74,10 @@ class PrefillActor:
 
     async def ping(self) -> int:
         return os.getpid()
+
+    async def cores(self) -> list[int]:
+        """The cores this actor may run on (one, when pinned)."""
+        return sorted(os.sched_getaffinity(0))
 
     async def place_of(self) -> WorkerPlace:
         """Where this worker runs, for the choice of transport (kvtransfer.select)."""
@@ -161,7 +168,7 @@ class PrefillActor:
                 future = self._firsts.get(done.req_id)
                 if future is not None and not future.done():
                     future.set_result(done)
-            await asyncio.sleep(0)  # pushes and new calls run between steps
+            await between_steps()  # pushes and new calls run between steps
 
     def _fail_all(self, exc: Exception) -> None:
         for req_id, future in list(self._firsts.items()):

@@ -5,6 +5,9 @@ RayFront over them (`baton up --prefill P --decode D`, `baton serve --ray-addres
     front = await launch(engine_cfg, DisaggConfig(num_prefill=P, num_decode=D))
     front.start()                                the output streams and the health poll
 
+With `pin_cores` each actor pins its own process to one core (cluster.cpu), round robin
+over the cores of its node: prefill actors take slots 0..P-1, decode actors P..P+D-1.
+
 The gateway keeps no weights: it loads the checkpoint's tokenizer and config only
 (GatewayModel), enough for the edge to tokenize, validate and render.
 """
@@ -61,7 +64,8 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
         spawn_decode(_decode_cfg(engine_cfg, i, cfg.num_decode), name=f"baton-{run}-decode-{i}",
                      reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
                      local_prefill_tokens=cfg.local_prefill_tokens, num_threads=cfg.num_threads,
-                     shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots, shm_slot_pages=cfg.pages_per_chunk)
+                     shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots, shm_slot_pages=cfg.pages_per_chunk,
+                     pin_slot=cfg.num_prefill + i if cfg.pin_cores else None)
         for i in range(cfg.num_decode)
     ]  # fmt: skip
     # The prefill role keeps only its device cache: the lower tiers belong to decode workers.
@@ -69,13 +73,18 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     prefills = [
         spawn_prefill(prefill_cfg, name=f"baton-{run}-prefill-{i}", epoch=i + 1,
                       pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads,
-                      push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s)
+                      push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s,
+                      pin_slot=i if cfg.pin_cores else None)
         for i in range(cfg.num_prefill)
     ]  # fmt: skip
     async with asyncio.timeout(ACTOR_START_S):
         addresses: list[str] = await asyncio.gather(*(d.start.remote() for d in decodes))
         await asyncio.gather(*(p.ping.remote() for p in prefills))
         await _route(prefills, decodes, addresses, cfg.transport)
+        if cfg.pin_cores:
+            cores: list[list[int]] = await asyncio.gather(*(a.cores.remote() for a in (*prefills, *decodes)))
+            logger.info("pinned: prefill actors on cores %s, decode actors on %s",
+                        cores[: len(prefills)], cores[len(prefills):])  # fmt: skip
     logger.info("%d prefill and %d decode actors up; decode KV at %s", len(prefills), len(decodes), addresses)
     return RayFront(
         model,

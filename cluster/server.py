@@ -8,11 +8,15 @@ available) in front of one of three engine sides; the edges do not change betwee
     in-process PD  PDFront: a prefill and a decode engine in this process (--prefill 1 --no-ray)
     Ray PD         RayFront: P PrefillActors and D DecodeActors on Ray (--prefill P --decode D);
                    a private loopback Ray, or an existing cluster (`baton serve --ray-address`)
+
+--pin-cores puts each engine on its own core (cluster.cpu): in this process, each step
+thread (prefill first); on Ray, each actor's whole process (prefills first, then decodes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -24,6 +28,7 @@ import uvicorn
 import uvloop
 
 from cluster.admission import AdmissionConfig
+from cluster.cpu import available_cores, core_for, pin_thread
 from cluster.disagg_config import DisaggConfig
 from cluster.frontend import Frontend
 from cluster.http_api import HttpConfig, create_app
@@ -53,6 +58,7 @@ class ServerConfig:
     disagg: DisaggConfig | None = None  # set: prefill and decode workers are Ray actors
     shared_prefix_texts: tuple[str, ...] = ()  # prompts every tenant may share (tokenized at start)
     local_prefill_tokens: int = 32  # in-process PD: decode prefills prompts this short itself
+    pin_cores: bool = False  # in-process engines: each step thread on its own core (Ray: disagg.pin_cores)
 
 
 def load_api_keys(path: Path | None) -> ApiKeys:
@@ -93,6 +99,8 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     else:
         engine, front = await _start_in_process(cfg, engine)
     front.start()
+    if cfg.pin_cores:
+        await _pin_step_threads(front)
     name = cfg.served_model_name or Path(cfg.engine.model).name
     frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s)
     if ray_front is not None:
@@ -121,6 +129,27 @@ async def _start_in_process(cfg: ServerConfig, engine: Engine | None) -> tuple[E
         prefill.shared_prefixes = engine.shared_prefixes
         front = PDFront(AsyncEngine(prefill), decode, cfg.local_prefill_tokens)
     return engine, front
+
+
+async def _pin_step_threads(front: AsyncEngine | PDFront | RayFront) -> None:
+    """--pin-cores in one process: each engine's step thread (the one thread that runs torch,
+    on one torch thread) on its own core, prefill first; the edge (HTTP, gRPC, detokenizing)
+    runs anywhere. Ray actors pin themselves (cluster.ray_launch)."""
+    if isinstance(front, PDFront):
+        steppers = [front.prefill, front.decode]
+    elif isinstance(front, AsyncEngine):
+        steppers = [front]
+    else:
+        return
+    cores = available_cores()
+    for slot, stepper in enumerate(steppers):
+        core = core_for(slot, cores)
+        await stepper.call(functools.partial(_pin_step_thread, core=core))
+        logger.info("engine step thread %d pinned to core %d", slot, core)
+
+
+def _pin_step_thread(_engine: Engine, core: int) -> int:
+    return pin_thread(core)  # runs on the step thread (AsyncEngine.call)
 
 
 async def serve(cfg: ServerConfig) -> None:

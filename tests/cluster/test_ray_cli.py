@@ -47,6 +47,18 @@ def test_up_flags_pick_the_deployment() -> None:
     assert served.disagg is not None and served.disagg.ray_address == "127.0.0.1:6379"
 
 
+def test_pin_cores_and_chunking_flags() -> None:
+    ray = _config("up", "--prefill", "1", "--decode", "1", "--pin-cores")
+    assert ray.disagg is not None and ray.disagg.pin_cores and ray.disagg.num_threads == 1
+    colocated = _config("up", "--pin-cores", "--max-prefill-chunk", "8192", "--max-batched-tokens", "8192")
+    assert colocated.pin_cores and colocated.engine.num_threads == 1  # a pinned engine: one thread
+    assert (colocated.engine.max_prefill_chunk, colocated.engine.max_num_batched_tokens) == (8192, 8192)
+    default = _config("up")
+    assert not default.pin_cores and default.engine.num_threads is None
+    assert (default.engine.max_prefill_chunk, default.engine.max_num_batched_tokens) == (512, 2048)
+    assert _config("up", "--pin-cores", "--threads", "2").engine.num_threads == 2
+
+
 @pytest.fixture
 def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     """A `ray start --head` cluster on loopback with its own auth token (stopped by its PID)."""
