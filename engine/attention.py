@@ -50,6 +50,9 @@ class AttnMetadata:
     decode_seq_lens: torch.Tensor  # [B_d] int64: keys each decode attends (its context length)
     scale: float
     decode_backend: str = "torch"  # "torch" | "triton"
+    # torch path: (first row, end row, pages) runs of decode rows of similar length, each
+    # attended padded to its own width; () is one run of every row at the table's width
+    decode_groups: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_decodes(self) -> int:
@@ -84,7 +87,13 @@ def paged_attention(
             dst = out[meta.num_prefill_tokens :]  # written in place: rows of `out` are contiguous
             paged_decode(qd, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, meta.scale, out=dst)
         else:
-            out[meta.num_prefill_tokens :] = _decode_batch(qd, k_cache, v_cache, meta)
+            table, lens = meta.decode_page_table, meta.decode_seq_lens
+            groups = meta.decode_groups or ((0, meta.num_decodes, table.shape[1]),)
+            for first, end, width in groups:
+                rows = slice(meta.num_prefill_tokens + first, meta.num_prefill_tokens + end)
+                out[rows] = _decode_batch(
+                    q[rows], k_cache, v_cache, table[first:end, :width], lens[first:end], meta.scale
+                )
     return out
 
 
@@ -112,11 +121,15 @@ def _prefill_one(
 
 
 def _decode_batch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    table = meta.decode_page_table
     num_keys = table.shape[1] * k_cache.shape[1]
     flat = table.flatten()
     # One gather per layer: [B * max_pages, page_size, kvh, hd] -> [B, kvh, L, hd]
@@ -127,8 +140,8 @@ def _decode_batch(
     # faster on CPU than expanding K/V (see BENCHMARKS.md's decode-step profile).
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     key_pos = torch.arange(num_keys, device=q.device)
-    beyond = key_pos[None, :] >= meta.decode_seq_lens[:, None]  # [B, L]
+    beyond = key_pos[None, :] >= seq_lens[:, None]  # [B, L]
     bias = torch.zeros(batch, 1, 1, num_keys, dtype=q.dtype, device=q.device)
     bias.masked_fill_(beyond.view(bias.shape), float("-inf"))
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=meta.scale)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
     return o.reshape(batch, num_heads, head_dim)

@@ -74,6 +74,8 @@ class ModelRunner:
         """The forward pass alone: logits [S, vocab] of the requests that caught up."""
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
+        if self.decode_backend == "torch":  # longest first: rows of similar length form groups
+            decodes.sort(key=lambda s: -s.request.num_computed_tokens)
         ordered = prefills + decodes
         sample_idx: list[int] = []
         sampled: list[tuple[Request, int]] = []
@@ -141,6 +143,9 @@ class ModelRunner:
             seqs.append(PrefillSeq(start, num_new, context, page_ids))
             start += num_new
         max_pages = max((len(r.page_ids) for r, _ in decodes), default=0)
+        groups: tuple[tuple[int, int, int], ...] = ()
+        if self.decode_backend == "torch" and decodes:
+            groups = self._decode_groups([-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes])
         table = [r.page_ids + [0] * (max_pages - len(r.page_ids)) for r, _ in decodes]
         page_table = self._tensor(table).view(len(decodes), max_pages)
         seq_lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
@@ -152,7 +157,21 @@ class ModelRunner:
             decode_seq_lens=seq_lens,
             scale=self.model.scale,
             decode_backend=self.decode_backend,
+            decode_groups=groups,
         )
+
+    @staticmethod
+    def _decode_groups(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+        """(first row, end row, pages) of runs of decode rows (sorted longest first) whose
+        lengths stay within 2x of the run's longest: the torch path gathers each run padded to
+        its own longest, so one long sequence no longer pads every short one to its length."""
+        groups: list[tuple[int, int, int]] = []
+        start = 0
+        for row in range(1, len(pages) + 1):
+            if row == len(pages) or pages[row] * 2 < pages[start]:
+                groups.append((start, row, pages[start]))
+                start = row
+        return tuple(groups)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling
