@@ -1,15 +1,19 @@
 """The prefill role as a Ray actor: its own step loop, and one push task per transfer.
 
     prefill(job, dest)         queue the prompt; returns once its first token is sampled (TTFT
-                               does not wait for the transfer); the push to dest starts then
+                               does not wait for the transfer)
     push_result(transfer_id)   how that push went (waits for it): a TransferReport
     abort(req_id)              the request went away: its prefill stops, its push is cancelled
 
-The pages of a transfer stay pinned here (its chunks, held by the push task) until the decode
-side acks them, the push fails or is aborted, or the transfer's lease ends. Pushes run on the
-actor's event loop and the engine's steps between awaits, so pages leave while the next
-prompt computes. Page bytes travel by the transport chosen per decode worker (`route`: shm on
-the same host, else gRPC), never through Ray.
+One push per transfer streams the pages as they are computed: after each step the chunks of
+whole pages a chunked prefill has finished go to the push (PrefillWorker.take_ready), which
+opens its stream with the first of them; the rest, the last page included, follow with the
+first token. The transfer's deadline runs from the first token (as for a push that starts
+then); before it, the stream is bounded by the decode side's reservation, which expires on
+its own. The pages of a transfer stay pinned here (its chunks, held by the push) until the
+decode side acks them, the push fails or is aborted, or the transfer's lease ends. Pushes run
+on the actor's event loop between the engine's steps. Page bytes travel by the transport
+chosen per decode worker (`route`: shm on the same host, else gRPC), never through Ray.
 """
 
 from __future__ import annotations
@@ -40,12 +44,53 @@ IDLE_WAIT_S = 0.5
 LEASE_GRACE_S = 1.0  # past the push's own deadline, which normally ends it first
 
 
+class _Feed:
+    """One transfer's chunks as the prefill computes them: the step loop puts batches, the
+    push streams them; the batch holding the chunk flagged last closes the stream."""
+
+    def __init__(self) -> None:
+        self._batches: asyncio.Queue[tuple[WireChunk, ...]] = asyncio.Queue()
+        self._timer: asyncio.Timeout | None = None
+        self._deadline: float | None = None  # loop time; set at the first token
+        self.has_pages = False  # pages are pinned for the push from the first batch on
+        self.num_bytes = 0
+
+    def put(self, chunks: tuple[WireChunk, ...]) -> None:
+        self.has_pages = True
+        self._batches.put_nowait(chunks)
+
+    def set_deadline(self, when: float) -> None:
+        self._deadline = when
+        if self._timer is not None:
+            self._timer.reschedule(when)
+
+    def watch(self, timer: asyncio.Timeout | None) -> None:
+        """The push's timer while it sends: it fires at the deadline, once there is one."""
+        self._timer = timer
+        if timer is not None and self._deadline is not None:
+            timer.reschedule(self._deadline)
+
+    async def next_batch(self) -> tuple[WireChunk, ...]:
+        return await self._batches.get()
+
+    async def stream(self, first: tuple[WireChunk, ...]) -> AsyncIterator[WireChunk]:
+        batch = first
+        while True:
+            for chunk in batch:
+                self.num_bytes += memoryview(chunk.payload).nbytes
+                yield chunk
+            if batch and batch[-1].header.is_last:
+                return
+            batch = await self._batches.get()
+
+
 @dataclass(slots=True)
 class _Push:
     req_id: str
     num_pages: int
-    lease_end: float  # time.monotonic(); the pinned chunks go when it passes
+    lease_end: float  # time.monotonic(); the pinned chunks go when it passes (inf before the first token)
     task: asyncio.Task[TransferReport]
+    feed: _Feed
 
 
 class PrefillActor:
@@ -58,6 +103,7 @@ class PrefillActor:
         push_deadline_s: float = DEFAULT_DEADLINE_S,
         chunk_pause_s: float = 0.0,  # fault drills only: a pause before each chunk
         pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
+        reservation_ttl_s: float = 30.0,  # the decode side's reserve -> complete bound
     ) -> None:
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
@@ -65,6 +111,9 @@ class PrefillActor:
         self._senders: dict[str, KVSender] = {"grpc": GrpcSender()}
         self._routes: dict[str, str] = {}  # decode address -> transport ("grpc" when unset)
         self.push_deadline_s = push_deadline_s
+        # a stream opened before the first token: the reservation ends it at the latest, the
+        # push deadline after the first token (the transport's own timeout is only a backstop)
+        self.stream_limit_s = reservation_ttl_s + push_deadline_s
         self.chunk_pause_s = chunk_pause_s
         self._firsts: dict[str, asyncio.Future[PrefillDone]] = {}
         self._pushes: dict[str, _Push] = {}  # transfer_id -> its push, until reported or expired
@@ -97,20 +146,34 @@ class PrefillActor:
     async def prefill(self, job: PrefillJob, dest: KVDestination) -> PrefillResult:
         if self._loop is None:
             self._loop = asyncio.create_task(self._run())
-        future: asyncio.Future[PrefillDone] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[PrefillDone] = loop.create_future()
         self._firsts[job.req_id] = future
+        feed = _Feed()
+        task = asyncio.create_task(self._push(dest, feed))
+        push = self._pushes[dest.transfer_id] = _Push(job.req_id, len(dest.dest_page_ids), float("inf"), task, feed)
         try:
             self.worker.submit(job, dest)
             self._wake.set()
             done = await future
+        except BaseException:
+            self._drop(dest.transfer_id)
+            raise
         finally:
             self._firsts.pop(job.req_id, None)
-        if done.finish_reason is not None:  # the first token ends the request: nothing moves
+        if done.finish_reason is not None:  # the first token ends the request: nothing more moves
+            self._drop(dest.transfer_id)
             return PrefillResult(done.output, "")
-        lease_end = time.monotonic() + self.push_deadline_s
-        task = asyncio.create_task(self._push(done))
-        self._pushes[dest.transfer_id] = _Push(job.req_id, len(dest.dest_page_ids), lease_end, task)
+        feed.put(done.chunks)
+        feed.set_deadline(loop.time() + self.push_deadline_s)
+        push.lease_end = time.monotonic() + self.push_deadline_s
         return PrefillResult(done.output, dest.transfer_id)
+
+    def _drop(self, transfer_id: str) -> None:
+        """A transfer that will not complete: its push (and the reservation it holds) goes."""
+        push = self._pushes.pop(transfer_id, None)
+        if push is not None:
+            push.task.cancel()
 
     async def push_result(self, transfer_id: str) -> TransferReport:
         push = self._pushes.get(transfer_id)
@@ -130,7 +193,7 @@ class PrefillActor:
                 push.task.cancel()
 
     async def stats(self) -> PrefillStats:
-        inflight = [p for p in self._pushes.values() if not p.task.done()]
+        inflight = [p for p in self._pushes.values() if p.feed.has_pages and not p.task.done()]
         return PrefillStats(
             self.worker.epoch, self.worker.engine.scheduler.num_requests, len(inflight),
             sum(p.num_pages for p in inflight), self.num_transfers, self.num_failed, self.num_lease_expired,
@@ -168,6 +231,10 @@ class PrefillActor:
                 future = self._firsts.get(done.req_id)
                 if future is not None and not future.done():
                     future.set_result(done)
+            for ready in self.worker.take_ready():  # pages of prompts still computing
+                push = self._pushes.get(ready.dest.transfer_id)
+                if push is not None:
+                    push.feed.put(ready.chunks)
             await between_steps()  # pushes and new calls run between steps
 
     def _fail_all(self, exc: Exception) -> None:
@@ -188,15 +255,23 @@ class PrefillActor:
             elif now >= push.lease_end + self.push_deadline_s:
                 del self._pushes[transfer_id]
 
-    async def _push(self, done: PrefillDone) -> TransferReport:
-        dest, chunks = done.dest, done.chunks
+    async def _push(self, dest: KVDestination, feed: _Feed) -> TransferReport:
+        first = await feed.next_batch()  # no stream is open until there is a page to send
         transport = self._routes.get(dest.address, "grpc")
-        num_bytes = sum(memoryview(c.payload).nbytes for c in chunks)
         start = time.perf_counter()
         try:
-            source = self._paced(chunks) if self.chunk_pause_s else chunks
-            result = await self._senders[transport].send(dest, source, self.push_deadline_s)
+            source = feed.stream(first)
+            async with asyncio.timeout(None) as timer:  # the deadline, once the first token is out
+                feed.watch(timer)
+                sent = self._senders[transport].send(dest, self._paced(source) if self.chunk_pause_s else source,
+                                                     self.stream_limit_s)  # fmt: skip
+                try:
+                    result = await sent
+                finally:
+                    feed.watch(None)  # a push that ended before the first token has no deadline left
             accepted, error = result.accepted, result.error
+        except TimeoutError:
+            accepted, error = False, "deadline exceeded"
         except asyncio.CancelledError:  # aborted, or its lease ended: the chunks go now
             accepted, error = False, "aborted"
         except Exception as exc:
@@ -204,11 +279,11 @@ class PrefillActor:
             accepted, error = False, f"transport error: {type(exc).__name__}"
         self.num_transfers += 1
         self.num_failed += not accepted
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start  # first chunk to ack: with the prefill it overlapped
         return TransferReport(dest.transfer_id, transport, accepted, len(dest.dest_page_ids),
-                              num_bytes if accepted else 0, seconds, error)
+                              feed.num_bytes if accepted else 0, seconds, error)
 
-    async def _paced(self, chunks: tuple[WireChunk, ...]) -> AsyncIterator[WireChunk]:
-        for chunk in chunks:
+    async def _paced(self, chunks: AsyncIterator[WireChunk]) -> AsyncIterator[WireChunk]:
+        async for chunk in chunks:
             await asyncio.sleep(self.chunk_pause_s)
             yield chunk

@@ -74,7 +74,7 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
         spawn_prefill(prefill_cfg, name=f"baton-{run}-prefill-{i}", epoch=i + 1,
                       pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads,
                       push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s,
-                      pin_slot=i if cfg.pin_cores else None)
+                      pin_slot=i if cfg.pin_cores else None, reservation_ttl_s=cfg.reservation_ttl_s)
         for i in range(cfg.num_prefill)
     ]  # fmt: skip
     async with asyncio.timeout(ACTOR_START_S):

@@ -3,9 +3,19 @@
     submit(job, dest)  queue the prompt (prefix match and chunked prefill are the engine's)
     step()             run one engine step; every prompt that finished yields a PrefillDone:
                        its first token (for the edge, at once) and the page chunks for `dest`
+    take_ready()       (optional, after a step) the whole pages computed since the last call
+                       of prompts still computing, as chunks: a caller that streams them while
+                       the rest computes gets only the remaining pages with the PrefillDone
     (caller)           pushes the chunks with its KVSender, then tells the decode worker the
                        first token; pages of shared prefixes stay in this worker's cache
 
+    prompt pages:  | 0 | 1 | 2 | 3 | 4 |5..|      a chunked prefill, 2 pages a step
+    step 1:        |=======|                      take_ready -> pages 0-1
+    step 2:                |=======|              take_ready -> pages 2-3
+    step 3 (last):                 |=====|        PrefillDone -> pages 4-5, the last flagged
+
+The last page always comes with the PrefillDone (the step that computes the prompt's last
+token is the one that finishes it), so the chunk flagged last is always the final one sent.
 A plain class: cluster/ wraps it in a Ray actor; tests drive it directly.
 """
 
@@ -13,12 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from engine.engine import Engine
 from engine.outputs import StepOutput
-from engine.request import FinishReason
+from engine.request import FinishReason, Request
 from engine.sampling import SamplingParams
-from kvtransfer.codec import WireChunk
-from kvtransfer.transport import KVDestination, build_chunks
+from kvtransfer.codec import ChunkMeta, WireChunk, encode_chunk
+from kvtransfer.transport import KVDestination
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +53,27 @@ class PrefillDone:
     output: StepOutput  # the first token as the edge streams it (logprobs, cached tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class PagesReady:
+    """Whole pages of a prompt still computing, for its transfer (no chunk flagged last)."""
+
+    req_id: str
+    dest: KVDestination
+    chunks: tuple[WireChunk, ...]
+
+
 class PrefillWorker:
     def __init__(self, engine: Engine, epoch: int = 1, pages_per_chunk: int = 32) -> None:
         self.engine = engine
         self.epoch = epoch  # fencing token: decode refuses pages from a stale epoch
         self.pages_per_chunk = pages_per_chunk
         self._jobs: dict[str, tuple[PrefillJob, KVDestination]] = {}
+        self._num_taken: dict[str, int] = {}  # pages handed out by take_ready, per request
 
     def submit(self, job: PrefillJob, dest: KVDestination) -> None:
         self.start(self.engine, job)
         self._jobs[job.req_id] = (job, dest)
+        self._num_taken[job.req_id] = 0
 
     @staticmethod
     def start(engine: Engine, job: PrefillJob) -> None:
@@ -61,6 +84,7 @@ class PrefillWorker:
 
     def abort(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)
+        self._num_taken.pop(req_id, None)
         self.engine.abort(req_id)
         self.engine.take_exported(req_id)
 
@@ -73,16 +97,54 @@ class PrefillWorker:
             if out.finish_reason is None:
                 continue
             job, dest = self._jobs.pop(out.req_id)
+            taken = self._num_taken.pop(out.req_id)
             exported = self.engine.take_exported(out.req_id)
-            assert exported is not None
+            assert exported is not None and taken < len(exported.kv)
+            if len(exported.kv) != len(dest.dest_page_ids):
+                raise ValueError(f"{len(exported.kv)} pages for {len(dest.dest_page_ids)} reserved")
             finished = out.finish_reason if self.ends_here(job, out.finish_reason) else None
             chunks: tuple[WireChunk, ...] = ()
             if finished is None:
                 # a page-major block: each chunk is a slice of it, sent without a copy
-                chunks = tuple(build_chunks(dest, exported.kv, self.epoch, self.pages_per_chunk))
+                chunks = self._chunks(dest, exported.kv[taken:], taken)
             first = replace(out, finish_reason=finished)  # LENGTH of the 1-token prefill is not the request's
             done.append(PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks, first))
         return done
+
+    def take_ready(self) -> list[PagesReady]:
+        """The whole pages computed since the last call (a cached prefix counts as computed),
+        for every prompt still computing."""
+        ready = []
+        page_size = self.engine.cfg.page_size
+        for req_id, (job, dest) in self._jobs.items():
+            request = self.engine.scheduler.get(req_id)
+            if request is None:
+                continue
+            taken = self._num_taken[req_id]
+            # never the last page: it fills in the finishing step, and comes with PrefillDone
+            full = min(request.num_computed_tokens, len(job.prompt_ids) - 1) // page_size
+            if full > taken:
+                ready.append(PagesReady(req_id, dest, self._chunks(dest, self._pages(request, taken, full), taken)))
+                self._num_taken[req_id] = full
+        return ready
+
+    def _pages(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """Pages start..end-1 of a running request, page-major and contiguous on the CPU (as
+        the engine's export lays them out): [n, layers, 2, page_size, kv_heads, head_dim]."""
+        index = torch.tensor(request.page_ids[start:end], dtype=torch.int64, device=self.engine.device)
+        return self.engine.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().to("cpu")
+
+    def _chunks(self, dest: KVDestination, kv: torch.Tensor, first_page: int) -> tuple[WireChunk, ...]:
+        """`kv` (page-major: kv[i] is dest page first_page + i) in chunks of pages_per_chunk;
+        the chunk holding the reservation's last page is flagged last."""
+        chunks = []
+        for start in range(0, len(kv), self.pages_per_chunk):
+            end = min(start + self.pages_per_chunk, len(kv))
+            pages = dest.dest_page_ids[first_page + start : first_page + end]
+            is_last = first_page + end == len(dest.dest_page_ids)
+            meta = ChunkMeta(dest.req_id, dest.transfer_id, dest.token, self.epoch, pages, is_last=is_last)
+            chunks.append(encode_chunk(meta, kv[start:end]))
+        return tuple(chunks)
 
     @staticmethod
     def ends_here(job: PrefillJob, reason: FinishReason) -> bool:

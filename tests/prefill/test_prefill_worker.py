@@ -1,0 +1,144 @@
+"""A chunked prefill hands over each step's whole pages while the rest of the prompt computes
+(PrefillWorker.take_ready): one reservation, one token, one push stream; the decode side has
+pages before the last chunk is computed, and the tokens still equal one engine's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from decode.worker import DecodeWorker
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+from kvtransfer.codec import WireChunk
+from kvtransfer.local import LocalSender
+from kvtransfer.transport import KVDestination
+from prefill.worker import PrefillDone, PrefillJob, PrefillWorker
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CHUNK = 64  # prefill tokens per step: 4 pages of 16
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path) -> tuple[Engine, Engine, Engine]:
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_pages=128)
+    return Engine(cfg), Engine(replace(cfg, max_prefill_chunk=CHUNK)), Engine(cfg)
+
+
+def _prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple(np.random.default_rng(seed).integers(100, 16_384, size=n).tolist())
+
+
+def _complete_pages(decode: DecodeWorker, dest: KVDestination) -> int:
+    res = decode.book.get(dest.transfer_id) or decode.book.completed.get(dest.transfer_id)
+    assert res is not None
+    full = (1 << decode.book.num_layers) - 1
+    return sum(1 for mask in res.layers.values() if mask == full)
+
+
+async def _stream(queue: asyncio.Queue[WireChunk]) -> AsyncIterator[WireChunk]:
+    while True:
+        chunk = await queue.get()
+        yield chunk
+        if chunk.header.is_last:
+            return
+
+
+async def _prefill_streaming(
+    prefill: PrefillWorker, decode: DecodeWorker, job: PrefillJob
+) -> tuple[PrefillDone, KVDestination, list[int]]:
+    """Prefill `job` into a reservation on `decode`, pushing what each step finished at once;
+    the decode side's complete pages after each step."""
+    dest = decode.reserve(job, prefill.epoch)
+    assert dest is not None
+    queue: asyncio.Queue[WireChunk] = asyncio.Queue()
+    push = asyncio.ensure_future(LocalSender({dest.address: decode.receiver}).send(dest, _stream(queue), 10.0))
+    prefill.submit(job, dest)
+    done, arrived = None, []
+    for _ in range(100):  # bounded: a step computes at least one chunk
+        finished = prefill.step()
+        for ready in prefill.take_ready():
+            for chunk in ready.chunks:
+                queue.put_nowait(chunk)
+        for done in finished:
+            for chunk in done.chunks:
+                queue.put_nowait(chunk)
+        for _ in range(20):  # the push takes what is queued
+            await asyncio.sleep(0)
+        arrived.append(_complete_pages(decode, dest))
+        if done is not None:
+            break
+    assert done is not None
+    result = await push
+    assert result.accepted, result.error
+    return done, dest, arrived
+
+
+def _decode(decode: DecodeWorker, job: PrefillJob, dest: KVDestination, done: PrefillDone) -> list[int]:
+    decode.start_prefilled(job, dest, done.first_token)
+    tokens = [done.first_token]
+    while decode.engine.has_unfinished():
+        for out in decode.step():
+            tokens.extend(out.token_ids)
+    return tokens
+
+
+async def test_pages_arrive_before_the_last_chunk_is_computed(engines: tuple[Engine, Engine, Engine]) -> None:
+    single, p_engine, d_engine = engines
+    prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
+    job = PrefillJob("stream", _prompt(1, 200), GREEDY)  # 13 pages, 4 steps of 64 tokens
+    done, dest, arrived = await _prefill_streaming(prefill, decode, job)
+    assert arrived == [4, 8, 12, 13]  # the partial last page comes with the first token
+    assert [c.header.dest_page_ids for c in done.chunks] == [list(dest.dest_page_ids[12:])]
+    assert done.chunks[-1].header.is_last
+    assert _decode(decode, job, dest, done) == single.generate([list(job.prompt_ids)], GREEDY)[0]
+    assert d_engine.free_pages_at_idle() == d_engine.pool.num_pages
+
+
+async def test_a_cached_prefix_goes_with_the_first_step(engines: tuple[Engine, Engine, Engine]) -> None:
+    single, p_engine, d_engine = engines
+    prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
+    shared = _prompt(2, 160)  # 10 pages
+    first = PrefillJob("warm", shared + _prompt(3, 20), GREEDY)
+    _, dest, _ = await _prefill_streaming(prefill, decode, first)
+    decode.cancel(dest)  # only the prefill side's cache matters here
+
+    job = PrefillJob("hit", shared + _prompt(4, 100), GREEDY)  # 17 pages, 10 of them cached
+    done, dest, arrived = await _prefill_streaming(prefill, decode, job)
+    assert done.output.num_cached_tokens == 160
+    assert arrived == [14, 17]  # the cached 10 and the 4 computed in step 1, then the rest
+    assert _decode(decode, job, dest, done) == single.generate([list(job.prompt_ids)], GREEDY)[0]
+
+
+def test_a_caller_that_never_takes_gets_every_page_at_the_end(engines: tuple[Engine, Engine, Engine]) -> None:
+    _, p_engine, d_engine = engines
+    prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
+    job = PrefillJob("whole", _prompt(5, 200), GREEDY)
+    dest = decode.reserve(job, prefill.epoch)
+    assert dest is not None
+    prefill.submit(job, dest)
+    done = next(d for _ in range(100) for d in prefill.step())
+    pages = [p for c in done.chunks for p in c.header.dest_page_ids]
+    assert pages == list(dest.dest_page_ids) and [c.header.is_last for c in done.chunks] == [True]
+    decode.cancel(dest)
+
+
+def test_an_aborted_prompt_hands_out_nothing_more(engines: tuple[Engine, Engine, Engine]) -> None:
+    _, p_engine, d_engine = engines
+    prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
+    job = PrefillJob("gone", _prompt(6, 300), GREEDY)
+    dest = decode.reserve(job, prefill.epoch)
+    assert dest is not None
+    prefill.submit(job, dest)
+    prefill.step()
+    assert [r.req_id for r in prefill.take_ready()] == ["gone"]
+    prefill.abort("gone")
+    assert not prefill.has_work() and prefill.take_ready() == []
+    decode.cancel(dest)
+    assert p_engine.free_pages_at_idle() == p_engine.pool.num_pages
