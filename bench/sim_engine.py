@@ -6,8 +6,9 @@ stream of sessions, the real GlobalIndex (fed only by the workers' KV events) an
     place            policy decision; SATURATED retries after retry_after_s (a bounded
                      number of times, then the request fails); the decode worker reserves
                      prompt + output pages (or queues the reservation)
-    disaggregated    prefill queue -> compute (own cache hits) -> first token -> push over
-                     the transport once the decode reservation holds -> joins the batch
+    disaggregated    prefill queue -> compute (own cache hits) -> first token; the push
+                     streams pages as they are computed once the decode reservation holds,
+                     the last page after the first token -> joins the batch
     local            the decode worker computes it in chunks riding on its steps (stalling
                      its batch), caches its pages, then decodes it
     finished         pages back, prompt + output cached on decode; next turn after `think`
@@ -166,6 +167,8 @@ class Simulation:
             self._fail()  # can never fit there
             return
         is_reserved = decode.reserve(req)
+        if is_reserved:
+            req.reserved_s = now
         if req.is_local:
             if is_reserved:
                 self._run_local(now, decode, req)
@@ -242,6 +245,7 @@ class Simulation:
 
     def _granted(self, now: float, decode: DecodeWorker, req: SimRequest) -> None:
         """A queued reservation now holds: start what waited on it."""
+        req.reserved_s = now
         if req.is_local:
             self._run_local(now, decode, req)
         elif req.first_token_s >= 0:  # computed already: push now

@@ -4,8 +4,8 @@ times they return; they never sleep and hold no threads.
 
     PrefillWorker  FIFO queue; a job matches its own cache at start (device, then host), costs
                    recomputed tokens x s/token + host pages x page_bytes / host bandwidth, then
-                   stores the prompt's pages (KV events); one outgoing link, so its pushes
-                   to decode workers go one after another
+                   stores the prompt's pages (KV events); its push streams pages while they
+                   are computed, over one outgoing link (pushes go one after another)
     DecodeWorker   pages: prompt + output pages reserved per request (a FIFO waits when none
                    are free); its cache keeps finished requests' pages in whatever the
                    reservations leave free. Steps: each admits waiting requests up to
@@ -48,6 +48,8 @@ class SimRequest:
     num_attempts: int = 0
     est_s: float = 0.0  # estimated compute, for queue-delay reports
     num_left: int = -1  # a local prefill's tokens still to compute (-1: not started)
+    compute_start_s: float = -1.0
+    reserved_s: float = -1.0  # when its decode pages were reserved
     hit: CacheHit = CacheHit(0, 0)  # what the computing worker actually reused
     best_hit_pages: int = 0  # in the index's view, at placement
     chosen_hit_pages: int = 0
@@ -83,6 +85,7 @@ class PrefillWorker:
         req = self.queue.popleft()
         self.queued_s = max(0.0, self.queued_s - req.est_s)
         req.hit = self.cache.match(req.hashes, _max_hit(self.cal, req))
+        req.compute_start_s = now
         compute_s = _compute_s(self.cal, req, req.hit)
         self.current = req
         self.busy_until = now + compute_s
@@ -98,9 +101,13 @@ class PrefillWorker:
         return req
 
     def send(self, req: SimRequest, now: float, transport: str) -> float:
-        """Push the prompt's pages; the time they are all at the decode worker."""
-        start = max(now, self.link_free_s)
-        self.link_free_s = start + self.cal.transfer_s(-(-req.num_tokens // self.cal.page_size), transport)
+        """The time the prompt's pages are all at the decode worker, the push having streamed
+        them while they were computed (from when both the compute and the reservation had
+        started and the link was free); the last page follows the first token."""
+        cal = self.cal
+        start = max(req.compute_start_s, req.reserved_s, self.link_free_s)
+        num_pages = -(-req.num_tokens // cal.page_size)
+        self.link_free_s = max(now + cal.transfer_s(1, transport), start + cal.transfer_s(num_pages, transport))
         return self.link_free_s
 
     def queue_delay_s(self, now: float) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -55,10 +55,11 @@ class Script:
         return max([self.end, *(t for t, _, _ in self.items)])
 
 
-def run(script: Script, policy: str = "round-robin", **fleet: int | float) -> tuple[Simulation, list[RequestRecord]]:
+def run(script: Script, policy: str = "round-robin", cal: Calibration = CAL,
+        **fleet: int | float) -> tuple[Simulation, list[RequestRecord]]:
     cfg = FleetConfig(**{"num_prefill": 1, "num_decode": 1, "prefill_pages": 1000, "host_pages": 0,
                          "decode_pages": 1000, **fleet})  # type: ignore[arg-type]
-    sim = Simulation(CAL, cfg, policy, script, SLO, seed=0, keep_records=True)
+    sim = Simulation(cal, cfg, policy, script, SLO, seed=0, keep_records=True)
     result = sim.run()
     assert result.num_failed == 0
     records = sim.recorder.records
@@ -76,9 +77,20 @@ def test_a_prefill_queue_serves_in_arrival_order() -> None:
     _, records = run(script)
     # Then each waits for the one before it: first tokens at 1 s, 2 s, 3 s
     assert [r.first_token_s for r in records] == pytest.approx([1.0, 2.0, 3.0])
-    # and each 63-page push takes 63 ms after its prefill, then one decode step of 10 ms
-    assert [r.finish_s - r.first_token_s for r in records] == pytest.approx([0.073] * 3)
+    # and each 63-page push (63 ms) streams while its prompt is computed: the last page lands
+    # 1 ms after the first token, then one decode step of 10 ms
+    assert [r.finish_s - r.first_token_s for r in records] == pytest.approx([0.011] * 3)
     assert [r.prefill_id for r in records] == ["p0"] * 3 and [r.hit_pages for r in records] == [0, 0, 0]
+
+
+def test_a_slow_link_serializes_the_pushes_of_one_prefill_worker() -> None:
+    # Given pushes at 20 kB/s (50 ms a page: 3.15 s for 63 pages, longer than the 1 s compute)
+    slow = replace(CAL, transfer_bytes_per_s={"grpc": 2e4})
+    script = Script([(0.01 * i, one_turn(f"s{i}", Segment(f"unique/{i}", 1000)), "a") for i in range(3)])
+    _, records = run(script, cal=slow)
+    # Then the first push streams from its compute's start; each next one waits for the link
+    assert [r.first_token_s for r in records] == pytest.approx([1.0, 2.0, 3.0])
+    assert [r.finish_s for r in records] == pytest.approx([3.15 + 0.01, 6.3 + 0.01, 9.45 + 0.01])
 
 
 def test_a_cache_hit_skips_recomputing_the_shared_pages() -> None:
