@@ -26,12 +26,14 @@ import grpc
 import torch
 
 from cluster.cpu import between_steps, core_for, pin_process
+from cluster.kv_log import MAX_BATCH, KVEventLog
 from cluster.output_feed import OutputFeed
 from cluster.worker_msgs import DecodeStats, OutputBatch
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.outputs import StepOutput
+from kvcache.events import KVEvent, Tier
 from kvtransfer.grpc_transport import start_kv_server
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler
@@ -73,12 +75,14 @@ class DecodeActor:
         shm_slots: int = 0,  # > 0: also serve PushShm from a /dev/shm region of this many slots
         shm_slot_pages: int = 32,  # pages one slot holds: the senders' pages per chunk
         pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
+        epoch: int = 1,  # of its KV events (a restarted worker gets a new one)
     ) -> None:
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self._settled = _Signal()
         self.worker = DecodeWorker(Engine(cfg), "", reservation_ttl_s, local_prefill_tokens, admit_lease_s,
                                    on_settle=self._settled.fire)
+        self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         self.host = host
         self.feed = OutputFeed(max_feed_steps)
         self._wake = asyncio.Event()
@@ -143,6 +147,18 @@ class DecodeActor:
     async def stats(self) -> DecodeStats:
         return self._stats()
 
+    async def kv_events(self, after_seq: int, limit: int = MAX_BATCH) -> tuple[KVEvent, ...]:
+        """The prefix cache's KV events after `after_seq` (cluster.kv_log)."""
+        return self.kv_log.events(after_seq, limit)
+
+    async def kv_snapshot(self) -> tuple[int, int, list[tuple[bytes, Tier]]]:
+        """(epoch, last event seq, every cached page and its tier) for the gateway's index."""
+        return self.kv_log.snapshot()
+
+    async def fingerprint(self) -> bytes:
+        """The model identity its page hashes carry (the gateway hashes prompts with it)."""
+        return self.worker.engine.fingerprint
+
     async def cores(self) -> list[int]:
         """The cores this actor may run on (one, when pinned)."""
         return sorted(os.sched_getaffinity(0))
@@ -194,10 +210,12 @@ class DecodeActor:
 
     def _stats(self) -> DecodeStats:
         w, engine, book = self.worker, self.worker.engine, self.worker.book
-        cached = engine.prefix_cache.num_cached_pages if engine.prefix_cache is not None else 0
+        cache = engine.prefix_cache
+        cached = cache.num_cached_pages if cache is not None else 0
         return DecodeStats(
             w.address, engine.pool.num_pages, engine.pool.pages.num_used, engine.free_pages_at_idle(), cached,
             w.num_reserved_pages, book.num_open, book.num_expired, w.num_lease_expired,
             len(engine.scheduler.running), engine.scheduler.num_waiting,
             book.refused_bad_token, book.refused_stale_epoch, book.refused_bad_page,
+            self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
         )  # fmt: skip

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from cluster.cpu import between_steps, core_for, pin_process
+from cluster.kv_log import MAX_BATCH, KVEventLog
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from kvcache.events import KVEvent, Tier
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import GrpcSender
 from kvtransfer.select import WorkerPlace
@@ -108,6 +110,7 @@ class PrefillActor:
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
+        self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         self._senders: dict[str, KVSender] = {"grpc": GrpcSender()}
         self._routes: dict[str, str] = {}  # decode address -> transport ("grpc" when unset)
         self.push_deadline_s = push_deadline_s
@@ -194,10 +197,24 @@ class PrefillActor:
 
     async def stats(self) -> PrefillStats:
         inflight = [p for p in self._pushes.values() if p.feed.has_pages and not p.task.done()]
+        cache = self.worker.engine.prefix_cache
         return PrefillStats(
             self.worker.epoch, self.worker.engine.scheduler.num_requests, len(inflight),
             sum(p.num_pages for p in inflight), self.num_transfers, self.num_failed, self.num_lease_expired,
+            self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
         )  # fmt: skip
+
+    async def kv_events(self, after_seq: int, limit: int = MAX_BATCH) -> tuple[KVEvent, ...]:
+        """The prefix cache's KV events after `after_seq` (cluster.kv_log)."""
+        return self.kv_log.events(after_seq, limit)
+
+    async def kv_snapshot(self) -> tuple[int, int, list[tuple[bytes, Tier]]]:
+        """(epoch, last event seq, every cached page and its tier) for the gateway's index."""
+        return self.kv_log.snapshot()
+
+    async def fingerprint(self) -> bytes:
+        """The model identity its page hashes carry (the gateway hashes prompts with it)."""
+        return self.worker.engine.fingerprint
 
     async def close(self) -> None:
         if self._loop is not None:

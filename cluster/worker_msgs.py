@@ -43,6 +43,9 @@ class PrefillStats:
     num_transfers: int
     num_failed_transfers: int
     num_lease_expired: int
+    last_event_seq: int = 0  # its prefix cache's last KV event (the index finds lost ones)
+    num_query_tokens: int = 0  # prompt tokens its prefix cache was asked for
+    num_hit_tokens: int = 0  # ... of which it served (the per-worker hit counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,9 @@ class DecodeStats:
     refused_bad_token: int
     refused_stale_epoch: int
     refused_bad_page: int
+    last_event_seq: int = 0  # as PrefillStats
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
