@@ -87,11 +87,13 @@ def register(sub: Any) -> None:
     p.add_argument("--calibration", default="baton-small",
                    help=f"{' or '.join(BUILTIN)}, or a JSON file of bench.sim_calibration.Calibration fields")
     p.add_argument("--transport", default="grpc", help="prefill -> decode path (a calibration transport)")
-    p.add_argument("--prefill-pages", type=int, default=_FLEET.prefill_pages)
+    p.add_argument("--prefill-pages", type=int, default=_FLEET.prefill_pages, help="device pages per prefill worker")
     p.add_argument("--host-pages", type=int, default=_FLEET.host_pages, help="per prefill worker")
-    p.add_argument("--decode-pages", type=int, default=_FLEET.decode_pages)
+    p.add_argument("--decode-pages", type=int, default=_FLEET.decode_pages,
+                   help="pages per decode worker: reservations (prompt + output), the rest caches")
     p.add_argument("--max-running", type=int, default=_FLEET.max_running, help="decode batch limit")
-    p.add_argument("--stats-interval", type=float, default=_FLEET.stats_interval_s)
+    p.add_argument("--stats-interval", type=float, default=_FLEET.stats_interval_s,
+                   help="seconds between workers' stats reports (what baton's placer sees of load)")
     p.add_argument("--event-delay", type=float, default=0.0, help="seconds KV events take to the index")
     p.add_argument("--event-loss", type=float, default=0.0, help="share of KV events lost")
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds (default: the calibration's model's)")
