@@ -2,10 +2,13 @@
 call when the engines live in PrefillActors and DecodeActors (DESIGN.md section 3).
 
     generate(req)
-      decode = least loaded healthy decode worker; subscribe to its output stream
+      p = placer.place(prompt's page hashes)    cluster.placement over a GlobalIndex fed by the
+                                                workers' KV events: decode worker, prefill worker
+                                                (+ fallbacks), or LOCAL; SATURATED -> 429
+      subscribe to p.decode's output stream
       dest = decode.place(job, prefill.epoch)   pages reserved -> KVDestination; or None: the
-                                                uncached part is short (or no prefill worker is
-                                                healthy, or no room): decode prefills it itself
+                                                placement is LOCAL, or the uncached part is short
+                                                (or no room): decode prefills it itself
       first = prefill.prefill(job, dest)        -> the edge at once; the push runs meanwhile
       decode.admit(job, dest, first)            joins the batch once every page arrived
       outputs: decode's per-step batches, demultiplexed by ray_workers.DecodeHandle
@@ -15,6 +18,18 @@ call when the engines live in PrefillActors and DecodeActors (DESIGN.md section 
     decode-local prefill. A re-run's first token is the one already sent (greedy, or seeded:
     an unseeded sampled request gets a seed here, so a re-run draws the same stream), so it is
     not sent twice. Cancellation aborts the request on every worker it touched.
+
+The index: every KV_POLL_S the gateway reads each live worker's new KV events (kv_events,
+bounded batches) into its GlobalIndex, named by the gateway's worker names; a worker that
+joined, changed epoch or lost events (a gap) is reloaded from its kv_snapshot. The Placer
+gets each worker's WorkerStats from the stats already polled (decode: with every output
+batch; prefill: the health poll): health, running and waiting requests, free pages
+(reservations deducted). Not measured yet, so defaults (module constants below): the prefill
+rate (PREFILL_S_PER_TOKEN, every worker alike: only the ratio of tokens recomputed to tokens
+queued decides between them), a decode worker prefilling at DECODE_PREFILL_FACTOR times that
+(its prefill shares its steps with its batch), the decode ITL (ITL_S), a push's bandwidth
+(PlacementConfig's default); a worker's queue is the prefill tokens this placer booked on it
+and not yet released (the first token releases them).
 
 `ray` is imported after cluster.ray_runtime (which sets Ray's environment first).
 """
@@ -32,11 +47,15 @@ from cluster import ray_runtime  # noqa: F401  (before `ray`)
 from cluster.disagg_config import DisaggConfig
 from cluster.errors import EdgeError, Kind
 from cluster.frontend import ModelView, PoolUsage
+from cluster.global_index import GlobalIndex
+from cluster.placement import Placement, PlacementConfig, PlacementKind, Placer, Role, WorkerStats
 from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.transfer_metrics import TransferMetrics
 from cluster.worker_msgs import PrefillResult, TransferReport
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
+from kvcache.events import KVEvent, Tier
+from kvcache.hashing import page_hashes
 from kvtransfer.transport import KVDestination
 from prefill.worker import PrefillJob
 
@@ -46,6 +65,10 @@ logger = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 1.0
 STOP_S = 5.0  # for the actors' own cleanup at shutdown
+KV_POLL_S = 0.05  # KV events of every worker, this often
+PREFILL_S_PER_TOKEN = 2e-4  # default until workers report a measured rate (baton-tiny, one core)
+DECODE_PREFILL_FACTOR = 2.0  # a decode worker's prefill: its batch stalls meanwhile
+ITL_S = 0.02  # default decode step time until workers report it
 
 
 class _Placed(NamedTuple):
@@ -61,14 +84,31 @@ class _Redispatch(Exception):
 
 class RayFront:
     def __init__(
-        self, model: ModelView, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], cfg: DisaggConfig
+        self, model: ModelView, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], cfg: DisaggConfig,
+        fingerprint: bytes = b"", page_size: int = 16, max_running: int = 64, page_bytes: int = 1 << 20,
+        placement: PlacementConfig | None = None,
     ) -> None:
         self.model = model  # ray_launch.GatewayModel: the tokenizer and config, no weights
         self.prefills = list(prefills)
         self.decodes = list(decodes)
         self.cfg = cfg
         self.metrics = TransferMetrics()
+        self.fingerprint = fingerprint  # the engines' (page hashes carry it)
+        self.page_size = page_size
+        self.max_running = max_running  # a decode worker's batch limit (max_num_seqs)
+        self.index = GlobalIndex()
+        self.placer = Placer(self.index, placement or PlacementConfig(
+            page_size=page_size, page_bytes=page_bytes, local_prefill_tokens=cfg.local_prefill_tokens))
+        self._prefill_of = {p.name: p for p in self.prefills}
+        self._decode_of = {d.name: d for d in self.decodes}
+        self._kv_after: dict[str, int] = {}  # worker -> the last event seq read from it
+        for p in self.prefills:
+            self.index.add_worker(p.name, p.epoch)
+        for d in self.decodes:
+            self.index.add_worker(d.name, 1)  # DecodeActor's epoch
+        self._refresh_workers()
         self._health: asyncio.Task[None] | None = None
+        self._kv: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Future[Any]] = set()  # fire-and-forget calls in flight
 
     # -- the surface the Frontend uses --------------------------------------------------------
@@ -99,11 +139,13 @@ class RayFront:
         for d in self.decodes:
             d.start()
         self._health = asyncio.create_task(self._watch_prefills())
+        self._kv = asyncio.create_task(self._follow_kv())
 
     async def stop(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            await asyncio.gather(self._health, return_exceptions=True)
+        for task in (self._health, self._kv):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for d in self.decodes:
             await d.stop()
         # Let live actors close what outlives a process (a decode worker's /dev/shm region,
@@ -123,15 +165,21 @@ class RayFront:
         if sampling.seed is None and not sampling.is_greedy:
             sampling = replace(sampling, seed=secrets.randbits(62))  # a re-run replays the stream
         job = PrefillJob(req_id, tuple(prompt_ids), sampling, priority, cache_salt)
-        decode = self._pick_decode()
-        queue = decode.subscribe(req_id)
+        placement = await self._placement(job)
+        decode = self._decode_of[placement.decode_id or ""]
+        try:
+            queue = decode.subscribe(req_id)
+        except BaseException:
+            self.placer.finish(req_id)
+            raise
         prefill: PrefillHandle | None = None
         sent_first = is_local = finished = False
         try:
-            paths: list[PrefillHandle | None] = [*self._healthy_prefills(), None]  # None: local
+            paths = self._paths(placement)  # None: local
             for prefill in paths:
                 try:
                     placed = await self._place(job, decode, prefill)
+                    self.placer.release_prefill(req_id)  # computed: it no longer queues there
                     if placed is None:  # decode prefills it itself
                         is_local = True
                         break
@@ -151,6 +199,7 @@ class RayFront:
                 finished = out.finished
                 yield out
         finally:
+            self.placer.finish(req_id)
             decode.unsubscribe(req_id)
             if not finished:  # cancelled or failed: every worker it touched lets go
                 self._fire(decode.actor.abort.remote(req_id))
@@ -218,11 +267,87 @@ class RayFront:
 
     # -- workers ----------------------------------------------------------------------------------
 
-    def _pick_decode(self) -> DecodeHandle:
-        alive = [d for d in self.decodes if d.is_alive]
-        if not alive:
+    async def _placement(self, job: PrefillJob) -> Placement:
+        """Where the request goes (cluster.placement): its decode worker and prefill path."""
+        if not any(d.is_alive for d in self.decodes):
             raise EdgeError(Kind.UNAVAILABLE, "no decode worker is available", None, 1.0)
-        return min(alive, key=DecodeHandle.load)
+        await self._ensure_stats()
+        self._refresh_workers()
+        ps = self.page_size
+        num_pages = (len(job.prompt_ids) - 1) // ps  # at least one token is always computed
+        hashes = page_hashes(job.prompt_ids[: num_pages * ps], ps, job.cache_salt.encode(), self.fingerprint)
+        p = self.placer.place(job.req_id, hashes, len(job.prompt_ids), job.cache_salt)
+        if p.kind == PlacementKind.SATURATED:
+            self.metrics.saturated.inc()
+            raise EdgeError(Kind.RESOURCE_EXHAUSTED, "server overloaded: no decode worker has room; retry later",
+                            None, p.retry_after_s)  # fmt: skip
+        self.metrics.given_up.inc(p.locality_given_up)
+        return p
+
+    def _paths(self, p: Placement) -> list[PrefillHandle | None]:
+        """The prefill workers to try in order (the placement's, then its fallbacks), then
+        decode-local (None). A LOCAL placement is local at once."""
+        if p.kind == PlacementKind.LOCAL:
+            return [None]
+        named = [self._prefill_of[w] for w in (p.prefill_id, *p.fallbacks) if w in self._prefill_of]
+        return [*(h for h in named if h.is_alive), None]
+
+    async def _ensure_stats(self) -> None:
+        """A decode worker's first stats (until its output stream reports): free pages matter."""
+        missing = [d for d in self.decodes if d.is_alive and d.stats is None]
+        for d in missing:
+            try:
+                d.stats = await self._decode_call(d, d.actor.stats.remote(), 5 * HEALTH_PERIOD_S)
+            except WorkerLost:
+                pass
+
+    def _refresh_workers(self) -> None:
+        """The placer's view of every worker, from the stats last reported."""
+        for p in self.prefills:
+            self.placer.update_worker(WorkerStats(p.name, Role.PREFILL, PREFILL_S_PER_TOKEN, is_healthy=p.is_alive))
+        for d in self.decodes:
+            s = d.stats
+            free = s.num_free_pages_at_idle - s.num_reserved_pages if s is not None else 0
+            self.placer.update_worker(WorkerStats(
+                d.name, Role.DECODE, PREFILL_S_PER_TOKEN * DECODE_PREFILL_FACTOR, is_healthy=d.is_alive and s is not None,
+                itl_s=ITL_S, num_running=s.num_running if s else 0, num_waiting=s.num_waiting if s else 0,
+                max_running=self.max_running, num_free_pages=free,
+            ))  # fmt: skip
+
+    async def _follow_kv(self) -> None:
+        """Every worker's KV events into the index; a snapshot when the index asks for one."""
+        while True:
+            workers: list[tuple[str, Any, bool]] = [(p.name, p.actor, p.is_alive) for p in self.prefills]
+            workers += [(d.name, d.actor, d.is_alive) for d in self.decodes]
+            for name, actor, alive in workers:
+                if not alive:
+                    if name in self._kv_after:
+                        self.index.remove_worker(name)
+                        del self._kv_after[name]
+                    continue
+                try:
+                    await self._sync_kv(name, actor)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # its health poll decides whether it is gone
+                    logger.debug("KV events of %s: %r", name, exc)
+            await asyncio.sleep(KV_POLL_S)
+
+    async def _sync_kv(self, name: str, actor: Any) -> None:
+        after = self._kv_after.get(name, 0)
+        events: tuple[KVEvent, ...] = await asyncio.wait_for(_ray_await(actor.kv_events.remote(after)), STOP_S)
+        wants_snapshot = False
+        for event in events:
+            wants_snapshot |= self.index.apply(replace(event, worker_id=name)) is not None
+            after = event.seq
+        self._kv_after[name] = after
+        state = self.index.sync_state(name)
+        if wants_snapshot or state is None or state.is_stale:
+            snap: tuple[int, int, list[tuple[bytes, Tier]]] = await asyncio.wait_for(
+                _ray_await(actor.kv_snapshot.remote()), STOP_S)
+            epoch, seq, entries = snap
+            self.index.load_snapshot(name, epoch, seq, entries)
+            self._kv_after[name] = max(after, seq)
 
     def _healthy_prefills(self) -> list[PrefillHandle]:
         return sorted((p for p in self.prefills if p.is_alive), key=lambda p: p.num_inflight)

@@ -85,13 +85,17 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
             cores: list[list[int]] = await asyncio.gather(*(a.cores.remote() for a in (*prefills, *decodes)))
             logger.info("pinned: prefill actors on cores %s, decode actors on %s",
                         cores[: len(prefills)], cores[len(prefills):])  # fmt: skip
+        fingerprint: bytes = await decodes[0].fingerprint.remote()  # what the engines hash pages with
     logger.info("%d prefill and %d decode actors up; decode KV at %s", len(prefills), len(decodes), addresses)
+    mc = model.model_config
+    # one page of KV, all layers, K and V, at 2 bytes an element (a placement cost input only)
+    page_bytes = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine_cfg.page_size * 2
     return RayFront(
         model,
         [PrefillHandle(f"prefill-{i}", actor, i + 1) for i, actor in enumerate(prefills)],
         [DecodeHandle(f"decode-{i}", actor, addr, cfg.poll_wait_s) for i, (actor, addr)
          in enumerate(zip(decodes, addresses, strict=True))],
-        cfg,
+        cfg, fingerprint, engine_cfg.page_size, engine_cfg.max_num_seqs, page_bytes,
     )  # fmt: skip
 
 

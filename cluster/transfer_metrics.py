@@ -52,6 +52,12 @@ class TransferMetrics:
             "baton_placements_total", "Requests by where their prompt was prefilled", ["route"], registry=None
         )
         self.inflight = Gauge("baton_kv_transfers_inflight", "Transfers the gateway is waiting on", registry=None)
+        self.given_up = Counter(
+            "baton_placement_locality_given_up_pages", "Cached pages of the best holder a placement did not reuse",
+            registry=None,
+        )
+        self.saturated = Counter("baton_placements_saturated", "Requests refused: no decode worker had room",
+                                 registry=None)  # fmt: skip
 
     def observe(self, report: TransferReport) -> None:
         outcome = "ok" if report.accepted else "failed"
@@ -63,7 +69,7 @@ class TransferMetrics:
 
     def register(self, registry: CollectorRegistry, workers: Workers) -> None:
         for metric in (self.transfers, self.bytes, self.seconds, self.size, self.failures, self.redispatches,
-                       self.placements, self.inflight):
+                       self.placements, self.inflight, self.given_up, self.saturated):
             registry.register(metric)
         registry.register(_WorkerCollector(workers))
 
@@ -88,19 +94,27 @@ class _WorkerCollector(Collector):
                                       labels=["worker"])
         refused = CounterMetricFamily("baton_kv_pushes_refused", "Push chunks refused, by reason",
                                       labels=["worker", "reason"])
+        queried = CounterMetricFamily("baton_worker_prefix_query_tokens", "Prompt tokens looked up in the "
+                                      "worker's prefix cache", labels=["role", "worker"])  # fmt: skip
+        hits = CounterMetricFamily("baton_worker_prefix_hit_tokens", "Prompt tokens the worker's prefix cache "
+                                   "served", labels=["role", "worker"])  # fmt: skip
         for p in self.workers.prefills:
             up.add_metric(["prefill", p.name], float(p.is_alive))
             if p.stats is not None:
                 pinned.add_metric([p.name], p.stats.num_pinned_pages)
                 pushing.add_metric([p.name], p.stats.num_inflight_transfers)
                 lease.add_metric(["prefill", p.name], p.stats.num_lease_expired)
+                queried.add_metric(["prefill", p.name], p.stats.num_query_tokens)
+                hits.add_metric(["prefill", p.name], p.stats.num_hit_tokens)
         for d in self.workers.decodes:
             up.add_metric(["decode", d.name], float(d.is_alive))
             if (s := d.stats) is not None:
                 reserved.add_metric([d.name], s.num_reserved_pages)
                 expired.add_metric([d.name], s.num_expired)
                 lease.add_metric(["decode", d.name], s.num_lease_expired)
+                queried.add_metric(["decode", d.name], s.num_query_tokens)
+                hits.add_metric(["decode", d.name], s.num_hit_tokens)
                 for reason, n in (("token", s.refused_bad_token), ("epoch", s.refused_stale_epoch),
                                   ("page", s.refused_bad_page)):
                     refused.add_metric([d.name, reason], n)
-        yield from (up, pinned, pushing, lease, reserved, expired, refused)
+        yield from (up, pinned, pushing, lease, reserved, expired, refused, queried, hits)
