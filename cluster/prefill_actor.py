@@ -4,6 +4,7 @@
                                does not wait for the transfer)
     push_result(transfer_id)   how that push went (waits for it): a TransferReport
     abort(req_id)              the request went away: its prefill stops, its push is cancelled
+    stall(seconds)             drills only: no step for that long (its queue grows; calls answer)
 
 One push per transfer streams the pages as they are computed: after each step the chunks of
 whole pages a chunked prefill has finished go to the push (PrefillWorker.take_ready), which
@@ -123,6 +124,7 @@ class PrefillActor:
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
         self.num_transfers = self.num_failed = self.num_lease_expired = 0
+        self._stalled_until = 0.0  # time.monotonic(); drills only (stall)
 
     async def ping(self) -> int:
         return os.getpid()
@@ -195,6 +197,10 @@ class PrefillActor:
             if push.req_id == req_id:
                 push.task.cancel()
 
+    async def stall(self, seconds: float) -> None:
+        """Drills and tests only: take no step for `seconds` (an overloaded or stuck worker)."""
+        self._stalled_until = time.monotonic() + seconds
+
     async def stats(self) -> PrefillStats:
         inflight = [p for p in self._pushes.values() if p.feed.has_pages and not p.task.done()]
         cache = self.worker.engine.prefix_cache
@@ -231,6 +237,9 @@ class PrefillActor:
     async def _run(self) -> None:
         while True:
             self._expire_leases()
+            if (pause := self._stalled_until - time.monotonic()) > 0:
+                await asyncio.sleep(min(pause, IDLE_WAIT_S))
+                continue
             if not self.worker.has_work():
                 self._wake.clear()
                 try:

@@ -1,0 +1,127 @@
+"""Cache-aware placement on a real local Ray, 2 prefill + 2 decode workers (issue 6, acceptance
+item 2): the gateway's GlobalIndex follows the workers' KV events, and its Placer sends the
+follow-up turns of a conversation to the prefill worker holding its prefix (asserted from the
+workers' own prefix-hit counters); when that worker is overloaded (stalled, with a burst of
+the conversation's requests queued on it) a new request with the same prefix goes elsewhere
+and is served while the hot worker is still stuck."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from cluster.disagg_config import DisaggConfig
+from cluster.ray_front import RayFront
+from cluster.server import ServerConfig
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+from kvcache.hashing import page_hashes
+from tests.cluster.conftest import ServerHandle, start_server
+
+ray = pytest.importorskip("ray")
+
+T = TypeVar("T")
+TENANT = "tenant-a"
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+STALL_S = 6.0
+
+
+@pytest.fixture(scope="module")
+def pd2(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
+    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name="baton-tiny",
+                       disagg=DisaggConfig(num_prefill=2, num_decode=2, transport="grpc"))
+    handle = start_server(cfg, None)
+    yield handle
+    handle.stop()
+
+
+def on_loop(handle: ServerHandle, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
+    return asyncio.run_coroutine_threadsafe(coro, handle.loop).result(timeout_s)
+
+
+async def generate(front: RayFront, req_id: str, prompt: list[int]) -> list[int]:
+    tokens: list[int] = []
+    async for out in front.generate(req_id, prompt, GREEDY, cache_salt=TENANT):
+        tokens.extend(out.token_ids)
+    return tokens
+
+
+def hit_tokens(front: RayFront) -> dict[str, int]:
+    """Each prefill worker's prefix-cache hits, from its own stats."""
+    stats = ray.get([p.actor.stats.remote() for p in front.prefills], timeout=30)
+    return {p.name: s.num_hit_tokens for p, s in zip(front.prefills, stats, strict=True)}
+
+
+def wait_indexed(front: RayFront, prompt: list[int], timeout_s: float = 10.0) -> str:
+    """The prefill worker the index says holds the prompt's full pages (once its events came)."""
+    ps = front.page_size
+    hashes = page_hashes(prompt[: len(prompt) // ps * ps], ps, TENANT.encode(), front.fingerprint)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = front.index.match(hashes)
+        for p in front.prefills:
+            if match.hit(p.name).num_pages == len(hashes):
+                return p.name
+        time.sleep(0.02)
+    raise AssertionError("the index never learned the prompt's pages from a prefill worker")
+
+
+def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle) -> None:
+    front = pd2.running.front
+    assert isinstance(front, RayFront) and len(front.prefills) == 2 and len(front.decodes) == 2
+    rng = random.Random(6)
+    words = lambda n: [rng.randrange(100, 1000) for _ in range(n)]  # noqa: E731
+
+    # Turn 1 is computed by some prefill worker; each follow-up (the whole conversation so far
+    # plus a new message too long for decode-local prefill) goes back to that one.
+    prompt = words(160)
+    answer = on_loop(pd2, generate(front, "turn-1", prompt))
+    holder = wait_indexed(front, prompt)
+    other = next(p.name for p in front.prefills if p.name != holder)
+    for turn in (2, 3):
+        prompt = prompt + answer + words(48)
+        before = hit_tokens(front)
+        answer = on_loop(pd2, generate(front, f"turn-{turn}", prompt))
+        after = hit_tokens(front)
+        assert after[holder] - before[holder] >= len(prompt) - 48 - 2 * front.page_size, (turn, before, after)
+        assert after[other] == before[other] == 0, (turn, before, after)
+        wait_indexed(front, prompt)
+
+    # Overload the holder: it stalls, and a burst of the conversation's next messages queues on
+    # it until its queue outweighs what its cache saves; the rest, and a new request with the
+    # same prefix, go elsewhere and finish while the holder is still stuck.
+    holder_actor = next(p.actor for p in front.prefills if p.name == holder)
+    ray.get(holder_actor.stall.remote(STALL_S), timeout=30)
+    stalled_at = time.monotonic()
+
+    async def burst() -> list[asyncio.Task[list[int]]]:
+        return [asyncio.create_task(generate(front, f"burst-{i}", prompt + words(96))) for i in range(8)]
+
+    tasks = on_loop(pd2, burst())
+    deadline = time.monotonic() + 5
+    while front.placer.inflight(holder) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert front.placer.inflight(holder) >= 2, "the burst did not queue on the cache-hot worker"
+    probe_start = time.monotonic()
+    assert on_loop(pd2, generate(front, "probe", prompt + words(96)), STALL_S)
+    probe_s = time.monotonic() - probe_start
+    assert time.monotonic() - stalled_at < STALL_S, "the probe waited for the stalled worker"
+    assert front.placer.stats.given_up_pages > 0  # locality given up, recorded per decision
+    assert hit_tokens(front)[holder] == after[holder]  # the stalled holder computed nothing meanwhile
+
+    async def gather() -> list[list[int]]:
+        return await asyncio.gather(*tasks)
+
+    outs = on_loop(pd2, gather(), STALL_S + 20)  # the burst queued on the holder finishes after the stall
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    assert hit_tokens(front)[holder] > after[holder]
+    text = httpx.get(pd2.url + "/metrics", timeout=10).text  # per-worker hits, locality given up
+    assert f'baton_worker_prefix_hit_tokens_total{{role="prefill",worker="{holder}"}}' in text
+    assert "baton_placement_locality_given_up_pages_total" in text
+    print(f"probe served in {probe_s:.2f} s while {holder} was stalled")
