@@ -281,6 +281,22 @@ class MemberView:
             stream.push(event)
 
 
+class ViewBacked:
+    """The read side both backends share: answers from their MemberView (the last-known
+    membership, which keeps serving while the backend is unreachable)."""
+
+    _view: MemberView
+
+    def members(self) -> Mapping[str, WorkerInfo]:
+        return self._view.members()
+
+    def watch(self) -> EventStream:
+        return self._view.watch()
+
+    def check_epoch(self, worker_id: str, epoch: int) -> bool:
+        return self._view.check_epoch(worker_id, epoch)
+
+
 class EpochFence:
     """Admits a command or KV transfer only when its epoch is the sender's current
     registration, and counts what it refuses:

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import aetcd  # type: ignore[import-untyped]
 
 from cluster.membership import (
-    EventStream,
     MembershipUnavailable,
     MemberView,
+    ViewBacked,
     WorkerIdTaken,
     WorkerInfo,
     is_name,
@@ -85,7 +84,7 @@ class _Held:
     task: asyncio.Task[None] | None = None
 
 
-class EtcdMembership:
+class EtcdMembership(ViewBacked):
     """Use `await EtcdMembership.open(cfg)`: it lists the members before it returns."""
 
     def __init__(self, cfg: EtcdConfig, client: Any) -> None:
@@ -140,15 +139,6 @@ class EtcdMembership:
             await self._client.revoke_lease(held.lease_id)
         except aetcd.ClientError as exc:
             logger.warning("%s: lease not revoked (%s); it expires within %d s", worker_id, exc, self.cfg.lease_ttl_s)
-
-    def members(self) -> Mapping[str, WorkerInfo]:
-        return self._view.members()
-
-    def watch(self) -> EventStream:
-        return self._view.watch()
-
-    def check_epoch(self, worker_id: str, epoch: int) -> bool:
-        return self._view.check_epoch(worker_id, epoch)
 
     async def close(self) -> None:
         if self._is_closed:

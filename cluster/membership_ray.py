@@ -20,16 +20,16 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from cluster.membership import (
     EventKind,
-    EventStream,
     MemberEvent,
     MembershipUnavailable,
     MemberView,
+    ViewBacked,
     WorkerIdTaken,
     WorkerInfo,
 )
@@ -196,7 +196,7 @@ class _Held:
     task: asyncio.Task[None] | None = None
 
 
-class RayMembership:
+class RayMembership(ViewBacked):
     """Use `await RayMembership.open(port)`: it takes a snapshot before it returns."""
 
     def __init__(self, port: RegistryPort, ttl_s: float, retry_s: float, poll_wait_s: float, max_queued: int) -> None:
@@ -250,15 +250,6 @@ class RayMembership:
             await self._port.deregister(worker_id, held.info.epoch)
         except Exception as exc:
             logger.warning("%s: not deregistered (%r); it expires within %.0f s", worker_id, exc, self.ttl_s)
-
-    def members(self) -> Mapping[str, WorkerInfo]:
-        return self._view.members()
-
-    def watch(self) -> EventStream:
-        return self._view.watch()
-
-    def check_epoch(self, worker_id: str, epoch: int) -> bool:
-        return self._view.check_epoch(worker_id, epoch)
 
     async def close(self) -> None:
         if self._is_closed:
