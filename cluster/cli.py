@@ -114,6 +114,8 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
                    help="seconds a KV transfer may take before the request is re-dispatched")
     p.add_argument("--kv-transport", choices=["auto", "grpc", "shm"], default="auto",
                    help="how pages move between actors: auto (shm on one host, else gRPC)")
+    p.add_argument("--placement", choices=["cache", "round_robin"], default="cache",
+                   help="where requests go: cache (cache-aware cost model) or round_robin (for comparison)")
     p.add_argument("--shared-prefix", action="append", default=[],
                    help="text (e.g. a public system prompt) whose cached pages every tenant may share")
     p.add_argument("--kv-pages", type=int, default=None, help="device KV pool size in pages (overrides --kv-memory-gb)")
@@ -234,7 +236,7 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
         disagg = DisaggConfig(num_prefill=args.prefill, num_decode=args.decode, ray_address=ray_address,
                               local_prefill_tokens=args.local_prefill_tokens,
                               transfer_deadline_s=args.transfer_deadline, num_threads=args.threads or 1,
-                              transport=args.kv_transport, pin_cores=args.pin_cores)
+                              transport=args.kv_transport, pin_cores=args.pin_cores, placement=args.placement)
     kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
     threads = args.threads or (1 if args.pin_cores else None)  # a pinned engine: one core, one thread
     chunking = {k: v for k, v in (("max_prefill_chunk", args.max_prefill_chunk),

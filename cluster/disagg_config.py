@@ -22,12 +22,15 @@ class DisaggConfig:
     transport: str = "auto"  # auto (shm on one host, else gRPC), grpc or shm
     shm_slots: int = 4  # per decode worker's /dev/shm region (each slot holds one chunk)
     pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.cpu)
+    placement: str = "cache"  # cache: the cost model (cluster.placement); round_robin: for comparison (P7)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ConfigError("workers", "need --prefill >= 0 and --decode >= 1")
         if self.local_prefill_tokens < 0:
             raise ConfigError("local_prefill_tokens", "must be >= 0")
+        if self.placement not in ("cache", "round_robin"):
+            raise ConfigError("placement", f"use cache or round_robin, got {self.placement!r}")
         if self.transport not in ("auto", "grpc", "shm"):
             raise ConfigError("transport", f"use auto, grpc or shm, got {self.transport!r}")
         if self.shm_slots < 0 or (self.transport == "shm" and not self.shm_slots):

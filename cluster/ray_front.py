@@ -47,7 +47,7 @@ from cluster import ray_runtime  # noqa: F401  (before `ray`)
 from cluster.disagg_config import DisaggConfig
 from cluster.errors import EdgeError, Kind
 from cluster.frontend import ModelView, PoolUsage
-from cluster.global_index import GlobalIndex
+from cluster.global_index import NO_HIT, GlobalIndex
 from cluster.placement import Placement, PlacementConfig, PlacementKind, Placer, Role, WorkerStats
 from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.transfer_metrics import TransferMetrics
@@ -102,6 +102,7 @@ class RayFront:
         self._prefill_of = {p.name: p for p in self.prefills}
         self._decode_of = {d.name: d for d in self.decodes}
         self._kv_after: dict[str, int] = {}  # worker -> the last event seq read from it
+        self._turn = 0  # the round_robin placement's (DisaggConfig.placement)
         for p in self.prefills:
             self.index.add_worker(p.name, p.epoch)
         for d in self.decodes:
@@ -273,6 +274,8 @@ class RayFront:
             raise EdgeError(Kind.UNAVAILABLE, "no decode worker is available", None, 1.0)
         await self._ensure_stats()
         self._refresh_workers()
+        if self.cfg.placement == "round_robin":
+            return self._round_robin(job)
         ps = self.page_size
         num_pages = (len(job.prompt_ids) - 1) // ps  # at least one token is always computed
         hashes = page_hashes(job.prompt_ids[: num_pages * ps], ps, job.cache_salt.encode(), self.fingerprint)
@@ -283,6 +286,20 @@ class RayFront:
                             None, p.retry_after_s)  # fmt: skip
         self.metrics.given_up.inc(p.locality_given_up)
         return p
+
+    def _round_robin(self, job: PrefillJob) -> Placement:
+        """The comparison policy: decode and prefill workers in turn, caches ignored (the decode
+        worker still prefills a prompt whose uncached part there is short)."""
+        decodes = [d for d in self.decodes if d.is_alive]
+        prefills = [p.name for p in self.prefills if p.is_alive]
+        self._turn += 1
+        decode = decodes[self._turn % len(decodes)].name
+        if not prefills:
+            return Placement(PlacementKind.LOCAL, decode, None, NO_HIT, None, 0, len(job.prompt_ids), 0, None, 0.0, 0)
+        first = self._turn % len(prefills)
+        order = prefills[first:] + prefills[:first]
+        return Placement(PlacementKind.DISAGGREGATED, decode, order[0], NO_HIT, None, 0, len(job.prompt_ids), 0,
+                         None, 0.0, 0, tuple(order[1:]))  # fmt: skip
 
     def _paths(self, p: Placement) -> list[PrefillHandle | None]:
         """The prefill workers to try in order (the placement's, then its fallbacks), then
