@@ -334,13 +334,18 @@ class RayFront:
     async def _follow_kv(self) -> None:
         """Every worker's KV events into the index; a snapshot when the index asks for one."""
         while True:
-            workers: list[tuple[str, Any, bool]] = [(p.name, p.actor, p.is_alive) for p in self.prefills]
-            workers += [(d.name, d.actor, d.is_alive) for d in self.decodes]
-            for name, actor, alive in workers:
+            workers: list[tuple[str, Any, bool, int | None]] = [
+                (p.name, p.actor, p.is_alive, None) for p in self.prefills]  # their stats come each second
+            workers += [(d.name, d.actor, d.is_alive, d.stats.last_event_seq if d.stats else None)
+                        for d in self.decodes]  # with every output batch: a quiet one is skipped
+            for name, actor, alive, reported in workers:
                 if not alive:
                     if name in self._kv_after:
                         self.index.remove_worker(name)
                         del self._kv_after[name]
+                    continue
+                state = self.index.sync_state(name)
+                if reported is not None and reported <= self._kv_after.get(name, -1) and state and not state.is_stale:
                     continue
                 try:
                     await self._sync_kv(name, actor)
