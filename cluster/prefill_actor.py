@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
 LEASE_GRACE_S = 1.0  # past the push's own deadline, which normally ends it first
+WARMUP_STEPS = 2  # steps left out of the measured prefill rate
 
 
 class _Feed:
@@ -125,6 +126,8 @@ class PrefillActor:
         self._loop: asyncio.Task[None] | None = None
         self.num_transfers = self.num_failed = self.num_lease_expired = 0
         self._stalled_until = 0.0  # time.monotonic(); drills only (stall)
+        self.s_per_token = 0.0  # measured: step time / tokens computed, moving average
+        self._warmup_steps = WARMUP_STEPS  # not measured: the first steps pay one-off costs
 
     async def ping(self) -> int:
         return os.getpid()
@@ -208,6 +211,7 @@ class PrefillActor:
             self.worker.epoch, self.worker.engine.scheduler.num_requests, len(inflight),
             sum(p.num_pages for p in inflight), self.num_transfers, self.num_failed, self.num_lease_expired,
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
+            self.worker.engine.scheduler.num_pending_tokens, self.s_per_token,
         )  # fmt: skip
 
     async def kv_events(self, after_seq: int, limit: int = MAX_BATCH) -> tuple[KVEvent, ...]:
@@ -247,12 +251,15 @@ class PrefillActor:
                 except TimeoutError:
                     pass
                 continue
+            scheduler = self.worker.engine.scheduler
+            pending, start = scheduler.num_pending_tokens, time.perf_counter()
             try:
                 finished = self.worker.step()
             except Exception as exc:  # one bad step fails its prompts, not the actor
                 logger.exception("prefill step failed")
                 self._fail_all(exc)
                 continue
+            self._measure(pending - scheduler.num_pending_tokens, time.perf_counter() - start)
             for done in finished:
                 future = self._firsts.get(done.req_id)
                 if future is not None and not future.done():
@@ -262,6 +269,14 @@ class PrefillActor:
                 if push is not None:
                     push.feed.put(ready.chunks)
             await between_steps()  # pushes and new calls run between steps
+
+    def _measure(self, num_tokens: int, seconds: float) -> None:
+        """The prefill rate the gateway's placement costs this worker at (s per token)."""
+        if num_tokens > 0 and self._warmup_steps > 0:
+            self._warmup_steps -= 1
+        elif num_tokens > 0:
+            rate = seconds / num_tokens
+            self.s_per_token = rate if not self.s_per_token else 0.8 * self.s_per_token + 0.2 * rate
 
     def _fail_all(self, exc: Exception) -> None:
         for req_id, future in list(self._firsts.items()):

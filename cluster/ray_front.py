@@ -24,12 +24,12 @@ bounded batches) into its GlobalIndex, named by the gateway's worker names; a wo
 joined, changed epoch or lost events (a gap) is reloaded from its kv_snapshot. The Placer
 gets each worker's WorkerStats from the stats already polled (decode: with every output
 batch; prefill: the health poll): health, running and waiting requests, free pages
-(reservations deducted). Not measured yet, so defaults (module constants below): the prefill
-rate (PREFILL_S_PER_TOKEN, every worker alike: only the ratio of tokens recomputed to tokens
-queued decides between them), a decode worker prefilling at DECODE_PREFILL_FACTOR times that
-(its prefill shares its steps with its batch), the decode ITL (ITL_S), a push's bandwidth
-(PlacementConfig's default); a worker's queue is the prefill tokens this placer booked on it
-and not yet released (the first token releases them).
+(reservations deducted), a prefill worker's measured s/token (until it has one: the others'
+mean, or PREFILL_S_PER_TOKEN) and its queue (its pending prompt tokens x that rate; the
+placer also counts the tokens it booked there since, until their first token). Not measured
+yet, so defaults (module constants below): a decode worker prefilling at
+DECODE_PREFILL_FACTOR times the prefill workers' mean (its prefill shares its steps with its
+batch), the decode ITL (ITL_S), a push's bandwidth (PlacementConfig's default).
 
 `ray` is imported after cluster.ray_runtime (which sets Ray's environment first).
 """
@@ -320,13 +320,19 @@ class RayFront:
 
     def _refresh_workers(self) -> None:
         """The placer's view of every worker, from the stats last reported."""
+        measured = [p.stats.prefill_s_per_token for p in self.prefills if p.stats and p.stats.prefill_s_per_token]
+        mean_rate = sum(measured) / len(measured) if measured else PREFILL_S_PER_TOKEN  # for the unmeasured
         for p in self.prefills:
-            self.placer.update_worker(WorkerStats(p.name, Role.PREFILL, PREFILL_S_PER_TOKEN, is_healthy=p.is_alive))
+            rate = (p.stats.prefill_s_per_token if p.stats is not None else 0.0) or mean_rate
+            queued = p.stats.num_pending_tokens if p.stats is not None else 0
+            self.placer.update_worker(WorkerStats(p.name, Role.PREFILL, rate, queue_delay_s=queued * rate,
+                                                  is_healthy=p.is_alive))  # fmt: skip
+        decode_rate = DECODE_PREFILL_FACTOR * mean_rate
         for d in self.decodes:
             s = d.stats
             free = s.num_free_pages_at_idle - s.num_reserved_pages if s is not None else 0
             self.placer.update_worker(WorkerStats(
-                d.name, Role.DECODE, PREFILL_S_PER_TOKEN * DECODE_PREFILL_FACTOR, is_healthy=d.is_alive and s is not None,
+                d.name, Role.DECODE, decode_rate, is_healthy=d.is_alive and s is not None,
                 itl_s=ITL_S, num_running=s.num_running if s else 0, num_waiting=s.num_waiting if s else 0,
                 max_running=self.max_running, num_free_pages=free,
             ))  # fmt: skip

@@ -46,6 +46,8 @@ class PrefillStats:
     last_event_seq: int = 0  # its prefix cache's last KV event (the index finds lost ones)
     num_query_tokens: int = 0  # prompt tokens its prefix cache was asked for
     num_hit_tokens: int = 0  # ... of which it served (the per-worker hit counter)
+    num_pending_tokens: int = 0  # prompt tokens queued or being computed
+    prefill_s_per_token: float = 0.0  # measured over its recent steps (moving average); 0: none yet
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,6 +84,11 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self._by_id)
 
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute across every request (a prefill worker's queue)."""
+        return sum(r.num_pending for r in self._by_id.values())
+
     def get(self, req_id: str) -> Request | None:
         return self._by_id.get(req_id)
 

@@ -93,6 +93,9 @@ def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle)
         assert after[other] == before[other] == 0, (turn, before, after)
         wait_indexed(front, prompt)
 
+    rates = ray.get([p.actor.stats.remote() for p in front.prefills], timeout=30)
+    assert any(r.prefill_s_per_token > 0 for r in rates)  # the holder's measured prefill cost
+
     # Overload the holder: it stalls, and a burst of the conversation's next messages queues on
     # it until its queue outweighs what its cache saves; the rest, and a new request with the
     # same prefix, go elsewhere and finish while the holder is still stuck.
