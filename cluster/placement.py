@@ -252,8 +252,7 @@ class Placer:
         for d in decodes:
             if d.num_free_pages < num_pages or d.num_waiting > d.max_running:
                 continue  # no room: reserving would fail or queue behind a whole batch
-            path, is_local = self._path(d, remote, bool(prefills), transfer_s, hits, num_tokens, tenant, best_id,
-                                        best_pages)  # fmt: skip
+            path, is_local = self._path(d, remote, transfer_s, hits, num_tokens, tenant, best_id, best_pages)
             if path is None:
                 continue
             total = self._decode_cost(d) + path.cost_s
@@ -267,21 +266,16 @@ class Placer:
         return self._record(req_id, tenant, best, remote, best_pages, best_id, num_examined)
 
     def _path(
-        self, d: WorkerStats, remote: list[_Option], has_prefill: bool, transfer_s: float, hits: PrefixMatch,
+        self, d: WorkerStats, remote: list[_Option], transfer_s: float, hits: PrefixMatch,
         num_tokens: int, tenant: str, best_id: str | None, best_pages: int,
     ) -> tuple[_Option | None, bool]:
-        """Local prefill on `d`, or the cheapest remote one: (the option, is it local).
-
-        With healthy prefill workers that are all queued past the bound (`has_prefill` and no
-        `remote`), only a short uncached part goes local: a long one would stall d's whole
-        batch for its compute time, so the request waits for room (SATURATED) instead."""
+        """Local prefill on `d`, or the cheapest remote one: (the option, is it local)."""
         local = self._option(d, hits, num_tokens, tenant, best_id, best_pages)
         if local is not None:
-            # the batch it stalls: what d reported, or what this placer sent it since
-            running = max(d.num_running, self._decodes.get(d.worker_id, 0))
-            local = local._replace(cost_s=local.cost_s + local.compute_s * running * self.cfg.stall_weight)
+            stall_s = local.compute_s * d.num_running * self.cfg.stall_weight
+            local = local._replace(cost_s=local.cost_s + stall_s)
             is_short = local.num_recompute_tokens <= self.cfg.local_prefill_tokens
-            if is_short or (not remote and not has_prefill) or (remote and local.cost_s <= remote[0].cost_s + transfer_s):
+            if is_short or not remote or local.cost_s <= remote[0].cost_s + transfer_s:
                 return local, True
         if not remote:
             return None, False

@@ -248,25 +248,3 @@ def test_config_is_checked() -> None:
         PlacementConfig(tenant_share=0)
     with pytest.raises(ValueError):
         PlacementConfig(num_sampled=0)
-
-
-def test_a_long_cold_prompt_waits_when_every_prefill_worker_is_queued_past_the_bound() -> None:
-    # DESIGN §3: decode prefills only a short uncached part, or when no prefill worker is healthy.
-    busy = [_prefill("p0", queue_delay_s=60.0), _prefill("p1", queue_delay_s=60.0), _decode("d0", num_running=0)]
-    long = _fleet(busy).place("r1", _pages("cold", 100), 100 * PS + 3)
-    assert (long.kind, long.retry_after_s > 0) == (PlacementKind.SATURATED, True)
-    short = _fleet(busy).place("r2", [], 20)
-    assert (short.kind, short.decode_id) == (PlacementKind.LOCAL, "d0")
-    alone = _fleet([_decode("d0")]).place("r3", _pages("cold", 100), 100 * PS + 3)
-    assert (alone.kind, alone.decode_id) == (PlacementKind.LOCAL, "d0")  # no prefill worker at all
-
-
-def test_the_stall_of_a_local_prefill_counts_the_requests_booked_since_the_last_report() -> None:
-    # d0 reported an empty batch and computes twice as fast as p0; each request placed on d0
-    # since then is in the batch a local prefill stalls, so local placements thin out (counting
-    # only the reported batch, 6 of these 8 went local).
-    placer = _fleet([_prefill("p0", spt=2 * SPT), _decode("d0", num_running=0, spt=SPT)],
-                    replace(CFG, local_prefill_tokens=0, transfer_bytes_per_s=1e12))  # fmt: skip
-    kinds = [placer.place(f"r{i}", _pages(f"c{i}", 30), 30 * PS + 1).kind for i in range(8)]
-    assert kinds[0] == PlacementKind.LOCAL
-    assert kinds.count(PlacementKind.LOCAL) <= 3
