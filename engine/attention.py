@@ -23,6 +23,7 @@ step can be captured in a CUDA graph (engine.cuda_graphs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,49 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """Decode rows [first, end) that the torch path attends together, padded to their own
+    longest context; built once per step (decode_runs), read by every layer."""
+
+    first: int
+    end: int
+    pages: torch.Tensor  # [n * width] int64: the rows' page ids, flattened (one gather per layer)
+    bias: torch.Tensor  # [n, 1, 1, width * page_size]: 0 where attended, -inf beyond a row's length
+
+
+def decode_groups(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """(first row, end row, pages) of runs of decode rows, sorted longest first, whose lengths
+    stay within 2x of the run's longest: so one long sequence does not pad every short one to
+    its length."""
+    groups: list[tuple[int, int, int]] = []
+    start = 0
+    for row in range(1, len(pages) + 1):
+        if row == len(pages) or pages[row] * 2 < pages[start]:
+            groups.append((start, row, pages[start]))
+            start = row
+    return tuple(groups)
+
+
+def decode_runs(
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    dtype: torch.dtype,
+    groups: Sequence[tuple[int, int, int]] = (),
+) -> tuple[DecodeRun, ...]:
+    """The runs of `groups` (default: every row at the table's width) with their gather index
+    and key mask."""
+    runs = []
+    for first, end, width in groups or ((0, table.shape[0], table.shape[1]),):
+        lens = seq_lens[first:end]
+        key_pos = torch.arange(width * page_size, device=table.device)
+        bias = torch.zeros(end - first, 1, 1, width * page_size, dtype=dtype, device=table.device)
+        bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(bias.shape), float("-inf"))
+        runs.append(DecodeRun(first, end, table[first:end, :width].flatten(), bias))
+    return tuple(runs)
+
+
+@dataclass(frozen=True, slots=True)
 class AttnMetadata:
     """Everything attention needs to know about a step, passed explicitly to the model."""
 
@@ -50,9 +94,9 @@ class AttnMetadata:
     decode_seq_lens: torch.Tensor  # [B_d] int64: keys each decode attends (its context length)
     scale: float
     decode_backend: str = "torch"  # "torch" | "triton"
-    # torch path: (first row, end row, pages) runs of decode rows of similar length, each
-    # attended padded to its own width; () is one run of every row at the table's width
-    decode_groups: tuple[tuple[int, int, int], ...] = ()
+    # torch path: the decode rows in runs of similar length; () builds one run of every row
+    # in each layer (tests; the runner builds them once per step)
+    decode_runs: tuple[DecodeRun, ...] = ()
 
     @property
     def num_decodes(self) -> int:
@@ -87,13 +131,12 @@ def paged_attention(
             dst = out[meta.num_prefill_tokens :]  # written in place: rows of `out` are contiguous
             paged_decode(qd, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, meta.scale, out=dst)
         else:
-            table, lens = meta.decode_page_table, meta.decode_seq_lens
-            groups = meta.decode_groups or ((0, meta.num_decodes, table.shape[1]),)
-            for first, end, width in groups:
-                rows = slice(meta.num_prefill_tokens + first, meta.num_prefill_tokens + end)
-                out[rows] = _decode_batch(
-                    q[rows], k_cache, v_cache, table[first:end, :width], lens[first:end], meta.scale
-                )
+            runs = meta.decode_runs or decode_runs(
+                meta.decode_page_table, meta.decode_seq_lens, k_cache.shape[1], q.dtype
+            )
+            for run in runs:
+                rows = slice(meta.num_prefill_tokens + run.first, meta.num_prefill_tokens + run.end)
+                out[rows] = _decode_batch(q[rows], k_cache, v_cache, run, meta.scale)
     return out
 
 
@@ -121,27 +164,17 @@ def _prefill_one(
 
 
 def _decode_batch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, run: DecodeRun, scale: float
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    num_keys = table.shape[1] * k_cache.shape[1]
-    flat = table.flatten()
-    # One gather per layer: [B * max_pages, page_size, kvh, hd] -> [B, kvh, L, hd]
-    k = k_cache.index_select(0, flat).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    num_keys = run.bias.shape[-1]
+    # One gather per layer: [B * width, page_size, kvh, hd] -> [B, kvh, L, hd]
+    k = k_cache.index_select(0, run.pages).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, run.pages).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
     # GQA as a reshape: query head h reads KV head h // group, so the `group` query heads of
     # one KV head become the query rows of one attention ([B, kvh, group, hd]); measured ~3x
     # faster on CPU than expanding K/V (see BENCHMARKS.md's decode-step profile).
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    key_pos = torch.arange(num_keys, device=q.device)
-    beyond = key_pos[None, :] >= seq_lens[:, None]  # [B, L]
-    bias = torch.zeros(batch, 1, 1, num_keys, dtype=q.dtype, device=q.device)
-    bias.masked_fill_(beyond.view(bias.shape), float("-inf"))
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=run.bias, scale=scale)
     return o.reshape(batch, num_heads, head_dim)

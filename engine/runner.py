@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention import AttnMetadata, PrefillSeq
+from engine.attention import AttnMetadata, DecodeRun, PrefillSeq, decode_groups, decode_runs
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.request import Request
@@ -143,12 +143,13 @@ class ModelRunner:
             seqs.append(PrefillSeq(start, num_new, context, page_ids))
             start += num_new
         max_pages = max((len(r.page_ids) for r, _ in decodes), default=0)
-        groups: tuple[tuple[int, int, int], ...] = ()
-        if self.decode_backend == "torch" and decodes:
-            groups = self._decode_groups([-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes])
         table = [r.page_ids + [0] * (max_pages - len(r.page_ids)) for r, _ in decodes]
         page_table = self._tensor(table).view(len(decodes), max_pages)
         seq_lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
+        runs: tuple[DecodeRun, ...] = ()
+        if self.decode_backend == "torch" and decodes:  # once per step, not once per layer
+            groups = decode_groups([-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes])
+            runs = decode_runs(page_table, seq_lens, self.page_size, self.model.dtype, groups)
         return AttnMetadata(
             slot_mapping=slots,
             prefills=tuple(seqs),
@@ -157,21 +158,8 @@ class ModelRunner:
             decode_seq_lens=seq_lens,
             scale=self.model.scale,
             decode_backend=self.decode_backend,
-            decode_groups=groups,
+            decode_runs=runs,
         )
-
-    @staticmethod
-    def _decode_groups(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
-        """(first row, end row, pages) of runs of decode rows (sorted longest first) whose
-        lengths stay within 2x of the run's longest: the torch path gathers each run padded to
-        its own longest, so one long sequence no longer pads every short one to its length."""
-        groups: list[tuple[int, int, int]] = []
-        start = 0
-        for row in range(1, len(pages) + 1):
-            if row == len(pages) or pages[row] * 2 < pages[start]:
-                groups.append((start, row, pages[start]))
-                start = row
-        return tuple(groups)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling

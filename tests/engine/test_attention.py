@@ -69,7 +69,7 @@ def test_mixed_prefill_and_decode_batch_matches_reference() -> None:
 
 
 def test_decode_groups_attend_like_one_padded_batch() -> None:
-    from engine.runner import ModelRunner
+    from engine.attention import decode_groups, decode_runs
 
     gen = torch.Generator().manual_seed(3)
     num_pages = 64
@@ -77,13 +77,15 @@ def test_decode_groups_attend_like_one_padded_batch() -> None:
     v_cache = torch.randn(num_pages, PAGE, KV_HEADS, DIM, generator=gen)
     lens = [61, 40, 33, 9, 8, 5, 2]  # longest first, as the runner orders decode rows
     pages = [-(-n // PAGE) for n in lens]
-    groups = ModelRunner._decode_groups(pages)
+    groups = decode_groups(pages)
     assert groups == ((0, 3, 16), (3, 6, 3), (6, 7, 1))  # pages 16,10,9 | 3,2,2 | 1: within 2x
     table = torch.randint(0, num_pages, (len(lens), max(pages)), generator=gen)
     q = torch.randn(len(lens), HEADS, DIM, generator=gen)
     slots = torch.zeros(len(lens), dtype=torch.int64)
     one = AttnMetadata(slots, (), 0, table, torch.tensor(lens), DIM**-0.5)
-    grouped = AttnMetadata(slots, (), 0, table, torch.tensor(lens), DIM**-0.5, decode_groups=groups)
+    runs = decode_runs(table, torch.tensor(lens), PAGE, q.dtype, groups)
+    assert [(r.first, r.end, r.bias.shape[-1]) for r in runs] == [(0, 3, 64), (3, 6, 12), (6, 7, 4)]
+    grouped = AttnMetadata(slots, (), 0, table, torch.tensor(lens), DIM**-0.5, decode_runs=runs)
     torch.testing.assert_close(
         paged_attention(q, k_cache, v_cache, grouped), paged_attention(q, k_cache, v_cache, one), rtol=1e-5, atol=1e-5
     )
