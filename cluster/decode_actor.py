@@ -26,14 +26,13 @@ import grpc
 import torch
 
 from cluster.cpu import between_steps, core_for, pin_process
-from cluster.kv_log import MAX_BATCH, KVEventLog
+from cluster.kv_log import KVEventLog, KVPublisher
 from cluster.output_feed import OutputFeed
 from cluster.worker_msgs import DecodeStats, OutputBatch
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.outputs import StepOutput
-from kvcache.events import KVEvent, Tier
 from kvtransfer.grpc_transport import start_kv_server
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler
@@ -62,7 +61,7 @@ class _Signal:
             pass
 
 
-class DecodeActor:
+class DecodeActor(KVPublisher):
     def __init__(
         self,
         cfg: EngineConfig,
@@ -83,6 +82,7 @@ class DecodeActor:
         self.worker = DecodeWorker(Engine(cfg), "", reservation_ttl_s, local_prefill_tokens, admit_lease_s,
                                    on_settle=self._settled.fire)
         self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
+        self.fingerprint_bytes = self.worker.engine.fingerprint
         self.host = host
         self.feed = OutputFeed(max_feed_steps)
         self._wake = asyncio.Event()
@@ -146,18 +146,6 @@ class DecodeActor:
 
     async def stats(self) -> DecodeStats:
         return self._stats()
-
-    async def kv_events(self, after_seq: int, limit: int = MAX_BATCH) -> tuple[KVEvent, ...]:
-        """The prefix cache's KV events after `after_seq` (cluster.kv_log)."""
-        return self.kv_log.events(after_seq, limit)
-
-    async def kv_snapshot(self) -> tuple[int, int, list[tuple[bytes, Tier]]]:
-        """(epoch, last event seq, every cached page and its tier) for the gateway's index."""
-        return self.kv_log.snapshot()
-
-    async def fingerprint(self) -> bytes:
-        """The model identity its page hashes carry (the gateway hashes prompts with it)."""
-        return self.worker.engine.fingerprint
 
     async def cores(self) -> list[int]:
         """The cores this actor may run on (one, when pinned)."""

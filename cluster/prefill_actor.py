@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from cluster.cpu import between_steps, core_for, pin_process
-from cluster.kv_log import MAX_BATCH, KVEventLog
+from cluster.kv_log import KVEventLog, KVPublisher
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from kvcache.events import KVEvent, Tier
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import GrpcSender
 from kvtransfer.select import WorkerPlace
@@ -97,7 +96,7 @@ class _Push:
     feed: _Feed
 
 
-class PrefillActor:
+class PrefillActor(KVPublisher):
     def __init__(
         self,
         cfg: EngineConfig,
@@ -113,6 +112,7 @@ class PrefillActor:
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
         self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
+        self.fingerprint_bytes = self.worker.engine.fingerprint
         self._senders: dict[str, KVSender] = {"grpc": GrpcSender()}
         self._routes: dict[str, str] = {}  # decode address -> transport ("grpc" when unset)
         self.push_deadline_s = push_deadline_s
@@ -213,18 +213,6 @@ class PrefillActor:
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
             self.worker.engine.scheduler.num_pending_tokens, self.s_per_token,
         )  # fmt: skip
-
-    async def kv_events(self, after_seq: int, limit: int = MAX_BATCH) -> tuple[KVEvent, ...]:
-        """The prefix cache's KV events after `after_seq` (cluster.kv_log)."""
-        return self.kv_log.events(after_seq, limit)
-
-    async def kv_snapshot(self) -> tuple[int, int, list[tuple[bytes, Tier]]]:
-        """(epoch, last event seq, every cached page and its tier) for the gateway's index."""
-        return self.kv_log.snapshot()
-
-    async def fingerprint(self) -> bytes:
-        """The model identity its page hashes carry (the gateway hashes prompts with it)."""
-        return self.worker.engine.fingerprint
 
     async def close(self) -> None:
         if self._loop is not None:
