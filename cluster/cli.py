@@ -4,6 +4,8 @@
     baton up [--prefill P --decode D] serve on one machine: colocated, or P prefill and D decode
                                       actors on a private loopback Ray (--no-ray: in-process)
     baton serve --ray-address ADDR    the same on an existing Ray cluster
+    baton serve --config cluster.yaml everything from one file (cluster.cluster_config); also `up`
+    baton status [--url URL]          a running gateway's workers: role, health, load, cache by tier
     baton generate --model M --prompt P
     baton model create {tiny,small} DIR
     baton bench ...                   from the `baton.commands` entry point (bench/)
@@ -67,7 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve on an existing Ray cluster (prefill and decode actors on it)")
     _add_server_args(serve, default_prefill=1)
-    serve.add_argument("--ray-address", required=True,
+    serve.add_argument("--ray-address", default=None,
                        help="the cluster's GCS address (host:port); token auth: RAY_AUTH_TOKEN or ~/.ray/auth_token")
     serve.set_defaults(func=_cmd_serve)
 
@@ -95,6 +97,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
     _add_engine_args(p)
+    p.add_argument("--config", type=Path, default=None,
+                   help="cluster.yaml: the whole deployment from one file (the other flags are then not allowed)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0 disables gRPC")
@@ -207,19 +211,46 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from cluster.server import run
 
+    if args.config is not None:
+        return run(_config_file(args, "up"))
     return run(_server_config(args, ray_address=None))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    if args.prefill < 1 or args.no_ray:
-        raise BatonError("baton serve runs prefill and decode actors on Ray: use --prefill >= 1, not --no-ray")
+    if args.config is not None:
+        cfg = _config_file(args, "serve")
+        if cfg.disagg is None or cfg.disagg.ray_address is None:
+            raise BatonError(f"{args.config}: baton serve attaches to a Ray cluster: set ray.address "
+                             "and workers.prefill.count >= 1 (baton up --config runs a private one)")
+    else:
+        if args.ray_address is None:
+            raise BatonError("baton serve needs --ray-address (or --config cluster.yaml with ray.address)")
+        if args.prefill < 1 or args.no_ray:
+            raise BatonError("baton serve runs prefill and decode actors on Ray: use --prefill >= 1, not --no-ray")
+        cfg = _server_config(args, ray_address=args.ray_address)
     # A driver attaching to a token-auth cluster must say so before `ray` is imported.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     from cluster.server import run
 
-    return run(_server_config(args, ray_address=args.ray_address))
+    return run(cfg)
+
+
+def _config_file(args: argparse.Namespace, command: str):  # type: ignore[no-untyped-def]
+    """The ServerConfig of --config; a flag given beside it would be silently ignored, so it is an error."""
+    from cluster.cluster_config import load_cluster_config
+
+    parser = _build_parser()
+    defaults = vars(parser.parse_args([command]))
+    ignored = sorted(k for k, v in vars(args).items()
+                     if k not in ("config", "func", "verbose", "ray_address") and defaults.get(k) != v)
+    if getattr(args, "ray_address", None) is not None:
+        ignored.append("ray_address")
+    if ignored:
+        flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
+        raise BatonError(f"{flags}: not allowed with --config (set it in {args.config})")
+    return load_cluster_config(args.config)
 
 
 def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: ignore[no-untyped-def]

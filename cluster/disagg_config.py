@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ActorResources:
+    """What one actor asks Ray for. 0 CPUs by default: Ray would otherwise hold one core per
+    actor and leave the third of a 2 prefill + 2 decode cluster pending on a 2-core machine;
+    on Kubernetes a custom resource (a worker group's) keeps each role on its own pods."""
+
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    resources: tuple[tuple[str, float], ...] = ()
+
+    def options(self) -> dict[str, object]:
+        opts: dict[str, object] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        return opts
+
+
+@dataclass(frozen=True, slots=True)
+class MembershipConfig:
+    """Who registers workers: `ray` (a registry actor, the embedded default) or `etcd` (leases)."""
+
+    backend: str = "ray"
+    cluster: str = "baton"  # etcd keys live under /{cluster}/workers/
+    lease_ttl_s: int = 10
+    etcd_host: str = "127.0.0.1"
+    etcd_port: int = 2379
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("ray", "etcd"):
+            raise ConfigError("membership.backend", f"use ray or etcd, got {self.backend!r}")
+        if self.lease_ttl_s < 1:
+            raise ConfigError("membership.lease_ttl_s", "must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +57,10 @@ class DisaggConfig:
     shm_slots: int = 4  # per decode worker's /dev/shm region (each slot holds one chunk)
     pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.cpu)
     placement: str = "cache"  # cache: the cost model (cluster.placement); round_robin: for comparison (P7)
+    prefill_resources: ActorResources = ActorResources()
+    decode_resources: ActorResources = ActorResources()
+    decode_threads: int | None = None  # torch threads per decode actor (None: num_threads)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:

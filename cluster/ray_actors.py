@@ -13,8 +13,9 @@ Page bytes go prefill -> decode over gRPC (protobuf header + raw bytes + checksu
 Ray's object store or pickle. Actor methods take and return frozen dataclasses only
 (cluster/worker_msgs.py).
 
-Each actor asks Ray for 0 CPUs and runs torch on `num_threads` threads: the machine's cores
-are shared by choice, not by Ray's CPU accounting (ENV-NOTES.md). `ray` is imported inside
+Each actor asks Ray for what its role's ActorResources say (default 0 CPUs) and runs torch on
+`num_threads` threads: by default the machine's cores are shared by choice, not by Ray's CPU
+accounting (ENV-NOTES.md). `ray` is imported inside
 `_remote` only: cluster.ray_runtime must set Ray's environment before the first `import ray`.
 """
 
@@ -24,9 +25,12 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from cluster.decode_actor import DecodeActor
+from cluster.disagg_config import ActorResources
 from cluster.prefill_actor import PrefillActor
 from cluster.worker_msgs import DecodeStats, PrefillResult, PrefillStats, TransferReport
 from engine.engine_config import EngineConfig
+
+NO_RESOURCES = ActorResources()  # 0 CPUs: see DisaggConfig
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -37,15 +41,19 @@ __all__ = [
 ]
 
 
-def spawn_prefill(cfg: EngineConfig, *, name: str | None = None, **kwargs: Any) -> ActorHandle[Any]:
+def spawn_prefill(
+    cfg: EngineConfig, *, name: str | None = None, resources: ActorResources = NO_RESOURCES, **kwargs: Any
+) -> ActorHandle[Any]:
     """A PrefillActor on the current Ray cluster (ray_runtime started or connected it)."""
-    handle: ActorHandle[Any] = _remote(PrefillActor).options(name=name).remote(cfg, **kwargs)
+    handle: ActorHandle[Any] = _remote(PrefillActor).options(name=name, **resources.options()).remote(cfg, **kwargs)
     return handle
 
 
-def spawn_decode(cfg: EngineConfig, *, name: str | None = None, **kwargs: Any) -> ActorHandle[Any]:
+def spawn_decode(
+    cfg: EngineConfig, *, name: str | None = None, resources: ActorResources = NO_RESOURCES, **kwargs: Any
+) -> ActorHandle[Any]:
     """A DecodeActor on the current Ray cluster; call `start()` on it before placing requests."""
-    handle: ActorHandle[Any] = _remote(DecodeActor).options(name=name).remote(cfg, **kwargs)
+    handle: ActorHandle[Any] = _remote(DecodeActor).options(name=name, **resources.options()).remote(cfg, **kwargs)
     return handle
 
 
@@ -53,6 +61,4 @@ def spawn_decode(cfg: EngineConfig, *, name: str | None = None, **kwargs: Any) -
 def _remote(cls: type) -> Any:
     import ray
 
-    # 0 CPUs: Ray would otherwise hold one core per actor and leave the third of a
-    # 2 prefill + 2 decode cluster pending forever on a 2-core machine.
-    return ray.remote(num_cpus=0)(cls)
+    return ray.remote(num_cpus=0)(cls)  # spawn_* set the role's resources per actor

@@ -63,8 +63,8 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     decodes = [
         spawn_decode(_decode_cfg(engine_cfg, i, cfg.num_decode), name=f"baton-{run}-decode-{i}",
                      reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
-                     local_prefill_tokens=cfg.local_prefill_tokens, num_threads=cfg.num_threads,
-                     shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots, shm_slot_pages=cfg.pages_per_chunk,
+                     local_prefill_tokens=cfg.local_prefill_tokens, resources=cfg.decode_resources,
+                     num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots, shm_slot_pages=cfg.pages_per_chunk,
                      pin_slot=cfg.num_prefill + i if cfg.pin_cores else None)
         for i in range(cfg.num_decode)
     ]  # fmt: skip
@@ -73,6 +73,7 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     prefills = [
         spawn_prefill(prefill_cfg, name=f"baton-{run}-prefill-{i}", epoch=i + 1,
                       pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads,
+                      resources=cfg.prefill_resources,
                       push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s,
                       pin_slot=i if cfg.pin_cores else None, reservation_ttl_s=cfg.reservation_ttl_s)
         for i in range(cfg.num_prefill)

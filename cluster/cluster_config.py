@@ -1,0 +1,245 @@
+"""`cluster.yaml`: one file describing a baton deployment (`baton serve --config cluster.yaml`,
+`baton up --config ...`; on Kubernetes it is the ConfigMap the head pod mounts).
+
+    cfg = load_cluster_config(path)      -> ServerConfig; a ConfigError naming every bad key
+
+Every section and key is optional; what is left out takes `baton up`'s default. A key this
+schema does not know is an error (a typo must not silently fall back to a default), as is a
+value of the wrong type or out of its range. An example with every key is examples/cluster.yaml.
+
+    cluster: baton                 the name: etcd keys live under /{cluster}/workers/
+    model:      path, served_name, device, dtype, max_model_len
+    ray:        address            null: a private Ray on this machine; host:port: attach
+    workers:    prefill / decode: count, threads, num_cpus, num_gpus, resources, pin_cores
+    kv_cache:   page_size, device_pages, device_memory_gb, host_pages, disk_pages, disk_dir,
+                prefix_cache, shared_prefixes
+    scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk
+    transfer:   transport (auto, grpc, shm), deadline_s, reservation_ttl_s, pages_per_chunk,
+                shm_slots
+    placement:  policy (cache, round_robin), local_prefill_tokens
+    membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port}
+    api:        host, port, grpc_port (0: off), api_keys_file, tls_cert, tls_key,
+                allow_priority_field, request_timeout_s, max_body_bytes
+    admission:  max_waiting_requests, max_waiting_tokens, max_inflight_requests
+
+No pickle: the file is parsed with yaml.safe_load, then checked by the schema below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.errors import ConfigError
+
+MAX_CONFIG_BYTES = 1 << 20
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class ModelSection(_Section):
+    path: str = "baton-tiny"  # a built-in name or a Hugging Face checkpoint directory
+    served_name: str | None = None
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=16)
+
+
+class RaySection(_Section):
+    address: str | None = None
+
+
+class RoleSection(_Section):
+    count: int = Field(default=1, ge=0, le=4096)
+    threads: int = Field(default=1, ge=1, le=1024)  # torch threads per actor
+    num_cpus: float = Field(default=0.0, ge=0)  # Ray's logical CPUs per actor (0: share the cores)
+    num_gpus: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # Ray custom resources (a worker group's)
+
+
+class WorkersSection(_Section):
+    prefill: RoleSection = RoleSection(count=0)
+    decode: RoleSection = RoleSection()
+    pin_cores: bool = False
+
+
+class KVCacheSection(_Section):
+    page_size: int = Field(default=16, ge=1, le=1024)
+    device_pages: int | None = Field(default=None, ge=2)
+    device_memory_gb: float | None = Field(default=None, gt=0)
+    host_pages: int = Field(default=0, ge=0)
+    disk_pages: int = Field(default=0, ge=0)
+    disk_dir: str | None = None
+    prefix_cache: bool = True
+    shared_prefixes: list[str] = Field(default_factory=list, max_length=64)
+
+
+class SchedulerSection(_Section):
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    max_batched_tokens: int = Field(default=2048, ge=16)
+    max_prefill_chunk: int = Field(default=512, ge=16)
+
+
+class TransferSection(_Section):
+    transport: Literal["auto", "grpc", "shm"] = "auto"
+    deadline_s: float = Field(default=10.0, gt=0)
+    reservation_ttl_s: float = Field(default=30.0, gt=0)
+    pages_per_chunk: int = Field(default=32, ge=1, le=4096)
+    shm_slots: int = Field(default=4, ge=0, le=256)
+
+
+class PlacementSection(_Section):
+    policy: Literal["cache", "round_robin"] = "cache"
+    local_prefill_tokens: int = Field(default=32, ge=0)
+
+
+class EtcdSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=2379, ge=1, le=65535)
+
+
+class MembershipSection(_Section):
+    backend: Literal["ray", "etcd"] = "ray"
+    lease_ttl_s: int = Field(default=10, ge=1, le=3600)
+    etcd: EtcdSection = EtcdSection()
+
+
+class ApiSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    grpc_port: int = Field(default=50051, ge=0, le=65535)
+    api_keys_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    allow_priority_field: bool = False
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    max_body_bytes: int = Field(default=8 << 20, ge=1024)
+
+
+class AdmissionSection(_Section):
+    max_waiting_requests: int = Field(default=256, ge=1)
+    max_waiting_tokens: int = Field(default=1 << 19, ge=1)
+    max_inflight_requests: int = Field(default=1024, ge=1)
+
+
+class ClusterFile(_Section):
+    cluster: str = Field(default="baton", pattern=_NAME)
+    model: ModelSection = ModelSection()
+    ray: RaySection = RaySection()
+    workers: WorkersSection = WorkersSection()
+    kv_cache: KVCacheSection = KVCacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    transfer: TransferSection = TransferSection()
+    placement: PlacementSection = PlacementSection()
+    membership: MembershipSection = MembershipSection()
+    api: ApiSection = ApiSection()
+    admission: AdmissionSection = AdmissionSection()
+
+
+def parse_cluster_file(text: str, source: str = "cluster.yaml") -> ClusterFile:
+    """The file's schema check alone: every problem in one ConfigError, by key path."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, f"not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(source, "the top level must be a mapping of sections")
+    try:
+        return ClusterFile.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(source, "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def _describe(err: Any) -> str:
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        return f"{where}: unknown key"
+    return f"{where}: {err['msg']}"
+
+
+def load_cluster_config(path: str | Path):  # type: ignore[no-untyped-def]  # -> ServerConfig
+    """The ServerConfig a cluster.yaml describes."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(str(p), f"larger than {MAX_CONFIG_BYTES} bytes")
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(p), f"cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(p), "not UTF-8 text") from None
+    return to_server_config(parse_cluster_file(text, str(p)))
+
+
+def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> ServerConfig
+    from cluster.admission import AdmissionConfig
+    from cluster.disagg_config import DisaggConfig, MembershipConfig
+    from cluster.http_api import HttpConfig
+    from cluster.server import ServerConfig
+    from engine.engine_config import EngineConfig
+    from kvcache.tiers import TierConfig
+
+    w, kv, t = f.workers, f.kv_cache, f.transfer
+    if (f.api.tls_cert is None) != (f.api.tls_key is None):
+        raise ConfigError("api.tls_cert", "tls_cert and tls_key go together")
+    if kv.disk_pages and not kv.disk_dir:
+        raise ConfigError("kv_cache.disk_dir", "a disk tier (disk_pages > 0) needs disk_dir")
+    if f.ray.address is not None and w.prefill.count == 0:
+        raise ConfigError("workers.prefill.count", "attaching to a Ray cluster runs prefill actors: count >= 1")
+    if w.prefill.count and w.decode.count < 1:
+        raise ConfigError("workers.decode.count", "disaggregated serving needs at least one decode worker")
+    if f.membership.backend == "etcd" and w.prefill.count == 0:
+        raise ConfigError("membership.backend", "etcd membership is for Ray workers: workers.prefill.count >= 1")
+    threads = w.decode.threads if w.prefill.count else None
+    engine = EngineConfig(
+        model=f.model.path, device=f.model.device, dtype=f.model.dtype, max_model_len=f.model.max_model_len,
+        page_size=kv.page_size, num_pages=kv.device_pages,
+        kv_memory_bytes=int(kv.device_memory_gb * (1 << 30)) if kv.device_memory_gb else None,
+        enable_prefix_cache=kv.prefix_cache, tiers=TierConfig(kv.host_pages, kv.disk_pages, kv.disk_dir),
+        max_num_seqs=f.scheduler.max_num_seqs, max_num_batched_tokens=f.scheduler.max_batched_tokens,
+        max_prefill_chunk=f.scheduler.max_prefill_chunk, num_threads=threads,
+    )  # fmt: skip
+    disagg = None
+    if w.prefill.count:
+        m = f.membership
+        disagg = DisaggConfig(
+            num_prefill=w.prefill.count, num_decode=w.decode.count, ray_address=f.ray.address,
+            local_prefill_tokens=f.placement.local_prefill_tokens, transfer_deadline_s=t.deadline_s,
+            reservation_ttl_s=t.reservation_ttl_s, num_threads=w.prefill.threads, pages_per_chunk=t.pages_per_chunk,
+            transport=t.transport, shm_slots=t.shm_slots, pin_cores=w.pin_cores, placement=f.placement.policy,
+            prefill_resources=_resources(w.prefill), decode_resources=_resources(w.decode),
+            decode_threads=w.decode.threads,
+            membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port),
+        )  # fmt: skip
+    a = f.api
+    return ServerConfig(
+        engine=engine,
+        http=HttpConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
+                        allow_priority_field=a.allow_priority_field, tls_certfile=a.tls_cert, tls_keyfile=a.tls_key),
+        admission=AdmissionConfig(f.admission.max_waiting_requests, f.admission.max_waiting_tokens,
+                                  f.admission.max_inflight_requests),
+        grpc_port=a.grpc_port or None,
+        api_keys_file=Path(a.api_keys_file) if a.api_keys_file else None,
+        request_timeout_s=a.request_timeout_s,
+        served_model_name=f.model.served_name,
+        shared_prefix_texts=tuple(kv.shared_prefixes),
+        prefill_workers=w.prefill.count,
+        local_prefill_tokens=f.placement.local_prefill_tokens,
+        disagg=disagg,
+        pin_cores=w.pin_cores,
+    )  # fmt: skip
+
+
+def _resources(role: RoleSection):  # type: ignore[no-untyped-def]
+    from cluster.disagg_config import ActorResources
+
+    return ActorResources(num_cpus=role.num_cpus, num_gpus=role.num_gpus,
+                          resources=tuple(sorted(role.resources.items())))
