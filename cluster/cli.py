@@ -5,7 +5,7 @@
                                       actors on a private loopback Ray (--no-ray: in-process)
     baton serve --ray-address ADDR    the same on an existing Ray cluster
     baton serve --config cluster.yaml everything from one file (cluster.cluster_config); also `up`
-    baton status [--url URL]          a running gateway's workers: role, health, load, cache by tier
+    baton status [--url URL] [--json] a running gateway's workers: role, health, load, cache by tier
     baton generate --model M --prompt P
     baton model create {tiny,small} DIR
     baton bench ...                   from the `baton.commands` entry point (bench/)
@@ -72,6 +72,12 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=None,
                        help="the cluster's GCS address (host:port); token auth: RAY_AUTH_TOKEN or ~/.ray/auth_token")
     serve.set_defaults(func=_cmd_serve)
+
+    status = sub.add_parser("status", help="a running gateway's nodes: role, health, load, cache by tier")
+    status.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP address")
+    status.add_argument("--json", action="store_true", help="print the raw GET /status JSON")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    status.set_defaults(func=_cmd_status)
 
     gen = sub.add_parser("generate", help="generate text offline from one prompt")
     _add_engine_args(gen)
@@ -289,6 +295,35 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
         disagg=disagg,
         pin_cores=args.pin_cores,
     )
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """GET /status, printed as a table; the key (if the gateway has keys) from BATON_API_KEY."""
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    from cluster.status_view import render_status
+
+    url = args.url.rstrip("/") + "/status"
+    if not url.startswith(("http://", "https://")):
+        raise BatonError(f"--url {args.url!r}: use http://host:port or https://host:port")
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if key := os.environ.get("BATON_API_KEY"):
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout) as reply:  # noqa: S310  (http(s) only, above)
+            body = json.loads(reply.read(8 << 20))
+    except urllib.error.HTTPError as exc:
+        hint = " (set BATON_API_KEY)" if exc.code == 401 else ""
+        raise BatonError(f"{url}: HTTP {exc.code}{hint}") from None
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        raise BatonError(f"{url}: cannot reach the gateway ({getattr(exc, 'reason', exc)})") from None
+    except ValueError:
+        raise BatonError(f"{url}: the answer is not JSON") from None
+    print(json.dumps(body, indent=2) if args.json else render_status(body))
+    return 0
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.outputs import StepOutput
+from kvcache.report import CacheReport, cache_report
 from kvtransfer.grpc_transport import start_kv_server
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler
@@ -42,6 +43,7 @@ from prefill.worker import PrefillJob
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.25  # expiry runs at least this often
+CACHE_REPORT_S = 0.5  # the cache report (it walks the prefix cache) rides on output batches this often
 
 
 class _Signal:
@@ -91,6 +93,7 @@ class DecodeActor(KVPublisher):
         self.shm_slots, self.shm_slot_pages = shm_slots, shm_slot_pages
         self._region: ShmRegion | None = None
         self.error: str = ""
+        self._report, self._report_at = CacheReport(), -CACHE_REPORT_S
 
     async def start(self) -> str:
         """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
@@ -206,4 +209,12 @@ class DecodeActor(KVPublisher):
             len(engine.scheduler.running), engine.scheduler.num_waiting,
             book.refused_bad_token, book.refused_stale_epoch, book.refused_bad_page,
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
+            self._cache_report(),
         )  # fmt: skip
+
+    def _cache_report(self) -> CacheReport:
+        now = time.monotonic()
+        if now - self._report_at >= CACHE_REPORT_S:
+            engine = self.worker.engine
+            self._report, self._report_at = cache_report(engine.pool.pages, engine.prefix_cache, engine.cfg.page_size), now
+        return self._report

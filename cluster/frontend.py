@@ -18,11 +18,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from cluster.admission import Admission, AdmissionConfig, Ticket
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.metrics import EdgeMetrics
+from cluster.node_status import NodeCollector, NodeStatus, collect_nodes
 from cluster.tenants import Tenant, TenantLimits
 from engine.config import ModelConfig
 from engine.engine import Engine
@@ -113,8 +114,31 @@ class Frontend:
         self._local = model if isinstance(model, Engine) else None  # its pools are read directly
         if self._local is not None:
             self.metrics.watch_engine(self._local)
+        self.node_metrics = NodeCollector()  # baton_node_*, refreshed by nodes()
+        self.metrics.registry.register(self.node_metrics)
         self.request_timeout_s = request_timeout_s
         self.draining = False
+        self.started_at = time.time()
+
+    # -- operations -----------------------------------------------------------------------------
+
+    async def nodes(self) -> list[NodeStatus]:
+        """Every engine behind this gateway (cluster.node_status); refreshes the node metrics."""
+        nodes = await collect_nodes(self.engine)
+        self.node_metrics.nodes = nodes
+        return nodes
+
+    async def status(self) -> dict[str, Any]:
+        """GET /status: the gateway and its nodes, for `baton status` and /dashboard."""
+        nodes = await self.nodes()
+        adm = self.admission
+        return {
+            "model": self.model_name, "time": time.time(), "uptime_s": time.time() - self.started_at,
+            "ready": self.is_ready(), "draining": self.draining,
+            "gateway": {"waiting": adm.num_waiting, "inflight": adm.num_inflight,
+                        "requests": self.metrics.outcomes()},
+            "nodes": [n.to_json() for n in nodes],
+        }  # fmt: skip
 
     # -- before the engine ------------------------------------------------------------------
 

@@ -6,17 +6,20 @@ Starlette's StreamingResponse cancels the body iterator when a client disconnect
 how a dropped stream aborts its engine request.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
-/live, /ready, /metrics, /openapi.json. Every error body is OpenAI-shaped.
+/live, /ready, /metrics, /status (the gateway and every node: cluster.node_status), /dashboard
+(a live page over /status), /openapi.json. Every error body is OpenAI-shaped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,7 +65,9 @@ def error_response(err: EdgeError) -> JSONResponse:
 
 def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     app = FastAPI(title="baton", version="0.1.0", docs_url=None, redoc_url=None)
-    app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes, open_paths=("/live", "/ready"))
+    # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set
+    app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes,
+                       open_paths=("/live", "/ready", "/dashboard"))  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -116,9 +121,29 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         frontend.refresh_gauges()
+        await frontend.nodes()  # the per-node families read a fresh snapshot
         return Response(frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(_dashboard_page(), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                                 "Content-Security-Policy": DASHBOARD_CSP})  # fmt: skip
+
+    @app.get("/status")
+    async def status() -> JSONResponse:
+        return JSONResponse(await frontend.status(), headers={"Cache-Control": "no-store"})
+
     return app
+
+
+DASHBOARD_CSP = "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'"  # noqa: E501
+
+
+@functools.cache
+def _dashboard_page() -> bytes:
+    """cluster/static/dashboard.html: one self-contained file (inline JS and CSS, no build step)."""
+    return (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
 
 
 def _validation_error(exc: RequestValidationError) -> EdgeError:

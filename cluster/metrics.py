@@ -41,6 +41,16 @@ class EdgeMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def outcomes(self) -> dict[str, int]:
+        """Finished requests by outcome, every API together (GET /status)."""
+        totals: dict[str, int] = {}
+        for family in self.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels["outcome"]
+                    totals[outcome] = totals.get(outcome, 0) + int(sample.value)
+        return totals
+
     def watch_engine(self, engine: Engine) -> None:
         self.registry.register(_CacheCollector(engine))
 

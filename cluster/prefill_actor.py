@@ -33,6 +33,7 @@ from cluster.kv_log import KVEventLog, KVPublisher
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from kvcache.report import cache_report
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import GrpcSender
 from kvtransfer.select import WorkerPlace
@@ -212,6 +213,7 @@ class PrefillActor(KVPublisher):
             sum(p.num_pages for p in inflight), self.num_transfers, self.num_failed, self.num_lease_expired,
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
             self.worker.engine.scheduler.num_pending_tokens, self.s_per_token,
+            cache_report(self.worker.engine.pool.pages, cache, self.worker.engine.cfg.page_size),
         )  # fmt: skip
 
     async def close(self) -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -48,6 +49,7 @@ from cluster.disagg_config import DisaggConfig
 from cluster.errors import EdgeError, Kind
 from cluster.frontend import ModelView, PoolUsage
 from cluster.global_index import NO_HIT, GlobalIndex
+from cluster.node_status import NodeStatus
 from cluster.placement import Placement, PlacementConfig, PlacementKind, Placer, Role, WorkerStats
 from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.transfer_metrics import TransferMetrics
@@ -56,6 +58,7 @@ from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
 from kvcache.events import KVEvent, Tier
 from kvcache.hashing import page_hashes
+from kvcache.report import CacheReport
 from kvtransfer.transport import KVDestination
 from prefill.worker import PrefillJob
 
@@ -129,6 +132,28 @@ class RayFront:
     @property
     def last_stats(self) -> StepStats | None:
         return None  # pool_usage reports the running batches instead
+
+    def nodes(self) -> list[NodeStatus]:
+        """Every worker, from the stats already polled (cluster.node_status)."""
+        now, nodes = time.monotonic(), []
+        for p in self.prefills:
+            s = p.stats
+            health = "down" if not p.is_alive else "starting" if s is None else "ok"
+            nodes.append(NodeStatus(
+                p.name, "prefill", health, p.epoch, s.num_running if s else 0, 0,
+                s.num_pending_tokens if s else 0, 0, s.num_pinned_pages if s else 0,
+                s.num_transfers if s else 0, s.num_failed_transfers if s else 0,
+                s.cache if s else CacheReport(), now - p.reported_at if s else 0.0,
+            ))  # fmt: skip
+        for d in self.decodes:
+            t = d.stats
+            health = "down" if not d.is_alive else "starting" if t is None else "ok"
+            nodes.append(NodeStatus(
+                d.name, "decode", health, 1, t.num_running if t else 0, t.num_waiting if t else 0, 0,
+                t.num_reserved_pages if t else 0, cache=t.cache if t else CacheReport(),
+                age_s=now - d.heartbeat if t else 0.0,
+            ))  # fmt: skip
+        return nodes
 
     def pool_usage(self) -> PoolUsage:
         stats = [d.stats for d in self.decodes if d.stats is not None]
@@ -413,6 +438,7 @@ class RayFront:
                     continue
                 try:
                     p.stats = await asyncio.wait_for(_ray_await(p.actor.stats.remote()), 5 * HEALTH_PERIOD_S)
+                    p.reported_at = time.monotonic()
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:

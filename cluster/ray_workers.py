@@ -49,6 +49,7 @@ class PrefillHandle:
     is_alive: bool = True
     num_inflight: int = 0  # requests this gateway has on it now
     stats: PrefillStats | None = None
+    reported_at: float = 0.0  # time.monotonic() of `stats`
 
     def mark_dead(self, why: object) -> None:
         if self.is_alive:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.outputs import StepOutput
+from kvcache.report import CacheReport
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class PrefillStats:
     num_hit_tokens: int = 0  # ... of which it served (the per-worker hit counter)
     num_pending_tokens: int = 0  # prompt tokens queued or being computed
     prefill_s_per_token: float = 0.0  # measured over its recent steps (moving average); 0: none yet
+    cache: CacheReport = CacheReport()  # by tier, for status and the per-node metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,7 @@ class DecodeStats:
     last_event_seq: int = 0  # as PrefillStats
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+    cache: CacheReport = CacheReport()  # read at most every CACHE_REPORT_S (it walks the cache)
 
 
 @dataclass(frozen=True, slots=True)

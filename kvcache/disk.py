@@ -203,6 +203,10 @@ class DiskTier:
         with self._lock:
             return [h for h in self._lru if h not in self._pending]
 
+    @property
+    def capacity_pages(self) -> int:
+        return self._capacity
+
     def stats(self) -> DiskStats:
         with self._lock:
             segments = self._log.segments.values() if self._log is not None else ()

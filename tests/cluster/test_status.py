@@ -1,0 +1,95 @@
+"""GET /status, the baton_node_* families and `baton status` against a real colocated server:
+the node's counters move with traffic, the table shows them, and a guarded gateway needs the key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.status_view import render_status
+from tests.cluster.conftest import ServerHandle
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # several pages: a prefix to reuse
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _complete(server: ServerHandle, headers: dict[str, str] | None = None) -> None:
+    with server.client() as client:
+        r = client.post("/v1/completions", json={"model": "baton-tiny", "prompt": PROMPT, "max_tokens": 2},
+                        headers=headers)  # fmt: skip
+        assert r.status_code == 200, r.text
+
+
+def test_status_reports_the_node_and_its_cache_hits(server: ServerHandle) -> None:
+    with server.client() as client:
+        before = client.get("/status").json()
+    _complete(server)
+    _complete(server)  # the second reuses the first's pages
+    with server.client() as client:
+        after = client.get("/status")
+        metrics = client.get("/metrics").text
+    assert after.headers["cache-control"] == "no-store"
+    body = after.json()
+    (node,) = body["nodes"]
+    (old,) = before["nodes"]
+    assert node["name"] == "engine-0" and node["role"] == "colocated" and node["health"] == "ok"
+    device = node["cache"]["tiers"]["device"]
+    assert device["pages_total"] == server.engine.pool.num_pages
+    assert node["cache"]["query_tokens"] > old["cache"]["query_tokens"]
+    assert device["hit_tokens"] > old["cache"]["tiers"]["device"]["hit_tokens"]
+    assert body["gateway"]["requests"]["ok"] >= 2 and body["model"] == "baton-tiny"
+    assert 'baton_node_prefix_hit_tokens_total{node="engine-0",role="colocated",tier="device"}' in metrics
+    assert 'baton_node_up{node="engine-0",role="colocated"} 1.0' in metrics
+    assert 'baton_node_kv_pages{node="engine-0",role="colocated",state="free",tier="device"}' in metrics
+
+
+def test_baton_status_prints_the_table(server: ServerHandle) -> None:
+    _complete(server)
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", server.url],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("baton-tiny  ready")
+    assert lines[1].split()[:3] == ["NODE", "ROLE", "HEALTH"]
+    row = lines[2].split()
+    assert row[:3] == ["engine-0", "colocated", "ok"] and row[6].endswith("%")
+
+
+def test_status_needs_the_key_when_keys_are_set(make_server: Any, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("s" * 24 + " ops\n")
+    guarded = make_server(api_keys_file=keys)
+    with guarded.client() as client:
+        assert client.get("/status").status_code == 401
+    cmd = [sys.executable, "-m", "cluster.cli", "status", "--url", guarded.url]
+    env = {k: v for k, v in os.environ.items() if k != "BATON_API_KEY"}
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert refused.returncode == 2 and "HTTP 401 (set BATON_API_KEY)" in refused.stderr
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                        env={**env, "BATON_API_KEY": "s" * 24})  # fmt: skip
+    assert ok.returncode == 0 and "engine-0" in ok.stdout
+
+
+def test_unreachable_gateway_is_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", "http://127.0.0.1:9",
+                           "--timeout", "2"], capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2 and "cannot reach the gateway" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_render_marks_down_nodes_and_lower_tiers() -> None:
+    body = {"model": "m", "ready": True, "uptime_s": 3725, "gateway": {"requests": {"ok": 3}},
+            "nodes": [{"name": "decode-0", "role": "decode", "health": "down", "epoch": 7,
+                       "cache": {"query_tokens": 200, "hit_tokens": 50,
+                                 "tiers": {"device": {"pages_used": 1, "pages_cached": 2, "pages_total": 8},
+                                           "host": {"pages_cached": 5, "pages_total": 64}}}}]}  # fmt: skip
+    text = render_status(body)
+    assert "up 1h02m" in text and "requests: ok 3" in text
+    row = text.splitlines()[2].split()
+    assert row == ["decode-0", "decode", "down", "7", "0", "0", "25.0%", "1/2/8", "5/64", "-"]
