@@ -27,7 +27,9 @@ import torch
 
 from cluster.cpu import between_steps, core_for, pin_process
 from cluster.kv_log import KVEventLog, KVPublisher
+from cluster.membership import Role
 from cluster.output_feed import OutputFeed
+from cluster.worker_membership import Registered
 from cluster.worker_msgs import DecodeStats, OutputBatch
 from decode.worker import DecodeWorker
 from engine.engine import Engine
@@ -63,7 +65,9 @@ class _Signal:
             pass
 
 
-class DecodeActor(KVPublisher):
+class DecodeActor(KVPublisher, Registered):
+    role = Role.DECODE
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -161,7 +165,11 @@ class DecodeActor(KVPublisher):
         return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(),
                            self.worker.engine.device.type == "cuda", has_shm=self._region is not None)
 
+    def _kv_address(self) -> str:
+        return self.worker.address
+
     async def stop(self) -> None:
+        await self.leave()
         if self._loop is not None:
             self._loop.cancel()
         if self._server is not None:
@@ -200,6 +208,7 @@ class DecodeActor(KVPublisher):
             raise RuntimeError("start() the decode actor before placing requests")
 
     def _stats(self) -> DecodeStats:
+        self._follow_epoch()
         w, engine, book = self.worker, self.worker.engine, self.worker.book
         cache = engine.prefix_cache
         cached = cache.num_cached_pages if cache is not None else 0

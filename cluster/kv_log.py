@@ -31,6 +31,12 @@ class KVEventLog:
             cache.epoch = epoch
             cache.on_event = self._events.append
 
+    def set_epoch(self, epoch: int) -> None:
+        """A new registration: events from now on carry it, and the index reloads on seeing it."""
+        self.epoch = epoch
+        if self.cache is not None:
+            self.cache.epoch = epoch
+
     @property
     def last_seq(self) -> int:
         return self._events[-1].seq if self._events else 0

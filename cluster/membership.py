@@ -208,6 +208,8 @@ class Membership(Protocol):
 
     def check_epoch(self, worker_id: str, epoch: int) -> bool: ...
 
+    def held_epoch(self, worker_id: str) -> int | None: ...
+
     async def close(self) -> None: ...
 
 
@@ -286,9 +288,16 @@ class ViewBacked:
     membership, which keeps serving while the backend is unreachable)."""
 
     _view: MemberView
+    _held: dict[str, Any]  # worker id -> this process's registration (its .info carries the epoch)
 
     def members(self) -> Mapping[str, WorkerInfo]:
         return self._view.members()
+
+    def held_epoch(self, worker_id: str) -> int | None:
+        """The epoch of a registration this process holds (it changes when the lease was lost
+        and the keepalive registered again); None when it holds none."""
+        held = self._held.get(worker_id)
+        return held.info.epoch if held is not None else None
 
     def watch(self) -> EventStream:
         return self._view.watch()

@@ -30,6 +30,8 @@ import torch
 
 from cluster.cpu import between_steps, core_for, pin_process
 from cluster.kv_log import KVEventLog, KVPublisher
+from cluster.membership import Role
+from cluster.worker_membership import Registered
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -97,7 +99,9 @@ class _Push:
     feed: _Feed
 
 
-class PrefillActor(KVPublisher):
+class PrefillActor(KVPublisher, Registered):
+    role = Role.PREFILL
+
     def __init__(
         self,
         cfg: EngineConfig,
@@ -206,6 +210,7 @@ class PrefillActor(KVPublisher):
         self._stalled_until = time.monotonic() + seconds
 
     async def stats(self) -> PrefillStats:
+        self._follow_epoch()
         inflight = [p for p in self._pushes.values() if p.feed.has_pages and not p.task.done()]
         cache = self.worker.engine.prefix_cache
         return PrefillStats(
@@ -216,7 +221,12 @@ class PrefillActor(KVPublisher):
             cache_report(self.worker.engine.pool.pages, cache, self.worker.engine.cfg.page_size),
         )  # fmt: skip
 
+    def _set_epoch(self, epoch: int) -> None:
+        super()._set_epoch(epoch)
+        self.worker.epoch = epoch  # its pushes carry it: decode refuses pages of a stale one
+
     async def close(self) -> None:
+        await self.leave()
         if self._loop is not None:
             self._loop.cancel()
         for push in self._pushes.values():

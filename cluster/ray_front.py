@@ -40,7 +40,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -49,6 +49,8 @@ from cluster.disagg_config import DisaggConfig
 from cluster.errors import EdgeError, Kind
 from cluster.frontend import ModelView, PoolUsage
 from cluster.global_index import NO_HIT, GlobalIndex
+from cluster.membership import EventKind, Membership, MembershipLagged, WorkerInfo
+from cluster.membership import Role as MemberRole
 from cluster.node_status import NodeStatus
 from cluster.placement import Placement, PlacementConfig, PlacementKind, Placer, Role, WorkerStats
 from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
@@ -89,7 +91,8 @@ class RayFront:
     def __init__(
         self, model: ModelView, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], cfg: DisaggConfig,
         fingerprint: bytes = b"", page_size: int = 16, max_running: int = 64, page_bytes: int = 1 << 20,
-        placement: PlacementConfig | None = None,
+        placement: PlacementConfig | None = None, membership: Membership | None = None, registry: Any = None,
+        registry_name: str = "",
     ) -> None:
         self.model = model  # ray_launch.GatewayModel: the tokenizer and config, no weights
         self.prefills = list(prefills)
@@ -114,6 +117,11 @@ class RayFront:
         self._health: asyncio.Task[None] | None = None
         self._kv: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Future[Any]] = set()  # fire-and-forget calls in flight
+        self.membership = membership
+        self.registry = registry  # the `ray` backend's registry actor (it goes with the gateway)
+        self.registry_name = registry_name  # what workers join (WorkerMember.join)
+        self._members: asyncio.Task[None] | None = None
+        self.num_member_events = {kind.name.lower(): 0 for kind in EventKind}
 
     # -- the surface the Frontend uses --------------------------------------------------------
 
@@ -138,7 +146,7 @@ class RayFront:
         now, nodes = time.monotonic(), []
         for p in self.prefills:
             s = p.stats
-            health = "down" if not p.is_alive else "starting" if s is None else "ok"
+            health = "down" if not p.is_alive else "left" if not p.is_member else "starting" if s is None else "ok"
             nodes.append(NodeStatus(
                 p.name, "prefill", health, p.epoch, s.num_running if s else 0, 0,
                 s.num_pending_tokens if s else 0, 0, s.num_pinned_pages if s else 0,
@@ -147,9 +155,9 @@ class RayFront:
             ))  # fmt: skip
         for d in self.decodes:
             t = d.stats
-            health = "down" if not d.is_alive else "starting" if t is None else "ok"
+            health = "down" if not d.is_alive else "left" if not d.is_member else "starting" if t is None else "ok"
             nodes.append(NodeStatus(
-                d.name, "decode", health, 1, t.num_running if t else 0, t.num_waiting if t else 0, 0,
+                d.name, "decode", health, d.epoch, t.num_running if t else 0, t.num_waiting if t else 0, 0,
                 t.num_reserved_pages if t else 0, cache=t.cache if t else CacheReport(),
                 age_s=now - d.heartbeat if t else 0.0,
             ))  # fmt: skip
@@ -166,9 +174,11 @@ class RayFront:
             d.start()
         self._health = asyncio.create_task(self._watch_prefills())
         self._kv = asyncio.create_task(self._follow_kv())
+        if self.membership is not None:
+            self._members = asyncio.create_task(self._follow_members(self.membership))
 
     async def stop(self) -> None:
-        for task in (self._health, self._kv):
+        for task in (self._health, self._kv, self._members):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -181,6 +191,10 @@ class RayFront:
         await asyncio.wait([asyncio.ensure_future(_ray_await(ref)) for ref in closing], timeout=STOP_S)
         for actor in [p.actor for p in self.prefills] + [d.actor for d in self.decodes]:
             ray.kill(actor)
+        if self.membership is not None:
+            await self.membership.close()
+        if self.registry is not None:
+            ray.kill(self.registry)
 
     # -- one request ----------------------------------------------------------------------------
 
@@ -295,7 +309,7 @@ class RayFront:
 
     async def _placement(self, job: PrefillJob) -> Placement:
         """Where the request goes (cluster.placement): its decode worker and prefill path."""
-        if not any(d.is_alive for d in self.decodes):
+        if not any(d.is_routable for d in self.decodes):
             raise EdgeError(Kind.UNAVAILABLE, "no decode worker is available", None, 1.0)
         await self._ensure_stats()
         self._refresh_workers()
@@ -315,8 +329,8 @@ class RayFront:
     def _round_robin(self, job: PrefillJob) -> Placement:
         """The comparison policy: decode and prefill workers in turn, caches ignored (the decode
         worker still prefills a prompt whose uncached part there is short)."""
-        decodes = [d for d in self.decodes if d.is_alive]
-        prefills = [p.name for p in self.prefills if p.is_alive]
+        decodes = [d for d in self.decodes if d.is_routable]
+        prefills = [p.name for p in self.prefills if p.is_routable]
         self._turn += 1
         decode = decodes[self._turn % len(decodes)].name
         if not prefills:
@@ -332,7 +346,7 @@ class RayFront:
         if p.kind == PlacementKind.LOCAL:
             return [None]
         named = [self._prefill_of[w] for w in (p.prefill_id, *p.fallbacks) if w in self._prefill_of]
-        return [*(h for h in named if h.is_alive), None]
+        return [*(h for h in named if h.is_routable), None]
 
     async def _ensure_stats(self) -> None:
         """A decode worker's first stats (until its output stream reports): free pages matter."""
@@ -351,13 +365,13 @@ class RayFront:
             rate = (p.stats.prefill_s_per_token if p.stats is not None else 0.0) or mean_rate
             queued = p.stats.num_pending_tokens if p.stats is not None else 0
             self.placer.update_worker(WorkerStats(p.name, Role.PREFILL, rate, queue_delay_s=queued * rate,
-                                                  is_healthy=p.is_alive))  # fmt: skip
+                                                  is_healthy=p.is_routable))  # fmt: skip
         decode_rate = DECODE_PREFILL_FACTOR * mean_rate
         for d in self.decodes:
             s = d.stats
             free = s.num_free_pages_at_idle - s.num_reserved_pages if s is not None else 0
             self.placer.update_worker(WorkerStats(
-                d.name, Role.DECODE, decode_rate, is_healthy=d.is_alive and s is not None,
+                d.name, Role.DECODE, decode_rate, is_healthy=d.is_routable and s is not None,
                 itl_s=ITL_S, num_running=s.num_running if s else 0, num_waiting=s.num_waiting if s else 0,
                 max_running=self.max_running, num_free_pages=free,
             ))  # fmt: skip
@@ -403,7 +417,7 @@ class RayFront:
             self._kv_after[name] = max(after, seq)
 
     def _healthy_prefills(self) -> list[PrefillHandle]:
-        return sorted((p for p in self.prefills if p.is_alive), key=lambda p: p.num_inflight)
+        return sorted((p for p in self.prefills if p.is_routable), key=lambda p: p.num_inflight)
 
     def _prefill_failed(self, prefill: PrefillHandle, job: PrefillJob, exc: BaseException) -> str:
         if isinstance(exc, ray.exceptions.RayActorError):
@@ -444,6 +458,82 @@ class RayFront:
                 except Exception as exc:
                     p.mark_dead(exc)
             await asyncio.sleep(HEALTH_PERIOD_S)
+
+    # -- membership -------------------------------------------------------------------------------
+
+    async def _follow_members(self, membership: Membership) -> None:
+        """Joins, leaves and new epochs (cluster.membership): a worker that left (its lease
+        ran out, or it drained) gets no new work but keeps what it runs; one that came back
+        with a new epoch is routable again, its KV events reload the index; a worker this
+        gateway did not launch (the planner's, another `baton serve`'s) is adopted."""
+        while True:
+            stream = membership.watch()  # read members() and watch() with no await between
+            self._reconcile(membership.members())
+            try:
+                async for event in stream:
+                    self.num_member_events[event.kind.name.lower()] += 1
+                    if event.kind == EventKind.LEAVE:
+                        self._set_member(event.worker.worker_id, None)
+                    else:
+                        self._set_member(event.worker.worker_id, event.worker)
+                        if self._handle(event.worker.worker_id) is None:
+                            await self._adopt(event.worker)
+            except MembershipLagged:
+                logger.warning("membership watch lagged: reading the members again")
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("following membership failed; retrying")
+                await asyncio.sleep(HEALTH_PERIOD_S)
+            finally:
+                stream.close()
+
+    def _reconcile(self, members: Mapping[str, WorkerInfo]) -> None:
+        for name in [*self._prefill_of, *self._decode_of]:
+            self._set_member(name, members.get(name))
+
+    def _handle(self, worker_id: str) -> PrefillHandle | DecodeHandle | None:
+        return self._prefill_of.get(worker_id) or self._decode_of.get(worker_id)
+
+    def _set_member(self, worker_id: str, info: WorkerInfo | None) -> None:
+        handle = self._handle(worker_id)
+        if handle is None:
+            return
+        if info is None:
+            if handle.is_member:
+                logger.warning("%s left membership: no new work goes there", worker_id)
+            handle.is_member = False
+            return
+        if info.epoch != handle.epoch:
+            logger.warning("%s registered again: epoch %d -> %d", worker_id, handle.epoch, info.epoch)
+            handle.epoch = info.epoch  # reservations for its pushes carry the new one
+            self.index.add_worker(worker_id, info.epoch)  # stale until its snapshot of the new epoch
+        handle.is_member = True
+
+    async def _adopt(self, info: WorkerInfo) -> None:
+        """A worker that joined on its own: find its actor by name and route pages to and from it."""
+        from cluster.ray_launch import route
+
+        try:
+            actor = ray.get_actor(info.address)
+            if info.role == MemberRole.PREFILL:
+                await route([actor], [d.actor for d in self.decodes], [d.address for d in self.decodes],
+                            self.cfg.transport)  # fmt: skip
+                prefill = PrefillHandle(info.worker_id, actor, info.epoch)
+                self.prefills.append(prefill)
+                self._prefill_of[info.worker_id] = prefill
+            else:
+                address: str = await asyncio.wait_for(_ray_await(actor.start.remote()), STOP_S)
+                await route([p.actor for p in self.prefills], [actor], [address], self.cfg.transport)
+                decode = DecodeHandle(info.worker_id, actor, address, self.cfg.poll_wait_s, epoch=info.epoch)
+                self.decodes.append(decode)
+                self._decode_of[info.worker_id] = decode
+                decode.start()
+        except Exception as exc:
+            logger.warning("cannot adopt %s (%s at %r): %r", info.worker_id, info.role, info.address, exc)
+            return
+        self.index.add_worker(info.worker_id, info.epoch)
+        logger.info("adopted %s worker %s (epoch %d)", info.role, info.worker_id, info.epoch)
 
     def _fire(self, ref: Any) -> None:
         """A call whose answer nobody waits for; its failure (a dead actor) is only logged."""

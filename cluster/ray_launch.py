@@ -5,6 +5,10 @@ RayFront over them (`baton up --prefill P --decode D`, `baton serve --ray-addres
     front = await launch(engine_cfg, DisaggConfig(num_prefill=P, num_decode=D))
     front.start()                                the output streams and the health poll
 
+Membership (DisaggConfig.membership): with `ray`, the gateway spawns a registry actor; with
+`etcd`, the workers hold leases there. Each actor registers itself once started (its epoch
+comes from the backend), and the RayFront follows joins, leaves and new epochs from then on.
+
 With `pin_cores` each actor pins its own process to one core (cluster.cpu), round robin
 over the cores of its node: prefill actors take slots 0..P-1, decode actors P..P+D-1.
 
@@ -26,6 +30,7 @@ from cluster.disagg_config import DisaggConfig
 from cluster.ray_actors import spawn_decode, spawn_prefill
 from cluster.ray_front import RayFront
 from cluster.ray_workers import DecodeHandle, PrefillHandle
+from cluster.worker_membership import open_membership, spawn_registry
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
@@ -60,6 +65,8 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     shared = tuple(tuple(model.tokenizer.encode(t)) for t in shared_prefix_texts)
     engine_cfg = replace(engine_cfg, shared_prefixes=engine_cfg.shared_prefixes + shared)
     run = secrets.token_hex(3)  # actor names of this gateway, apart from any other's
+    registry_name = f"baton-{run}-registry"
+    registry = spawn_registry(cfg.membership, registry_name)  # None with etcd
     decodes = [
         spawn_decode(_decode_cfg(engine_cfg, i, cfg.num_decode), name=f"baton-{run}-decode-{i}",
                      reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
@@ -81,7 +88,13 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     async with asyncio.timeout(ACTOR_START_S):
         addresses: list[str] = await asyncio.gather(*(d.start.remote() for d in decodes))
         await asyncio.gather(*(p.ping.remote() for p in prefills))
-        await _route(prefills, decodes, addresses, cfg.transport)
+        await route(prefills, decodes, addresses, cfg.transport)
+        # Each worker registers itself (its lease is its own); the gateway follows membership.
+        prefill_epochs: list[int] = await asyncio.gather(
+            *(p.join.remote(cfg.membership, registry_name, f"prefill-{i}") for i, p in enumerate(prefills)))
+        decode_epochs: list[int] = await asyncio.gather(
+            *(d.join.remote(cfg.membership, registry_name, f"decode-{i}") for i, d in enumerate(decodes)))
+        membership = await open_membership(cfg.membership, registry_name)
         if cfg.pin_cores:
             cores: list[list[int]] = await asyncio.gather(*(a.cores.remote() for a in (*prefills, *decodes)))
             logger.info("pinned: prefill actors on cores %s, decode actors on %s",
@@ -93,14 +106,16 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     page_bytes = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * engine_cfg.page_size * 2
     return RayFront(
         model,
-        [PrefillHandle(f"prefill-{i}", actor, i + 1) for i, actor in enumerate(prefills)],
-        [DecodeHandle(f"decode-{i}", actor, addr, cfg.poll_wait_s) for i, (actor, addr)
-         in enumerate(zip(decodes, addresses, strict=True))],
+        [PrefillHandle(f"prefill-{i}", actor, epoch) for i, (actor, epoch) in enumerate(zip(prefills, prefill_epochs,
+                                                                                            strict=True))],
+        [DecodeHandle(f"decode-{i}", actor, addr, cfg.poll_wait_s, epoch=epoch) for i, (actor, addr, epoch)
+         in enumerate(zip(decodes, addresses, decode_epochs, strict=True))],
         cfg, fingerprint, engine_cfg.page_size, engine_cfg.max_num_seqs, page_bytes,
+        membership=membership, registry=registry, registry_name=registry_name,
     )  # fmt: skip
 
 
-async def _route(prefills: list[Any], decodes: list[Any], addresses: list[str], transport: str) -> None:
+async def route(prefills: list[Any], decodes: list[Any], addresses: list[str], transport: str) -> None:
     """Tell each prefill worker how to reach each decode worker: kvtransfer.select's choice for
     the pair (shm on one host, else gRPC), or the configured transport."""
     prefill_places = await asyncio.gather(*(p.place_of.remote() for p in prefills))

@@ -50,6 +50,11 @@ class PrefillHandle:
     num_inflight: int = 0  # requests this gateway has on it now
     stats: PrefillStats | None = None
     reported_at: float = 0.0  # time.monotonic() of `stats`
+    is_member: bool = True  # registered: new work may go there (a lease lost or a drain: False)
+
+    @property
+    def is_routable(self) -> bool:
+        return self.is_alive and self.is_member
 
     def mark_dead(self, why: object) -> None:
         if self.is_alive:
@@ -59,9 +64,12 @@ class PrefillHandle:
 
 class DecodeHandle:
     def __init__(
-        self, name: str, actor: Any, address: str, poll_wait_s: float = 1.0, max_buffered: int = 4096
+        self, name: str, actor: Any, address: str, poll_wait_s: float = 1.0, max_buffered: int = 4096,
+        epoch: int = 1,
     ) -> None:
         self.name = name
+        self.epoch = epoch  # its membership registration's
+        self.is_member = True  # registered: new work may go there (a lease lost or a drain: False)
         self.actor = actor  # ray.actor.ActorHandle[DecodeActor]
         self.address = address
         self.poll_wait_s = poll_wait_s
@@ -73,6 +81,10 @@ class DecodeHandle:
         self._task: asyncio.Task[None] | None = None
         self.num_batches = 0
         self.num_outputs = 0
+
+    @property
+    def is_routable(self) -> bool:
+        return self.is_alive and self.is_member
 
     @property
     def num_active(self) -> int:

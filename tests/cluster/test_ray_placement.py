@@ -134,3 +134,60 @@ def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle)
     assert all(n["health"] == "ok" for n in nodes.values())
     assert nodes[holder]["cache"]["tiers"]["device"]["hit_tokens"] > 0
     print(f"probe served in {probe_s:.2f} s while {holder} was stalled")
+
+
+def wait_for(check: Any, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_the_gateway_follows_membership(pd2: ServerHandle, tiny_engine_config: EngineConfig) -> None:
+    """Workers register themselves (the `ray` backend here; etcd is the same interface): one
+    that leaves gets no new work but stays up, comes back with a new epoch that its KV events
+    and pushes carry, and a worker the gateway never launched is adopted when it joins."""
+    from cluster.ray_actors import spawn_prefill
+
+    front = pd2.running.front
+    assert isinstance(front, RayFront) and front.membership is not None
+    members = front.membership.members()
+    assert sorted(members) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    rng = random.Random(7)
+    left, stays = front.prefills[0], front.prefills[1]
+    old_epoch = left.epoch
+    assert members[left.name].epoch == old_epoch > 0
+
+    ray.get(left.actor.leave.remote(), timeout=30)
+    wait_for(lambda: not left.is_member, "the gateway did not see the worker leave")
+    assert left.is_alive and next(n for n in front.nodes() if n.name == left.name).health == "left"
+    before = ray.get(left.actor.stats.remote(), timeout=30).num_query_tokens
+    for i in range(4):  # prompts too long for decode-local prefill: a prefill worker computes them
+        on_loop(pd2, generate(front, f"after-leave-{i}", [rng.randrange(100, 1000) for _ in range(120)]))
+    assert ray.get(left.actor.stats.remote(), timeout=30).num_query_tokens == before, "work went to a left worker"
+
+    cfg = front.cfg.membership
+    new_epoch = ray.get(left.actor.join.remote(cfg, front.registry_name, left.name), timeout=30)
+    assert new_epoch > old_epoch
+    wait_for(lambda: left.is_member and left.epoch == new_epoch, "the gateway did not follow the new epoch")
+    assert ray.get(left.actor.stats.remote(), timeout=30).epoch == new_epoch  # its pushes carry it
+    wait_for(lambda: (st := front.index.sync_state(left.name)) is not None and st.epoch == new_epoch,
+             "the index was not rebuilt for the new epoch")  # fmt: skip
+    on_loop(pd2, generate(front, "after-rejoin", [rng.randrange(100, 1000) for _ in range(120)]))
+
+    # A worker someone else started (the planner, an operator) joins: the gateway adopts it.
+    extra = spawn_prefill(tiny_engine_config, name="baton-test-prefill-9", epoch=1)
+    try:
+        ray.get(extra.join.remote(cfg, front.registry_name, "prefill-9"), timeout=120)
+        wait_for(lambda: "prefill-9" in front._prefill_of, "the gateway did not adopt the new worker", 30)
+        wait_for(lambda: any(n.name == "prefill-9" and n.health == "ok" for n in front.nodes()),
+                 "the adopted worker never reported", 30)  # fmt: skip
+        status = httpx.get(pd2.url + "/status", timeout=10).json()
+        assert "prefill-9" in {n["name"] for n in status["nodes"]}
+        assert front.num_member_events["join"] >= 2 and front.num_member_events["leave"] >= 1
+    finally:
+        ray.get(extra.close.remote(), timeout=30)  # leaves membership first
+        wait_for(lambda: not front._prefill_of["prefill-9"].is_member, "the adopted worker's leave was missed")
+        ray.kill(extra)
+    assert stays.is_routable
+

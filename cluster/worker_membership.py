@@ -1,0 +1,124 @@
+"""Membership as the Ray deployment uses it (cluster.membership's interface, either backend).
+
+    m = await open_membership(cfg, registry_name)       the gateway: follows who is in
+    member = await WorkerMember.join(cfg, registry_name, info)
+                                                        a worker actor: registers itself, keeps
+                                                        its lease alive; member.epoch follows a
+                                                        re-registration; member.leave() on drain
+
+`ray` backend: the registry is a named actor the gateway spawned (cluster.membership_ray);
+`etcd`: leases under /{cluster}/workers/ (cluster.membership_etcd). A worker id still held by
+a dead predecessor's lease (a restarted gateway's actors) frees within the lease TTL: joining
+retries that long before it gives up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from cluster.disagg_config import MembershipConfig
+from cluster.kv_log import KVEventLog
+from cluster.membership import Membership, Role, WorkerIdTaken, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+JOIN_GRACE_S = 2.0  # past the lease TTL, for a predecessor's registration to expire
+
+
+async def open_membership(cfg: MembershipConfig, registry_name: str) -> Membership:
+    if cfg.backend == "etcd":
+        from cluster.membership_etcd import EtcdConfig, EtcdMembership
+
+        return await EtcdMembership.open(EtcdConfig(cfg.etcd_host, cfg.etcd_port, cfg.cluster, cfg.lease_ttl_s))
+    import ray
+
+    from cluster.membership_ray import RayMembership, actor_port
+
+    return await RayMembership.open(actor_port(ray.get_actor(registry_name)))
+
+
+def spawn_registry(cfg: MembershipConfig, registry_name: str) -> Any:
+    """The gateway's registry actor when the backend is `ray` (None for etcd)."""
+    if cfg.backend != "ray":
+        return None
+    from cluster.membership_ray import spawn_registry as spawn
+
+    return spawn(registry_name, float(cfg.lease_ttl_s))
+
+
+class WorkerMember:
+    def __init__(self, membership: Membership, worker_id: str) -> None:
+        self.membership = membership
+        self.worker_id = worker_id
+        self.has_left = False
+
+    @classmethod
+    async def join(cls, cfg: MembershipConfig, registry_name: str, info: WorkerInfo) -> WorkerMember:
+        membership = await open_membership(cfg, registry_name)
+        end = time.monotonic() + cfg.lease_ttl_s + JOIN_GRACE_S
+        while True:
+            try:
+                await membership.register(info)
+                return cls(membership, info.worker_id)
+            except WorkerIdTaken:
+                if time.monotonic() > end:
+                    await membership.close()
+                    raise
+                await asyncio.sleep(0.25)  # a predecessor's lease, expiring
+
+    @property
+    def epoch(self) -> int:
+        """The current registration's epoch (0 after leave)."""
+        if self.has_left:
+            return 0
+        return self.membership.held_epoch(self.worker_id) or 0
+
+    async def leave(self) -> None:
+        """Deregister now (drain, shutdown): the gateway routes nothing new here."""
+        if not self.has_left:
+            self.has_left = True
+            await self.membership.deregister(self.worker_id)
+
+    async def close(self) -> None:
+        await self.leave()
+        await self.membership.close()
+
+
+class Registered:
+    """The membership side of a worker actor (both roles): `join` once started, `leave` on
+    drain or stop; its KV events carry the registration's epoch, so the gateway's index
+    reloads from a snapshot when a lost lease brought a new one."""
+
+    kv_log: KVEventLog
+    member: WorkerMember | None = None
+    role: Role
+
+    async def join(self, cfg: MembershipConfig, registry_name: str, worker_id: str) -> int:
+        """Register this actor (its Ray actor name is its address) -> its epoch."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        info = WorkerInfo(worker_id, self.role, ctx.get_actor_name() or "", ctx.get_node_id(),
+                          kv_address=self._kv_address())  # fmt: skip
+        self.member = await WorkerMember.join(cfg, registry_name, info)
+        self._follow_epoch()
+        return self.member.epoch
+
+    async def leave(self) -> None:
+        if self.member is not None:
+            await self.member.close()
+
+    def _follow_epoch(self) -> None:
+        epoch = self.member.epoch if self.member is not None else 0
+        if epoch and epoch != self.kv_log.epoch:
+            logger.info("%s: epoch %d -> %d", self.member.worker_id if self.member else "", self.kv_log.epoch, epoch)
+            self._set_epoch(epoch)
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.kv_log.set_epoch(epoch)
+
+    def _kv_address(self) -> str:
+        return ""
