@@ -30,13 +30,21 @@ NAMESPACE = "baton"
 KUSTOMIZE_TIMEOUT_S = 60
 
 Obj = dict[str, Any]
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def yaml_docs(text: str) -> list[Any]:
+    """Every document in `text`, safely (libyaml's loader when PyYAML has it: the CRDs are large)."""
+    if hasattr(yaml, "CSafeLoader"):
+        return list(yaml.load_all(text, Loader=yaml.CSafeLoader))
+    return list(yaml.safe_load_all(text))
 
 
 def kubectl() -> str:
     path = shutil.which("kubectl")
     if path is None:
-        raise RuntimeError("kubectl is not on PATH: the k8s tests build the manifests with `kubectl kustomize`")
+        raise RuntimeError(
+            "kubectl is not on PATH: the k8s tests build the manifests with `kubectl kustomize`"
+        )
     return path
 
 
@@ -46,7 +54,7 @@ def kustomize(directory: Path) -> list[Obj]:
                          timeout=KUSTOMIZE_TIMEOUT_S, check=False)  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"kubectl kustomize {directory} failed:\n{out.stderr.strip()}")
-    return [d for d in yaml.load_all(out.stdout, Loader=_Loader) if d]
+    return [d for d in yaml_docs(out.stdout) if d]
 
 
 def build(target: str) -> list[Obj]:
@@ -66,7 +74,9 @@ def build_gpu_with(component: str) -> list[Obj]:
 
 
 def one(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
-    found = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    found = [
+        o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
@@ -85,7 +95,9 @@ class PodTemplate:
     spec: Obj
 
     def containers(self, init: bool = True) -> list[Obj]:
-        return list(self.spec.get("containers", [])) + (list(self.spec.get("initContainers", [])) if init else [])
+        return list(self.spec.get("containers", [])) + (
+            list(self.spec.get("initContainers", [])) if init else []
+        )
 
     def container(self, name: str) -> Obj:
         found = [c for c in self.containers() if c["name"] == name]
@@ -93,7 +105,7 @@ class PodTemplate:
         return found[0]
 
     def volume(self, name: str) -> Obj:
-        found = [v for v in self.spec.get("volumes", []) if v["name"] == name]
+        found: list[Obj] = [v for v in self.spec.get("volumes", []) if v["name"] == name]
         assert len(found) == 1, f"{self.owner}: no volume {name}"
         return found[0]
 
@@ -103,7 +115,9 @@ def pod_templates(objects: list[Obj]) -> Iterator[PodTemplate]:
         kind, name = o["kind"], o["metadata"]["name"]
         if kind == "RayCluster":
             head = o["spec"]["headGroupSpec"]["template"]
-            yield PodTemplate(f"RayCluster/{name} head", "head", head["metadata"].get("labels", {}), head["spec"])
+            yield PodTemplate(
+                f"RayCluster/{name} head", "head", head["metadata"].get("labels", {}), head["spec"]
+            )
             for group in o["spec"].get("workerGroupSpecs", []):
                 t = group["template"]
                 yield PodTemplate(f"RayCluster/{name} {group['groupName']}", group["groupName"],
@@ -118,7 +132,9 @@ def ray_cluster(objects: list[Obj]) -> Obj:
 
 
 def worker_group(objects: list[Obj], name: str) -> Obj:
-    groups = [g for g in ray_cluster(objects)["spec"]["workerGroupSpecs"] if g["groupName"] == name]
+    groups: list[Obj] = [
+        g for g in ray_cluster(objects)["spec"]["workerGroupSpecs"] if g["groupName"] == name
+    ]
     assert len(groups) == 1, f"no worker group {name}"
     return groups[0]
 
@@ -129,13 +145,23 @@ def template(objects: list[Obj], group: str) -> PodTemplate:
     return found[0]
 
 
+def cluster_file(objects: list[Obj]) -> Any:  # -> cluster.cluster_config.ClusterFile
+    """The build's cluster.yaml (ConfigMap baton-config), parsed by baton's own schema."""
+    from cluster.cluster_config import parse_cluster_file
+
+    text = one(objects, "ConfigMap", "baton-config")["data"]["cluster.yaml"]
+    return parse_cluster_file(text, "ConfigMap baton-config")
+
+
 def ray_resources(ray_start_params: dict[str, str]) -> dict[str, float]:
     """The custom resources a group declares: rayStartParams.resources, a JSON map that KubeRay
     pastes into a bash command line (so it is quoted) and parses after trimming the quotes."""
     raw = ray_start_params.get("resources")
     if raw is None:
         return {}
-    assert raw.startswith("'") and raw.endswith("'"), f"resources {raw!r}: quote the JSON map in single quotes"
+    assert raw.startswith("'") and raw.endswith("'"), (
+        f"resources {raw!r}: quote the JSON map in single quotes"
+    )
     parsed = json.loads(raw.strip("'\"` "))
     assert isinstance(parsed, dict)
     return {str(k): float(v) for k, v in parsed.items()}
@@ -148,10 +174,11 @@ def crd_schema(path: Path, version: str) -> Obj:
     """The openAPIV3Schema of one version of a CRD, made strict: an object with listed
     properties accepts no others (as the API server's strict field validation, instead of
     silently pruning a misspelt field)."""
-    crd = yaml.load(path.read_text(), Loader=_Loader)
+    (crd,) = yaml_docs(path.read_text())
     for v in crd["spec"]["versions"]:
         if v["name"] == version:
-            return _strict(v["schema"]["openAPIV3Schema"])
+            schema: Obj = _strict(v["schema"]["openAPIV3Schema"])
+            return schema
     raise KeyError(f"{path.name}: no version {version}")
 
 
@@ -161,7 +188,11 @@ def _strict(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     out = {k: _strict(v) for k, v in node.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -205,7 +236,7 @@ def promql_metrics(expr: str) -> set[str]:
     names = set()
     for m in _IDENT.finditer(s):
         word = m.group(0)
-        rest = s[m.end():].lstrip()
+        rest = s[m.end() :].lstrip()
         if word.lower() in _KEYWORDS or rest.startswith("("):
             continue  # a keyword, or a function / aggregation
         if re.fullmatch(r"\d+[smhdwy]", word) or (m.start() > 0 and s[m.start() - 1].isdigit()):

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.manifests import COMPONENTS, NAMESPACE, OVERLAYS, TARGETS, Obj, of_kind, one, pod_templates
+from tests.k8s.manifests import (
+    COMPONENTS,
+    NAMESPACE,
+    OVERLAYS,
+    TARGETS,
+    Obj,
+    of_kind,
+    one,
+    pod_templates,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,7 +32,9 @@ def test_target_builds(builds: dict[str, list[Obj]], target: str) -> None:
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
-def test_gpu_builds_with_each_optional_component(component_builds: dict[str, list[Obj]], component: str) -> None:
+def test_gpu_builds_with_each_optional_component(
+    component_builds: dict[str, list[Obj]], component: str
+) -> None:
     assert of_kind(component_builds[component], "RayCluster")
 
 
@@ -31,20 +42,30 @@ def test_gpu_overlay_brings_monitoring(builds: dict[str, list[Obj]]) -> None:
     gpu = builds["overlays/gpu"]
     one(gpu, "PodMonitor")
     one(gpu, "PrometheusRule")
-    dashboards = [c for c in of_kind(gpu, "ConfigMap") if c["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    dashboards = [
+        c
+        for c in of_kind(gpu, "ConfigMap")
+        if c["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
     assert len(dashboards) == 1 and "baton.json" in dashboards[0]["data"]
 
 
-def _all_builds(builds: dict[str, list[Obj]], component_builds: dict[str, list[Obj]]) -> list[tuple[str, list[Obj]]]:
+def _all_builds(
+    builds: dict[str, list[Obj]], component_builds: dict[str, list[Obj]]
+) -> list[tuple[str, list[Obj]]]:
     return list(builds.items()) + [(f"gpu+{c}", objs) for c, objs in component_builds.items()]
 
 
-def test_everything_in_one_namespace(builds: dict[str, list[Obj]], component_builds: dict[str, list[Obj]]) -> None:
+def test_everything_in_one_namespace(
+    builds: dict[str, list[Obj]], component_builds: dict[str, list[Obj]]
+) -> None:
     for target, objects in _all_builds(builds, component_builds):
         one(objects, "Namespace", NAMESPACE)
         for o in objects:
             if o["kind"] not in CLUSTER_SCOPED:
-                assert o["metadata"].get("namespace") == NAMESPACE, f"{target}: {o['kind']}/{o['metadata']['name']}"
+                assert o["metadata"].get("namespace") == NAMESPACE, (
+                    f"{target}: {o['kind']}/{o['metadata']['name']}"
+                )
 
 
 def test_pods_reference_only_what_the_build_makes(
@@ -59,13 +80,18 @@ def test_pods_reference_only_what_the_build_makes(
                 if "secret" in v:
                     assert ("Secret", v["secret"]["secretName"]) in have, f"{target} {t.owner}: {v}"
                 if "persistentVolumeClaim" in v:
-                    assert ("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]) in have, f"{target}: {v}"
+                    assert (
+                        "PersistentVolumeClaim",
+                        v["persistentVolumeClaim"]["claimName"],
+                    ) in have, f"{target}: {v}"
             for c in t.containers():
                 refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
                         if "secretKeyRef" in e.get("valueFrom", {})]  # fmt: skip
                 refs += [e["secretRef"]["name"] for e in c.get("envFrom", []) if "secretRef" in e]
                 for name in refs:
-                    assert ("Secret", name) in have or name in EXTERNAL_SECRETS, f"{target} {t.owner}: secret {name}"
+                    assert ("Secret", name) in have or name in EXTERNAL_SECRETS, (
+                        f"{target} {t.owner}: secret {name}"
+                    )
 
 
 @pytest.mark.parametrize("target", OVERLAYS)
@@ -74,7 +100,9 @@ def test_images_are_pinned(builds: dict[str, list[Obj]], target: str) -> None:
         for c in t.containers():
             image = c["image"]
             name, _, tag = image.rpartition(":")
-            assert name and tag and "/" not in tag and tag != "latest", f"{t.owner}/{c['name']}: {image} has no pinned tag"
+            assert name and tag and "/" not in tag and tag != "latest", (
+                f"{t.owner}/{c['name']}: {image} has no pinned tag"
+            )
 
 
 def test_the_ray_version_is_the_projects(builds: dict[str, list[Obj]]) -> None:
@@ -82,7 +110,9 @@ def test_the_ray_version_is_the_projects(builds: dict[str, list[Obj]]) -> None:
 
     from tests.k8s.manifests import ROOT, ray_cluster
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cluster"]
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "cluster"
+    ]
     pinned = [d.split("==", 1)[1] for d in deps if d.startswith("ray==")]
     assert pinned, "pyproject.toml's cluster extra pins no ray version"
     for target in TARGETS:

@@ -17,8 +17,12 @@ pytestmark = pytest.mark.timeout(120)
 KUBERNETES_VERSION = "1.33.0"  # a schema set kubernetes-validate ships (offline)
 CRD_FILES = {
     ("ray.io/v1", "RayCluster"): CRDS / "kuberay" / "ray.io_rayclusters.yaml",
-    ("monitoring.coreos.com/v1", "PodMonitor"): CRDS / "prometheus-operator" / "monitoring.coreos.com_podmonitors.yaml",
-    ("monitoring.coreos.com/v1", "PrometheusRule"): CRDS / "prometheus-operator" / "monitoring.coreos.com_prometheusrules.yaml",
+    ("monitoring.coreos.com/v1", "PodMonitor"): CRDS
+    / "prometheus-operator"
+    / "monitoring.coreos.com_podmonitors.yaml",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): CRDS
+    / "prometheus-operator"
+    / "monitoring.coreos.com_prometheusrules.yaml",
 }
 
 
@@ -68,19 +72,25 @@ def _custom_errors(objects: list[Obj]) -> tuple[int, list[str]]:
             continue
         checked += 1
         for err in _crd_validator(o["apiVersion"], o["kind"]).iter_errors(o):
-            errors.append(f"{o['kind']}/{o['metadata']['name']}: {err.message} at {list(err.absolute_path)}")
+            errors.append(
+                f"{o['kind']}/{o['metadata']['name']}: {err.message} at {list(err.absolute_path)}"
+            )
     return checked, errors
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_custom_resources_validate_against_their_crds(builds: dict[str, list[Obj]], target: str) -> None:
+def test_custom_resources_validate_against_their_crds(
+    builds: dict[str, list[Obj]], target: str
+) -> None:
     checked, errors = _custom_errors(builds[target])
     assert checked >= (3 if target == "overlays/gpu" else 1)
     assert not errors, "\n".join(errors)
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
-def test_optional_components_validate(component_builds: dict[str, list[Obj]], component: str) -> None:
+def test_optional_components_validate(
+    component_builds: dict[str, list[Obj]], component: str
+) -> None:
     objects = component_builds[component]
     checked, errors = _custom_errors(objects)
     assert checked == 3 and not errors, "\n".join(errors)

@@ -51,7 +51,9 @@ def inflight(text: str) -> float | None:
 def is_listening(base: str, timeout: float) -> bool:
     parts = urlsplit(base)
     try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=timeout):
+        with socket.create_connection(
+            (parts.hostname or "127.0.0.1", parts.port or 80), timeout=timeout
+        ):
             return True
     except OSError:
         return False
@@ -92,13 +94,21 @@ def wait_for_exit(base: str, deadline: float, interval: float, timeout: float) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP port, in this pod")
-    p.add_argument("--token-file", default="/etc/baton/ops/token", help="bearer token (absent: none)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the gateway's HTTP port, in this pod"
+    )
+    p.add_argument(
+        "--token-file", default="/etc/baton/ops/token", help="bearer token (absent: none)"
+    )
     p.add_argument("--deadline", type=float, default=330.0, help="seconds to wait at most")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between polls")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
-    p.add_argument("--wait-for-exit", action="store_true", help="only wait until the gateway stops listening")
+    p.add_argument(
+        "--wait-for-exit", action="store_true", help="only wait until the gateway stops listening"
+    )
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.deadline
     base = args.url.rstrip("/")
