@@ -112,8 +112,6 @@ class Frontend:
         self.limits = TenantLimits()
         self.metrics = EdgeMetrics()
         self._local = model if isinstance(model, Engine) else None  # its pools are read directly
-        if self._local is not None:
-            self.metrics.watch_engine(self._local)
         self.node_metrics = NodeCollector()  # baton_node_*, refreshed by nodes()
         self.metrics.registry.register(self.node_metrics)
         self.request_timeout_s = request_timeout_s

@@ -1,16 +1,19 @@
-"""Prometheus metrics of the serving edge (one registry per server; the full per-node set
-arrives with the operations work). Names follow Prometheus conventions."""
+"""Prometheus metrics of the serving edge (one registry per server); the per-node families are
+cluster.node_status's, the transfer ones cluster.transfer_metrics's. Every name is in the table
+of docs/metrics.md (tests/cluster/test_metrics_catalog.py keeps the two in step)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
-from engine.engine import Engine
-from kvcache.events import Tier
+disable_created_metrics()  # no *_created series: they double the families and no dashboard reads them
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -50,45 +53,3 @@ class EdgeMetrics:
                     outcome = sample.labels["outcome"]
                     totals[outcome] = totals.get(outcome, 0) + int(sample.value)
         return totals
-
-    def watch_engine(self, engine: Engine) -> None:
-        self.registry.register(_CacheCollector(engine))
-
-
-class _CacheCollector(Collector):
-    """The prefix cache's own counters, read at scrape time (no copies kept in step)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        cache = self.engine.prefix_cache
-        if cache is None:
-            return
-        st = cache.stats
-        yield CounterMetricFamily("baton_prefix_query_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=st.query_tokens)
-        yield CounterMetricFamily("baton_prefix_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=st.hit_tokens)
-        hits = CounterMetricFamily("baton_prefix_hit_pages", "Pages reused, by the tier they came from",
-                                   labels=["tier"])
-        for tier in Tier:
-            hits.add_metric([tier.name.lower()], st.hit_pages_by_tier[tier])
-        yield hits
-        moves = CounterMetricFamily("baton_kv_page_moves", "Pages evicted, demoted and promoted", labels=["kind"])
-        for kind, value in (("evicted", st.evicted_pages), ("demoted", st.demoted_pages),
-                            ("promoted", st.promoted_pages)):
-            moves.add_metric([kind], value)
-        yield moves
-        yield CounterMetricFamily("baton_kv_failed_reads", "Lower-tier pages that could not be read back",
-                                  value=st.failed_reads)
-        if cache.host is not None:
-            host = GaugeMetricFamily("baton_kv_host_pages", "Host-tier pages", labels=["state"])
-            host.add_metric(["free"], cache.host.num_free)
-            host.add_metric(["total"], cache.host.num_pages)
-            yield host
-        if cache.disk is not None:
-            disk = cache.disk.stats()
-            yield GaugeMetricFamily("baton_kv_disk_records", "Durable disk-tier records", value=disk.records)
-            yield CounterMetricFamily("baton_kv_corrupt_records", "Disk records dropped as corrupt",
-                                      value=disk.corrupt)

@@ -112,6 +112,8 @@ class NodeCollector(Collector):
                                     labels=[*labels, "kind"])  # fmt: skip
         corrupt = CounterMetricFamily("baton_node_kv_corrupt_records", "Disk-tier records dropped as corrupt",
                                       labels=labels)  # fmt: skip
+        failed = CounterMetricFamily("baton_node_kv_failed_reads", "Lower-tier pages that could not be read back",
+                                     labels=labels)  # fmt: skip
         requests = GaugeMetricFamily("baton_node_requests", "Requests on the node: running, waiting",
                                      labels=[*labels, "state"])  # fmt: skip
         for n in self.nodes:
@@ -127,6 +129,7 @@ class NodeCollector(Collector):
                                 ("promoted", c.promoted_pages)):  # fmt: skip
                 moves.add_metric([*key, kind], value)
             corrupt.add_metric(key, c.corrupt_records)
+            failed.add_metric(key, c.failed_reads)
             requests.add_metric([*key, "running"], n.running)
             requests.add_metric([*key, "waiting"], n.waiting)
-        yield from (up, queried, hits, pages, moves, corrupt, requests)
+        yield from (up, queried, hits, pages, moves, corrupt, failed, requests)

@@ -28,6 +28,9 @@ class Workers(Protocol):
     @property
     def decodes(self) -> Sequence[DecodeHandle]: ...
 
+    @property
+    def num_member_events(self) -> dict[str, int]: ...
+
 
 class TransferMetrics:
     def __init__(self) -> None:
@@ -75,46 +78,39 @@ class TransferMetrics:
 
 
 class _WorkerCollector(Collector):
-    """Per-worker figures from the actors' last reported stats (no calls at scrape time)."""
+    """Per-node transfer figures from the actors' last reported stats (no calls at scrape
+    time); up, load and cache by tier are cluster.node_status's baton_node_* families."""
 
     def __init__(self, workers: Workers) -> None:
         self.workers = workers
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        up = GaugeMetricFamily("baton_worker_up", "1 while the gateway considers the worker healthy",
-                               labels=["role", "worker"])
-        pinned = GaugeMetricFamily("baton_kv_pinned_pages", "Prefill pages held for transfers", labels=["worker"])
-        pushing = GaugeMetricFamily("baton_kv_worker_transfers_inflight", "Pushes a prefill worker is sending",
-                                    labels=["worker"])
+        pinned = GaugeMetricFamily("baton_kv_pinned_pages", "Prefill pages held for transfers", labels=["node"])
+        pushing = GaugeMetricFamily("baton_kv_node_transfers_inflight", "Pushes a prefill worker is sending",
+                                    labels=["node"])  # fmt: skip
         lease = CounterMetricFamily("baton_kv_lease_expired", "Held pages released because a lease ended",
-                                    labels=["role", "worker"])
+                                    labels=["node", "role"])  # fmt: skip
         reserved = GaugeMetricFamily("baton_kv_reserved_pages", "Decode pages reserved for transfers",
-                                     labels=["worker"])
+                                     labels=["node"])  # fmt: skip
         expired = CounterMetricFamily("baton_kv_reservations_expired", "Reservations whose transfer deadline passed",
-                                      labels=["worker"])
+                                      labels=["node"])  # fmt: skip
         refused = CounterMetricFamily("baton_kv_pushes_refused", "Push chunks refused, by reason",
-                                      labels=["worker", "reason"])
-        queried = CounterMetricFamily("baton_worker_prefix_query_tokens", "Prompt tokens looked up in the "
-                                      "worker's prefix cache", labels=["role", "worker"])  # fmt: skip
-        hits = CounterMetricFamily("baton_worker_prefix_hit_tokens", "Prompt tokens the worker's prefix cache "
-                                   "served", labels=["role", "worker"])  # fmt: skip
+                                      labels=["node", "reason"])  # fmt: skip
+        changes = CounterMetricFamily("baton_membership_changes", "Membership events the gateway followed",
+                                      labels=["kind"])  # fmt: skip
         for p in self.workers.prefills:
-            up.add_metric(["prefill", p.name], float(p.is_alive))
             if p.stats is not None:
                 pinned.add_metric([p.name], p.stats.num_pinned_pages)
                 pushing.add_metric([p.name], p.stats.num_inflight_transfers)
-                lease.add_metric(["prefill", p.name], p.stats.num_lease_expired)
-                queried.add_metric(["prefill", p.name], p.stats.num_query_tokens)
-                hits.add_metric(["prefill", p.name], p.stats.num_hit_tokens)
+                lease.add_metric([p.name, "prefill"], p.stats.num_lease_expired)
         for d in self.workers.decodes:
-            up.add_metric(["decode", d.name], float(d.is_alive))
             if (s := d.stats) is not None:
                 reserved.add_metric([d.name], s.num_reserved_pages)
                 expired.add_metric([d.name], s.num_expired)
-                lease.add_metric(["decode", d.name], s.num_lease_expired)
-                queried.add_metric(["decode", d.name], s.num_query_tokens)
-                hits.add_metric(["decode", d.name], s.num_hit_tokens)
+                lease.add_metric([d.name, "decode"], s.num_lease_expired)
                 for reason, n in (("token", s.refused_bad_token), ("epoch", s.refused_stale_epoch),
-                                  ("page", s.refused_bad_page)):
+                                  ("page", s.refused_bad_page)):  # fmt: skip
                     refused.add_metric([d.name, reason], n)
-        yield from (up, pinned, pushing, lease, reserved, expired, refused, queried, hits)
+        for kind, n in self.workers.num_member_events.items():
+            changes.add_metric([kind], n)
+        yield from (pinned, pushing, lease, reserved, expired, refused, changes)

@@ -114,7 +114,7 @@ def test_prefill_killed_mid_transfer_then_all_gone(slow: ServerHandle, server: S
     assert metric(slow, "baton_kv_transfer_failures_total", reason="died") == 1
     assert metric(slow, "baton_kv_transfers_total", transport="grpc", outcome="ok") == 1
     assert _prefill_stats(survivor).num_transfers == 1  # the survivor moved the pages
-    assert metric(slow, "baton_worker_up", role="prefill", worker=victim.name) == 0
+    assert metric(slow, "baton_node_up", node=victim.name, role="prefill") == 0
     stats = wait_decode_idle(front)
     assert stats.num_reserved_pages == 0 and stats.num_open_reservations == 0
     assert stats.num_free_pages_at_idle == baseline.num_free_pages_at_idle == stats.num_pages

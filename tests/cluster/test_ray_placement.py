@@ -125,7 +125,6 @@ def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle)
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     assert hit_tokens(front)[holder] > after[holder]
     text = httpx.get(pd2.url + "/metrics", timeout=10).text  # per-worker hits, locality given up
-    assert f'baton_worker_prefix_hit_tokens_total{{role="prefill",worker="{holder}"}}' in text
     assert "baton_placement_locality_given_up_pages_total" in text
     assert f'baton_node_prefix_hit_tokens_total{{node="{holder}",role="prefill",tier="device"}}' in text
     status = httpx.get(pd2.url + "/status", timeout=10).json()  # what `baton status` and /dashboard show

@@ -117,14 +117,14 @@ def test_openai_and_grpc_through_ray_actors_match_one_engine(pd: PD, server: Ser
     assert metric(pd, "baton_kv_transfer_bytes_total", transport="shm") > 0
     assert metric(pd, "baton_kv_transfer_seconds_count", transport="shm") == 3
     assert metric(pd, "baton_kv_transfers_total", transport="grpc", outcome="ok") == 0
-    assert metric(pd, "baton_worker_up", role="prefill", worker="prefill-0") == 1.0
+    assert metric(pd, "baton_node_up", node="prefill-0", role="prefill") == 1.0
     assert metric(pd, "baton_kv_pages_total", tier="device") == decode_stats(front_of(pd)).num_pages
     stats = wait_decode_idle(front_of(pd))
     assert stats.num_free_pages_at_idle == stats.num_pages and stats.num_open_reservations == 0
     deadline = time.monotonic() + 5  # the gateway polls prefill stats every second
-    while metric(pd, "baton_kv_pinned_pages", worker="prefill-0") and time.monotonic() < deadline:
+    while metric(pd, "baton_kv_pinned_pages", node="prefill-0") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert metric(pd, "baton_kv_pinned_pages", worker="prefill-0") == 0
+    assert metric(pd, "baton_kv_pinned_pages", node="prefill-0") == 0
 
 
 def test_a_mostly_cached_prompt_is_prefilled_on_the_decode_side(pd: PD, server: ServerHandle) -> None:
@@ -215,3 +215,10 @@ def test_sixty_streams_cancelled_at_random_points_free_every_page(pd: PD) -> Non
     assert prefill.num_pinned_pages == 0 and prefill.num_inflight_transfers == 0
     assert prefill.num_transfers > 0  # some were cut mid-transfer, the rest moved
     assert not front.decodes[0].num_active
+
+
+def test_the_ray_gateway_exports_the_metrics_table(pd: PD) -> None:
+    """docs/metrics.md, whole, against a disaggregated gateway (tests/cluster/test_metrics_catalog.py)."""
+    from tests.cluster.test_metrics_catalog import catalog, check_exports
+
+    check_exports(pd.url, catalog())
