@@ -7,7 +7,7 @@ how a dropped stream aborts its engine request.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
 /live, /ready, /metrics, /status (the gateway and every node: cluster.node_status), /dashboard
-(a live page over /status), /openapi.json. Every error body is OpenAI-shaped.
+(a live page over /status), POST /admin/drain (stop admitting, finish in-flight), /openapi.json. Every error body is OpenAI-shaped.
 """
 
 from __future__ import annotations
@@ -129,6 +129,13 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
         return Response(_dashboard_page(), media_type="text/html; charset=utf-8",
                         headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
                                  "Content-Security-Policy": DASHBOARD_CSP})  # fmt: skip
+
+    @app.post("/admin/drain")
+    async def drain() -> JSONResponse:
+        """Stop taking requests (ready -> 503, new requests -> 503 + Retry-After) and let the
+        in-flight ones finish: a pod's preStop calls this, then waits for inflight to reach 0."""
+        frontend.draining = True
+        return JSONResponse({"draining": True, "inflight": frontend.admission.num_inflight})
 
     @app.get("/status")
     async def status() -> JSONResponse:

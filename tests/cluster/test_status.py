@@ -4,6 +4,7 @@ the node's counters move with traffic, the table shows them, and a guarded gatew
 from __future__ import annotations
 
 import os
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,31 @@ def test_render_marks_down_nodes_and_lower_tiers() -> None:
     assert "up 1h02m" in text and "requests: ok 3" in text
     row = text.splitlines()[2].split()
     assert row == ["decode-0", "decode", "down", "7", "0", "0", "25.0%", "1/2/8", "5/64", "-"]
+
+
+def test_drain_refuses_new_work_and_finishes_inflight(make_server: Any) -> None:
+    import threading
+
+    import httpx
+
+    drained = make_server()
+    results: list[int] = []
+
+    def long_request() -> None:
+        body = {"model": "baton-tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        results.append(httpx.post(drained.url + "/v1/completions", json=body, timeout=60).status_code)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    with drained.client() as client:
+        deadline = time.monotonic() + 10
+        while client.get("/status").json()["gateway"]["inflight"] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+        reply = client.post("/admin/drain")
+        assert reply.status_code == 200 and reply.json() == {"draining": True, "inflight": 1}
+        assert client.get("/ready").status_code == 503 and client.get("/live").status_code == 200
+        refused = client.post("/v1/completions", json={"model": "baton-tiny", "prompt": "x", "max_tokens": 1})
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+    worker.join(60)
+    assert results == [200]  # the in-flight request finished
