@@ -4,9 +4,9 @@ the node's counters move with traffic, the table shows them, and a guarded gatew
 from __future__ import annotations
 
 import os
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
