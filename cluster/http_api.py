@@ -130,7 +130,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
                         headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
                                  "Content-Security-Policy": DASHBOARD_CSP})  # fmt: skip
 
-    @app.post("/admin/drain")
+    @app.post("/admin/drain", include_in_schema=False)  # an operator route, not the OpenAI API
     async def drain() -> JSONResponse:
         """Stop taking requests (ready -> 503, new requests -> 503 + Retry-After) and let the
         in-flight ones finish: a pod's preStop calls this, then waits for inflight to reach 0."""
