@@ -18,6 +18,8 @@ value of the wrong type or out of its range. An example with every key is exampl
                 shm_slots
     placement:  policy (cache, round_robin), local_prefill_tokens
     membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port}
+    planner:    enabled, period_s, ttft_slo_s, itl_slo_s, min/max_prefill, min/max_decode,
+                max_total, out_samples, in_samples, cooldown_s   (cluster.planner)
     api:        host, port, grpc_port (0: off), api_keys_file, tls_cert, tls_key,
                 allow_priority_field, request_timeout_s, max_body_bytes
     admission:  max_waiting_requests, max_waiting_tokens, max_inflight_requests
@@ -110,6 +112,21 @@ class MembershipSection(_Section):
     etcd: EtcdSection = EtcdSection()
 
 
+class PlannerSection(_Section):
+    enabled: bool = False  # Ray deployments only: the gateway resizes its own worker pools
+    period_s: float = Field(default=5.0, gt=0)
+    ttft_slo_s: float = Field(default=2.0, gt=0)
+    itl_slo_s: float = Field(default=0.1, gt=0)
+    min_prefill: int = Field(default=1, ge=0)
+    max_prefill: int = Field(default=8, ge=0)
+    min_decode: int = Field(default=1, ge=1)
+    max_decode: int = Field(default=8, ge=1)
+    max_total: int = Field(default=16, ge=2)
+    out_samples: int = Field(default=3, ge=1)
+    in_samples: int = Field(default=10, ge=1)
+    cooldown_s: float = Field(default=60.0, ge=0)
+
+
 class ApiSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -138,6 +155,7 @@ class ClusterFile(_Section):
     transfer: TransferSection = TransferSection()
     placement: PlacementSection = PlacementSection()
     membership: MembershipSection = MembershipSection()
+    planner: PlannerSection = PlannerSection()
     api: ApiSection = ApiSection()
     admission: AdmissionSection = AdmissionSection()
 
@@ -196,6 +214,8 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         raise ConfigError("workers.prefill.count", "attaching to a Ray cluster runs prefill actors: count >= 1")
     if w.prefill.count and w.decode.count < 1:
         raise ConfigError("workers.decode.count", "disaggregated serving needs at least one decode worker")
+    if f.planner.enabled and w.prefill.count == 0:
+        raise ConfigError("planner.enabled", "the planner resizes Ray worker pools: workers.prefill.count >= 1")
     if f.membership.backend == "etcd" and w.prefill.count == 0:
         raise ConfigError("membership.backend", "etcd membership is for Ray workers: workers.prefill.count >= 1")
     threads = w.decode.threads if w.prefill.count else None
@@ -219,6 +239,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             decode_threads=w.decode.threads,
             membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port),
         )  # fmt: skip
+    planner = _planner(f) if f.planner.enabled else None
     a = f.api
     return ServerConfig(
         engine=engine,
@@ -235,6 +256,21 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         local_prefill_tokens=f.placement.local_prefill_tokens,
         disagg=disagg,
         pin_cores=w.pin_cores,
+        planner=planner,
+        planner_period_s=f.planner.period_s,
+    )  # fmt: skip
+
+
+def _planner(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> PlannerConfig
+    from cluster.planner import Limits, PlannerConfig
+
+    pl = f.planner
+    return PlannerConfig(
+        ttft_slo_s=pl.ttft_slo_s, itl_slo_s=pl.itl_slo_s, out_samples=pl.out_samples, in_samples=pl.in_samples,
+        cooldown_s=pl.cooldown_s, decode_max_running=f.scheduler.max_num_seqs,
+        limits=Limits(min_prefill=pl.min_prefill, max_prefill=pl.max_prefill, min_decode=pl.min_decode,
+                      max_decode=pl.max_decode, min_total=max(2, pl.min_prefill + pl.min_decode),
+                      max_total=pl.max_total),
     )  # fmt: skip
 
 

@@ -98,6 +98,7 @@ class DecodeActor(KVPublisher, Registered):
         self._region: ShmRegion | None = None
         self.error: str = ""
         self._report, self._report_at = CacheReport(), -CACHE_REPORT_S
+        self._acked = 0  # the last output step the gateway confirmed (a drain waits for all)
 
     async def start(self) -> str:
         """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
@@ -146,6 +147,7 @@ class DecodeActor(KVPublisher, Registered):
         self._settled.fire()
 
     async def next_batch(self, after: int, wait_s: float) -> OutputBatch:
+        self._acked = max(self._acked, after)  # the gateway has every step up to here
         if self.error:
             raise RuntimeError(f"decode step loop died: {self.error}")
         taken = await self.feed.take(after, wait_s)
@@ -167,6 +169,16 @@ class DecodeActor(KVPublisher, Registered):
 
     def _kv_address(self) -> str:
         return self.worker.address
+
+    def _is_idle(self) -> bool:
+        engine = self.worker.engine
+        return not engine.has_unfinished() and not self.worker.book.num_open and self._acked >= self.feed.seq
+
+    def _num_unfinished(self) -> int:
+        return len(self.worker.engine.scheduler.running) + self.worker.engine.scheduler.num_waiting
+
+    async def _shutdown(self) -> None:
+        await self.stop()
 
     async def stop(self) -> None:
         await self.leave()

@@ -225,6 +225,16 @@ class PrefillActor(KVPublisher, Registered):
         super()._set_epoch(epoch)
         self.worker.epoch = epoch  # its pushes carry it: decode refuses pages of a stale one
 
+    def _is_idle(self) -> bool:
+        busy = self.worker.engine.scheduler.num_requests or self._firsts
+        return not busy and all(p.task.done() for p in self._pushes.values())
+
+    def _num_unfinished(self) -> int:
+        return self.worker.engine.scheduler.num_requests + sum(not p.task.done() for p in self._pushes.values())
+
+    async def _shutdown(self) -> None:
+        await self.close()
+
     async def close(self) -> None:
         await self.leave()
         if self._loop is not None:

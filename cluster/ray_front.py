@@ -42,7 +42,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cluster import ray_runtime  # noqa: F401  (before `ray`)
 from cluster.disagg_config import DisaggConfig
@@ -55,6 +55,7 @@ from cluster.node_status import NodeStatus
 from cluster.placement import Placement, PlacementConfig, PlacementKind, Placer, Role, WorkerStats
 from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.transfer_metrics import TransferMetrics
+from cluster.worker_membership import DrainReport
 from cluster.worker_msgs import PrefillResult, TransferReport
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
@@ -66,6 +67,9 @@ from prefill.worker import PrefillJob
 
 import ray  # isort: skip
 
+if TYPE_CHECKING:
+    from cluster.ray_launch import Spawner
+
 logger = logging.getLogger(__name__)
 
 HEALTH_PERIOD_S = 1.0
@@ -74,6 +78,7 @@ KV_POLL_S = 0.05  # KV events of every worker, this often
 PREFILL_S_PER_TOKEN = 2e-4  # default until workers report a measured rate (baton-tiny, one core)
 DECODE_PREFILL_FACTOR = 2.0  # a decode worker's prefill: its batch stalls meanwhile
 ITL_S = 0.02  # default decode step time until workers report it
+ADD_WORKER_S = 300.0  # a new actor loads its model and joins within this
 
 
 class _Placed(NamedTuple):
@@ -92,7 +97,7 @@ class RayFront:
         self, model: ModelView, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], cfg: DisaggConfig,
         fingerprint: bytes = b"", page_size: int = 16, max_running: int = 64, page_bytes: int = 1 << 20,
         placement: PlacementConfig | None = None, membership: Membership | None = None, registry: Any = None,
-        registry_name: str = "",
+        registry_name: str = "", spawner: Spawner | None = None,
     ) -> None:
         self.model = model  # ray_launch.GatewayModel: the tokenizer and config, no weights
         self.prefills = list(prefills)
@@ -120,7 +125,10 @@ class RayFront:
         self.membership = membership
         self.registry = registry  # the `ray` backend's registry actor (it goes with the gateway)
         self.registry_name = registry_name  # what workers join (WorkerMember.join)
+        self.spawner = spawner  # add_worker's (None: this gateway cannot start workers)
         self._members: asyncio.Task[None] | None = None
+        self._retired: set[str] = set()  # drained names: never reused, never adopted again
+        self._spawned: dict[str, Any] = {}  # add_worker's actors: the creator's handles keep them alive
         self.num_member_events = {kind.name.lower(): 0 for kind in EventKind}
 
     # -- the surface the Frontend uses --------------------------------------------------------
@@ -191,6 +199,7 @@ class RayFront:
         await asyncio.wait([asyncio.ensure_future(_ray_await(ref)) for ref in closing], timeout=STOP_S)
         for actor in [p.actor for p in self.prefills] + [d.actor for d in self.decodes]:
             ray.kill(actor)
+        self._spawned.clear()
         if self.membership is not None:
             await self.membership.close()
         if self.registry is not None:
@@ -476,7 +485,7 @@ class RayFront:
                         self._set_member(event.worker.worker_id, None)
                     else:
                         self._set_member(event.worker.worker_id, event.worker)
-                        if self._handle(event.worker.worker_id) is None:
+                        if self._handle(event.worker.worker_id) is None and event.worker.worker_id not in self._retired:
                             await self._adopt(event.worker)
             except MembershipLagged:
                 logger.warning("membership watch lagged: reading the members again")
@@ -517,23 +526,72 @@ class RayFront:
         try:
             actor = ray.get_actor(info.address)
             if info.role == MemberRole.PREFILL:
-                await route([actor], [d.actor for d in self.decodes], [d.address for d in self.decodes],
-                            self.cfg.transport)  # fmt: skip
+                live = [d for d in self.decodes if d.is_alive]
+                await route([actor], [d.actor for d in live], [d.address for d in live], self.cfg.transport)
                 prefill = PrefillHandle(info.worker_id, actor, info.epoch)
                 self.prefills.append(prefill)
                 self._prefill_of[info.worker_id] = prefill
             else:
                 address: str = await asyncio.wait_for(_ray_await(actor.start.remote()), STOP_S)
-                await route([p.actor for p in self.prefills], [actor], [address], self.cfg.transport)
+                await route([p.actor for p in self.prefills if p.is_alive], [actor], [address], self.cfg.transport)
                 decode = DecodeHandle(info.worker_id, actor, address, self.cfg.poll_wait_s, epoch=info.epoch)
                 self.decodes.append(decode)
                 self._decode_of[info.worker_id] = decode
                 decode.start()
         except Exception as exc:
-            logger.warning("cannot adopt %s (%s at %r): %r", info.worker_id, info.role, info.address, exc)
+            logger.warning("cannot adopt %s (%s at %r): %s", info.worker_id, info.role, info.address, exc)
             return
         self.index.add_worker(info.worker_id, info.epoch)
         logger.info("adopted %s worker %s (epoch %d)", info.role, info.worker_id, info.epoch)
+
+    # -- scaling (the planner's) -----------------------------------------------------------------
+
+    async def add_worker(self, role: str, timeout_s: float = ADD_WORKER_S) -> str:
+        """Start one more `role` worker ("prefill" or "decode"); returns its name once the
+        gateway routes to it (it joins membership, _follow_members adopts it)."""
+        if self.spawner is None or self.membership is None:
+            raise RuntimeError("this gateway was not launched with a spawner and membership")
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role is prefill or decode, not {role!r}")
+        named = self._prefill_of if role == "prefill" else self._decode_of
+        taken = [int(n.rsplit("-", 1)[1]) for n in (*named, *self._retired) if n.rsplit("-", 1)[1].isdigit()
+                 and n.startswith(f"{role}-")]  # fmt: skip
+        index = max(taken, default=-1) + 1
+        name = f"{role}-{index}"
+        async with asyncio.timeout(timeout_s):
+            self._spawned[name] = await self.spawner.start_worker(role, index)
+            while name not in named:
+                await asyncio.sleep(0.05)
+        logger.info("added %s", name)
+        return name
+
+    async def drain_worker(self, name: str, timeout_s: float | None = None) -> DrainReport:
+        """Drain `name` (no new work from now on; what it runs finishes), then stop it and
+        forget it. Its requests in flight complete normally: 0 failed by design."""
+        handle = self._handle(name)
+        if handle is None:
+            raise KeyError(f"no worker named {name!r}")
+        handle.is_member = False  # before its LEAVE arrives: nothing new goes there from now on
+        self._retired.add(name)
+        report: DrainReport = await _ray_await(handle.actor.drain.remote(timeout_s))
+        if isinstance(handle, DecodeHandle):
+            handle.fail_all(WorkerLost(f"decode worker {name} was drained"))  # only what the timeout abandoned
+            await handle.stop()
+            self.decodes.remove(handle)
+            del self._decode_of[name]
+        else:
+            self.prefills.remove(handle)
+            del self._prefill_of[name]
+        try:
+            await asyncio.wait_for(_ray_await(handle.actor.drain_and_exit.remote()), STOP_S)
+        except Exception as exc:  # it exits during the call: the actor's death is the answer
+            logger.debug("%s exited: %r", name, exc)
+        self.index.remove_worker(name)
+        self.placer.remove_worker(name)
+        self._kv_after.pop(name, None)
+        self._spawned.pop(name, None)
+        logger.info("drained and removed %s in %.2f s (%d abandoned)", name, report.seconds, report.abandoned)
+        return report
 
     def _fire(self, ref: Any) -> None:
         """A call whose answer nobody waits for; its failure (a dead actor) is only logged."""

@@ -67,24 +67,9 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     run = secrets.token_hex(3)  # actor names of this gateway, apart from any other's
     registry_name = f"baton-{run}-registry"
     registry = spawn_registry(cfg.membership, registry_name)  # None with etcd
-    decodes = [
-        spawn_decode(_decode_cfg(engine_cfg, i, cfg.num_decode), name=f"baton-{run}-decode-{i}",
-                     reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
-                     local_prefill_tokens=cfg.local_prefill_tokens, resources=cfg.decode_resources,
-                     num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots, shm_slot_pages=cfg.pages_per_chunk,
-                     pin_slot=cfg.num_prefill + i if cfg.pin_cores else None)
-        for i in range(cfg.num_decode)
-    ]  # fmt: skip
-    # The prefill role keeps only its device cache: the lower tiers belong to decode workers.
-    prefill_cfg = replace(engine_cfg, tiers=TierConfig())
-    prefills = [
-        spawn_prefill(prefill_cfg, name=f"baton-{run}-prefill-{i}", epoch=i + 1,
-                      pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads,
-                      resources=cfg.prefill_resources,
-                      push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s,
-                      pin_slot=i if cfg.pin_cores else None, reservation_ttl_s=cfg.reservation_ttl_s)
-        for i in range(cfg.num_prefill)
-    ]  # fmt: skip
+    spawner = Spawner(engine_cfg, cfg, run, registry_name)
+    decodes = [spawner.decode(i, pin_slot=cfg.num_prefill + i if cfg.pin_cores else None) for i in range(cfg.num_decode)]
+    prefills = [spawner.prefill(i, pin_slot=i if cfg.pin_cores else None) for i in range(cfg.num_prefill)]
     async with asyncio.timeout(ACTOR_START_S):
         addresses: list[str] = await asyncio.gather(*(d.start.remote() for d in decodes))
         await asyncio.gather(*(p.ping.remote() for p in prefills))
@@ -111,8 +96,49 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
         [DecodeHandle(f"decode-{i}", actor, addr, cfg.poll_wait_s, epoch=epoch) for i, (actor, addr, epoch)
          in enumerate(zip(decodes, addresses, decode_epochs, strict=True))],
         cfg, fingerprint, engine_cfg.page_size, engine_cfg.max_num_seqs, page_bytes,
-        membership=membership, registry=registry, registry_name=registry_name,
+        membership=membership, registry=registry, registry_name=registry_name, spawner=spawner,
     )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Spawner:
+    """Starts this gateway's worker actors: at launch, and later for RayFront.add_worker (the
+    planner), where the new actor joins membership and the gateway adopts it from the JOIN."""
+
+    engine_cfg: EngineConfig
+    cfg: DisaggConfig
+    run: str  # actor names: baton-{run}-{role}-{index}
+    registry_name: str
+
+    def decode(self, index: int, pin_slot: int | None = None) -> Any:
+        cfg = self.cfg
+        return spawn_decode(
+            _decode_cfg(self.engine_cfg, index, cfg.num_decode), name=f"baton-{self.run}-decode-{index}",
+            reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
+            local_prefill_tokens=cfg.local_prefill_tokens, resources=cfg.decode_resources,
+            num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots,
+            shm_slot_pages=cfg.pages_per_chunk, pin_slot=pin_slot,
+        )  # fmt: skip
+
+    def prefill(self, index: int, pin_slot: int | None = None) -> Any:
+        cfg = self.cfg
+        # The prefill role keeps only its device cache: the lower tiers belong to decode workers.
+        return spawn_prefill(
+            replace(self.engine_cfg, tiers=TierConfig()), name=f"baton-{self.run}-prefill-{index}", epoch=index + 1,
+            pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads, resources=cfg.prefill_resources,
+            push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s, pin_slot=pin_slot,
+            reservation_ttl_s=cfg.reservation_ttl_s,
+        )  # fmt: skip
+
+    async def start_worker(self, role: str, index: int) -> Any:
+        """Spawn one more worker, wait until its model is loaded, and let it join membership
+        as `{role}-{index}`. Keep the returned handle: the actor lives while its creator's
+        handle does (a name alone does not keep it)."""
+        actor = self.decode(index) if role == "decode" else self.prefill(index)
+        async with asyncio.timeout(ACTOR_START_S):
+            await (actor.start.remote() if role == "decode" else actor.ping.remote())
+            await actor.join.remote(self.cfg.membership, self.registry_name, f"{role}-{index}")
+        return actor
 
 
 async def route(prefills: list[Any], decodes: list[Any], addresses: list[str], transport: str) -> None:

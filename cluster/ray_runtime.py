@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_OBJECT_STORE_BYTES = 256 << 20  # KV pages travel over gRPC, not the object store
+# Every worker process of this job: SIGTERM drains an actor instead of killing it (cluster.worker_signals).
+WORKER_ENV = {"worker_process_setup_hook": "cluster.worker_signals.install"}
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -68,6 +70,7 @@ def start_local(
         dashboard_host=LOOPBACK,
         _node_ip_address=LOOPBACK,
         configure_logging=False,
+        runtime_env=WORKER_ENV,
     )
     info = _info(is_local=True, init_s=time.monotonic() - started)
     if info.node_ip != LOOPBACK:
@@ -87,7 +90,7 @@ def connect(address: str) -> RayInfo:
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process")
     started = time.monotonic()
-    ray.init(address=address, configure_logging=False)
+    ray.init(address=address, configure_logging=False, runtime_env=WORKER_ENV)
     info = _info(is_local=False, init_s=time.monotonic() - started)
     logger.info("connected to Ray at %s", info.gcs_address)
     return info

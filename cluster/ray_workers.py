@@ -160,6 +160,10 @@ class DecodeHandle:
             return
         queue.put_nowait(out)
 
+    def fail_all(self, error: WorkerLost) -> None:
+        """End every subscribed stream with `error` (a drain's abandoned requests)."""
+        self._fail_all(error, None)
+
     def _fail_all(self, error: WorkerLost, cause: BaseException | None) -> None:
         if cause is not None:
             logger.warning("decode worker %s: output stream ended: %r", self.name, cause)

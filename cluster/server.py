@@ -37,9 +37,11 @@ from cluster.tenants import ApiKeys
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.errors import ConfigError
 from kvcache.tiers import TierConfig
 
 if TYPE_CHECKING:
+    from cluster.planner import PlannerConfig
     from cluster.ray_front import RayFront
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class ServerConfig:
     shared_prefix_texts: tuple[str, ...] = ()  # prompts every tenant may share (tokenized at start)
     local_prefill_tokens: int = 32  # in-process PD: decode prefills prompts this short itself
     pin_cores: bool = False  # in-process engines: each step thread on its own core (Ray: disagg.pin_cores)
+    planner: PlannerConfig | None = None  # set (Ray only): the gateway resizes its worker pools
+    planner_period_s: float = 5.0
 
 
 def load_api_keys(path: Path | None) -> ApiKeys:
@@ -76,9 +80,13 @@ class Running:
     frontend: Frontend
     http: uvicorn.Server
     grpc: Any | None
+    planner: asyncio.Task[Any] | None = None
 
     async def stop(self) -> None:
         self.frontend.draining = True
+        if self.planner is not None:
+            self.planner.cancel()
+            await asyncio.gather(self.planner, return_exceptions=True)
         if self.grpc is not None:
             await self.grpc.stop(grace=2.0)
         await self.front.stop()
@@ -113,7 +121,19 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
                        lifespan="off", timeout_graceful_shutdown=5,
                        ssl_certfile=cfg.http.tls_certfile, ssl_keyfile=cfg.http.tls_keyfile)
     )
-    return Running(engine, front, frontend, http, grpc_server)
+    planner = None
+    if cfg.planner is not None:
+        if ray_front is None:
+            raise ConfigError("planner", "the planner resizes Ray worker pools: run disaggregated on Ray")
+        planner = asyncio.create_task(_plan(cfg.planner, cfg.planner_period_s, frontend, ray_front), name="baton-planner")
+    return Running(engine, front, frontend, http, grpc_server, planner)
+
+
+async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, front: RayFront) -> None:
+    from cluster.planner import LatencyWindow, LocalRayScaler, Planner, run, sample_from
+
+    window = LatencyWindow(frontend.metrics)
+    await run(Planner(cfg), LocalRayScaler(front), lambda: sample_from(frontend, window), period_s, asyncio.Event())
 
 
 async def _start_in_process(cfg: ServerConfig, engine: Engine | None) -> tuple[Engine, AsyncEngine | PDFront]:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
+from cluster import worker_signals
 from cluster.disagg_config import MembershipConfig
 from cluster.kv_log import KVEventLog
 from cluster.membership import Membership, Role, WorkerIdTaken, WorkerInfo
@@ -26,6 +28,9 @@ from cluster.membership import Membership, Role, WorkerIdTaken, WorkerInfo
 logger = logging.getLogger(__name__)
 
 JOIN_GRACE_S = 2.0  # past the lease TTL, for a predecessor's registration to expire
+DRAIN_TIMEOUT_S = 300.0  # a drain gives in-flight requests this long (k8s: below the grace period)
+DRAIN_QUIET_S = 0.5  # idle this long ends a drain: calls the gateway had sent meanwhile land first
+DRAIN_POLL_S = 0.05
 
 
 async def open_membership(cfg: MembershipConfig, registry_name: str) -> Membership:
@@ -87,14 +92,26 @@ class WorkerMember:
         await self.membership.close()
 
 
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    seconds: float
+    abandoned: int  # requests still unfinished at the timeout (they fail when the actor goes)
+
+
 class Registered:
-    """The membership side of a worker actor (both roles): `join` once started, `leave` on
-    drain or stop; its KV events carry the registration's epoch, so the gateway's index
-    reloads from a snapshot when a lost lease brought a new one."""
+    """The membership and lifecycle side of a worker actor (both roles): `join` once started;
+    `drain` (the planner, the pod's preStop through the gateway, or SIGTERM through
+    cluster.worker_signals): leave membership so no new work comes, finish what is in flight
+    (the gateway's calls already on their way too: DRAIN_QUIET_S of idleness ends it), give
+    up on the rest at the timeout; `drain_and_exit` then stops and exits 0 through Ray.
+    Its KV events carry the registration's epoch, so the gateway's index reloads from a
+    snapshot when a lost lease brought a new one."""
 
     kv_log: KVEventLog
     member: WorkerMember | None = None
     role: Role
+    draining: bool = False
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
 
     async def join(self, cfg: MembershipConfig, registry_name: str, worker_id: str) -> int:
         """Register this actor (its Ray actor name is its address) -> its epoch."""
@@ -105,7 +122,55 @@ class Registered:
                           kv_address=self._kv_address())  # fmt: skip
         self.member = await WorkerMember.join(cfg, registry_name, info)
         self._follow_epoch()
+        worker_signals.on_sigterm(asyncio.get_running_loop(), self.drain_and_exit)
         return self.member.epoch
+
+    async def drain(self, timeout_s: float | None = None) -> DrainReport:
+        """Not-ready, out of membership, in-flight work finished (or abandoned at the timeout)."""
+        start = time.monotonic()
+        end = start + (self.drain_timeout_s if timeout_s is None else timeout_s)
+        self.draining = True
+        try:
+            await self.leave()
+        except Exception as exc:  # unreachable backend: the lease runs out by itself
+            logger.warning("drain: leaving membership failed (%r); the lease expires instead", exc)
+        idle_since: float | None = None
+        while (now := time.monotonic()) < end:
+            if not self._is_idle():
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= DRAIN_QUIET_S:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        report = DrainReport(time.monotonic() - start, self._num_unfinished())
+        logger.warning("drained in %.2f s; %d requests abandoned", report.seconds, report.abandoned)
+        return report
+
+    async def drain_and_exit(self) -> None:
+        """SIGTERM's path: drain, release what outlives the process, exit 0 (Ray records an
+        intended exit)."""
+        import ray
+
+        try:
+            await self.drain()
+            await self._shutdown()
+        finally:
+            ray.get_runtime_context().current_actor.exit.remote()
+
+    async def exit(self) -> None:
+        import ray
+
+        ray.actor.exit_actor()
+
+    def _is_idle(self) -> bool:
+        raise NotImplementedError
+
+    def _num_unfinished(self) -> int:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
 
     async def leave(self) -> None:
         if self.member is not None:

@@ -112,3 +112,15 @@ def test_serve_needs_a_ray_address_in_the_file(tmp_path: Path) -> None:
 def test_flags_beside_config_are_refused() -> None:
     proc = _baton("up", "--config", str(EXAMPLE), "--port", "9001")
     assert proc.returncode == 2 and "--port: not allowed with --config" in proc.stderr
+
+
+def test_the_planner_section() -> None:
+    cfg = to_server_config(parse_cluster_file(
+        "workers: {prefill: {count: 1}}\nscheduler: {max_num_seqs: 32}\n"
+        "planner: {enabled: true, period_s: 2, ttft_slo_s: 1.5, min_prefill: 1, max_prefill: 3, max_total: 6}"))
+    assert cfg.planner is not None and cfg.planner_period_s == 2.0
+    assert cfg.planner.ttft_slo_s == 1.5 and cfg.planner.decode_max_running == 32
+    assert cfg.planner.limits.max_prefill == 3 and cfg.planner.limits.max_total == 6
+    assert to_server_config(parse_cluster_file("workers: {prefill: {count: 1}}")).planner is None
+    with pytest.raises(ConfigError, match="planner.enabled"):
+        to_server_config(parse_cluster_file("planner: {enabled: true}"))  # colocated: nothing to resize

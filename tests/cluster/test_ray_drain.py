@@ -1,0 +1,224 @@
+"""Graceful drain on a real local Ray (issue 7, acceptance item 3): SIGTERM to a worker actor's
+process under steady load drains it -- it leaves membership (not-ready), gets no new work after
+that, finishes what it has, and exits through Ray as an intended exit -- with 0 failed client
+requests. The planner's path (add_worker, drain_worker) is the same drain, called by the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from cluster.disagg_config import DisaggConfig, MembershipConfig
+from cluster.ray_front import RayFront
+from cluster.server import ServerConfig
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+from tests.cluster.conftest import ServerHandle, start_server
+
+ray = pytest.importorskip("ray")
+
+T = TypeVar("T")
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def pd3(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
+    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name="baton-tiny",
+                       disagg=DisaggConfig(num_prefill=1, num_decode=2, transport="grpc",
+                                           membership=MembershipConfig(lease_ttl_s=3)))  # fmt: skip
+    handle = start_server(cfg, None)
+    yield handle
+    handle.stop()
+
+
+def on_loop(handle: ServerHandle, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+    return asyncio.run_coroutine_threadsafe(coro, handle.loop).result(timeout_s)
+
+
+class Load:
+    """`streams` request loops through the gateway, each bounded, until stopped; records every
+    outcome and the decode worker each request was placed on (and when)."""
+
+    def __init__(self, handle: ServerHandle, streams: int = 3, max_requests: int = 400) -> None:
+        self.handle, self.front = handle, handle.running.front
+        assert isinstance(self.front, RayFront)
+        self.ok = 0
+        self.failed: list[str] = []
+        self.placed: list[tuple[float, str | None, str | None]] = []  # (time, decode, prefill)
+        self.stop = threading.Event()
+        self.streams, self.max_requests = streams, max_requests
+        front = self.front
+        real = front._placement
+
+        async def recording(job: Any) -> Any:
+            p = await real(job)
+            self.placed.append((time.monotonic(), p.decode_id, p.prefill_id))
+            return p
+
+        front._placement = recording  # type: ignore[method-assign]
+        self._real = real
+        self.future = asyncio.run_coroutine_threadsafe(self._run(), handle.loop)
+
+    async def _one(self, stream: int, rng: random.Random) -> None:
+        for i in range(self.max_requests):
+            if self.stop.is_set():
+                return
+            n = rng.choice((24, 120))  # short: decode-local; long: a prefill worker computes it
+            prompt = [rng.randrange(100, 1000) for _ in range(n)]
+            try:
+                tokens = 0
+                async for out in self.front.generate(f"load-{stream}-{i}", prompt, GREEDY):
+                    tokens += len(out.token_ids)
+                assert tokens == GREEDY.max_tokens, tokens
+                self.ok += 1
+            except Exception as exc:
+                self.failed.append(repr(exc))
+
+    async def _run(self) -> None:
+        await asyncio.gather(*(self._one(s, random.Random(s)) for s in range(self.streams)))
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.future.result(120)
+        self.front._placement = self._real  # type: ignore[method-assign]
+
+
+def wait_for(check: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def exit_kind(actor: Any) -> str:
+    """How Ray says the actor ended (its RayActorError's text), once it has."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=30)
+        except ray.exceptions.RayActorError as exc:
+            return str(exc)
+        time.sleep(0.1)
+    raise AssertionError("the actor never exited")
+
+
+def test_sigterm_drains_a_decode_worker_under_load(pd3: ServerHandle) -> None:
+    front = pd3.running.front
+    assert isinstance(front, RayFront)
+    victim = front._decode_of["decode-1"]
+    pid = ray.get(victim.actor.place_of.remote(), timeout=30).pid
+    load = Load(pd3)
+    try:
+        wait_for(lambda: sum(d == "decode-1" for _, d, _ in load.placed) >= 3, "no load reached decode-1")
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not victim.is_member, "decode-1 did not leave membership on SIGTERM")
+        left_at = time.monotonic()
+        wait_for(lambda: not victim.is_alive, "decode-1 did not exit after its drain", 60)
+        served_after = load.ok
+        wait_for(lambda: load.ok >= served_after + 6, "the load stopped after the drain")
+    finally:
+        load.finish()
+    assert load.failed == [], load.failed[:3]
+    late = [t for t, d, _ in load.placed if d == "decode-1" and t > left_at + 0.2]
+    assert late == [], "work was placed on decode-1 after it reported not-ready"
+    reason = exit_kind(victim.actor)
+    print(reason)
+    assert "INTENDED_USER_EXIT" in reason or "exit_actor" in reason, reason  # exit 0, not a crash
+    wait_for(lambda: not _running(pid), "the drained worker's process is still running", 15)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_the_planners_add_and_drain_serve_every_request(pd3: ServerHandle) -> None:
+    front = pd3.running.front
+    assert isinstance(front, RayFront)
+    name = on_loop(pd3, front.add_worker("prefill"), 180)
+    assert name == "prefill-1" and front._prefill_of[name].is_routable
+    load = Load(pd3)
+    try:
+        wait_for(lambda: sum(p == name for _, _, p in load.placed) >= 2, "the new prefill worker got no work", 60)
+        report = on_loop(pd3, front.drain_worker(name), 120)
+        assert report.abandoned == 0
+        assert name not in front._prefill_of and all(n.name != name for n in front.nodes())
+        served_after = load.ok
+        wait_for(lambda: load.ok >= served_after + 6, "the load stopped after the drain")
+    finally:
+        load.finish()
+    assert load.failed == [], load.failed[:3]
+
+
+def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) -> None:
+    """The planner on the real gateway: long prompts from several clients keep the prefill
+    queue over its TTFT SLO -> it adds a prefill actor; the load stops -> it drains one away
+    (the least valuable cache), back to the minimum. Every client request succeeds."""
+    import httpx
+
+    from cluster.planner import (
+        LatencyWindow,
+        Limits,
+        LocalRayScaler,
+        Planner,
+        PlannerConfig,
+        run,
+        sample_from,
+    )
+
+    front, frontend = pd3.running.front, pd3.running.frontend
+    assert isinstance(front, RayFront)
+    before = {p.name for p in front.prefills if p.is_routable}
+    cfg = PlannerConfig(ttft_slo_s=0.02, itl_slo_s=30.0, out_samples=2, in_samples=3, cooldown_s=0.5,
+                        settle_timeout_s=120.0, prefill_queue_tokens=64, scale_in_frac=0.5,
+                        limits=Limits(min_prefill=len(before), max_prefill=len(before) + 1, min_decode=1,
+                                      max_decode=2, min_total=2, max_total=4))  # fmt: skip
+    planner, window, stop = Planner(cfg), LatencyWindow(frontend.metrics), asyncio.Event()
+    planning = asyncio.run_coroutine_threadsafe(
+        run(planner, LocalRayScaler(front), lambda: sample_from(frontend, window), 0.5, stop,
+            action_timeout_s=180.0, max_samples=600), pd3.loop)  # fmt: skip
+
+    halt, failed, ok = threading.Event(), [], [0]
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=pd3.url, timeout=60) as http:
+            for _ in range(200):  # bounded
+                if halt.is_set():
+                    return
+                prompt = " ".join(str(rng.randrange(10**6)) for _ in range(100))  # ~300 tokens
+                r = http.post("/v1/completions", json={"model": "baton-tiny", "prompt": prompt, "max_tokens": 2})
+                if r.status_code == 200:
+                    ok[0] += 1
+                else:
+                    failed.append(r.status_code)
+
+    clients = [threading.Thread(target=client, args=(s,)) for s in range(6)]
+    for c in clients:
+        c.start()
+    try:
+        wait_for(lambda: len({p.name for p in front.prefills if p.is_routable}) > len(before),
+                 f"the planner added no prefill worker ({planner.last_reason})", 120)  # fmt: skip
+    finally:
+        halt.set()
+        for c in clients:
+            c.join(60)
+    assert failed == [] and ok[0] > 0
+    wait_for(lambda: len({p.name for p in front.prefills if p.is_routable}) == len(before),
+             f"the planner did not scale back in ({planner.last_reason})", 120)  # fmt: skip
+    stop.set()
+    decisions = planning.result(30)
+    assert [(d.action, d.role) for d in decisions] == [("add", "prefill"), ("remove", "prefill")], decisions
