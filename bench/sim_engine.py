@@ -83,7 +83,8 @@ class Simulation:
                         for i in range(fleet.num_decode)}  # fmt: skip
         cfg = PlacementConfig(page_size=cal.page_size, page_bytes=cal.page_bytes,
                               transfer_bytes_per_s=cal.transfer_bytes_per_s[fleet.transport])
-        self.policy = POLICIES[policy](self.index, list(self.prefills), list(self.decodes), random.Random(seed + 2), cfg)
+        self.policy = POLICIES[policy](self.index, list(self.prefills), list(self.decodes), random.Random(seed + 2), cfg,
+                                       clock=lambda: self._now)  # fmt: skip
         self.hasher = PromptHasher(cal.page_size, model_fingerprint("baton-sim", cal.name))
         self.recorder = Recorder(policy, cal.page_size, slo, traffic.end_s, keep_records)
         self.think_s = traffic.think_s

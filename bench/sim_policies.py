@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple
 
 from bench.sim_workers import SimRequest
@@ -38,7 +38,7 @@ class Policy(ABC):
     name: ClassVar[str]
 
     def __init__(self, index: GlobalIndex, prefill_ids: Sequence[str], decode_ids: Sequence[str],
-                 rng: random.Random, cfg: PlacementConfig) -> None:
+                 rng: random.Random, cfg: PlacementConfig, clock: Callable[[], float] = lambda: 0.0) -> None:
         if not prefill_ids or not decode_ids:
             raise ValueError("a fleet needs prefill and decode workers")
         self.index = index
@@ -46,6 +46,7 @@ class Policy(ABC):
         self.decode_ids = list(decode_ids)
         self.rng = rng
         self.cfg = cfg
+        self.clock = clock  # simulated seconds
         self._all_mask = index.mask_of([*prefill_ids, *decode_ids])  # the slots never change in a run
         self._prefill_mask = index.mask_of(prefill_ids)
         self._turn = 0  # round robin's position
@@ -134,9 +135,9 @@ class Baton(Policy):
     name: ClassVar[str] = "baton"
 
     def __init__(self, index: GlobalIndex, prefill_ids: Sequence[str], decode_ids: Sequence[str],
-                 rng: random.Random, cfg: PlacementConfig) -> None:
-        super().__init__(index, prefill_ids, decode_ids, rng, cfg)
-        self.placer = Placer(index, cfg, rng)
+                 rng: random.Random, cfg: PlacementConfig, clock: Callable[[], float] = lambda: 0.0) -> None:
+        super().__init__(index, prefill_ids, decode_ids, rng, cfg, clock)
+        self.placer = Placer(index, cfg, rng, clock=clock)  # the simulation's time, not the wall's
 
     def update(self, stats: Sequence[WorkerStats]) -> None:
         for s in stats:

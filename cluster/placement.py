@@ -11,9 +11,12 @@ gateway and the simulator (`baton sim`) run the same code.
       cost(W)     queue(W) + recomputed tokens x W's s/token + host, disk bytes / W's bandwidth
                   (+ pages fetched from a peer holding more / peer bandwidth, when cheaper)
       remote      min cost(P) over prefill candidates + the prompt's pages / transfer bandwidth
-      local(D)    cost(D) + the stall it imposes: its compute time x D's running requests
-      total(D)    decode(D) + local(D) if the uncached part is short or local is cheaper,
-                  else remote; the least total wins; SATURATED when no decode worker has room
+      local(D)    cost(D) + the stall it imposes: its compute time x D's running requests (as
+                  reported, or booked here since, whichever is more)
+      total(D)    decode(D) + local(D) if the uncached part is short, or no prefill worker is
+                  healthy, or local is cheaper than every remote one; else remote; the least
+                  total wins; SATURATED when no decode worker has room, or when every healthy
+                  prefill worker is queued past the bound and the uncached part is long
     release_prefill(req_id), finish(req_id)   the in-flight book (queue, fairness)
 
 Costs are seconds of latency the choice adds, summed over the requests it affects: this
@@ -21,9 +24,11 @@ request's wait, compute and page moves, and for a local prefill the stall of eve
 in the decode worker's running batch (why disaggregation exists). decode(D) is the expected
 output tokens x D's measured inter-token latency, inflated by its batch's fill.
 
-Anti-hot-spot, explicitly: a worker's queue delay is the larger of what it reported and the
+Anti-hot-spot, explicitly: a worker's queue delay is the largest of what it reported, the
 prefill tokens this placer has sent it since (a burst of one prefix does not herd onto the
-hot worker between stats reports), so a cache-hot worker whose queue outweighs the
+hot worker between stats reports), and how long its oldest booked prefill has waited for its
+first token (a stuck or slower-than-measured worker shows it at once, whatever its last
+report said), so a cache-hot worker whose queue outweighs the
 recomputation it saves loses to a cold idle one; a worker queued past max_queue_delay_s is
 not a candidate; the k random candidates keep a cold worker in every decision.
 
@@ -42,8 +47,9 @@ from __future__ import annotations
 import enum
 import itertools
 import random
-from collections import defaultdict
-from collections.abc import Sequence
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -196,15 +202,22 @@ class _Pool:
 
 
 class Placer:
-    def __init__(self, index: GlobalIndex, cfg: PlacementConfig, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, index: GlobalIndex, cfg: PlacementConfig, rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
         self.cfg = cfg
         self.rng = rng or random.Random()
+        self.clock = clock
         self.stats = PlacerStats()
         self._workers: dict[str, WorkerStats] = {}
         self._pools = {Role.PREFILL: _Pool(), Role.DECODE: _Pool()}
         self._bookings: dict[str, _Booking] = {}
         self._queued_tokens: defaultdict[str, int] = defaultdict(int)  # worker -> booked prefill tokens
+        # worker -> its booked prefills, oldest first, with when they were booked: work that has
+        # waited longer than the model says shows a worker slower than its reports (stuck)
+        self._waiting: defaultdict[str, OrderedDict[str, float]] = defaultdict(OrderedDict)
         self._prefills: defaultdict[str, int] = defaultdict(int)  # worker -> booked prefills
         self._tenant_prefills: defaultdict[tuple[str, str], int] = defaultdict(int)
         self._decodes: defaultdict[str, int] = defaultdict(int)  # worker -> booked requests
@@ -252,7 +265,8 @@ class Placer:
         for d in decodes:
             if d.num_free_pages < num_pages or d.num_waiting > d.max_running:
                 continue  # no room: reserving would fail or queue behind a whole batch
-            path, is_local = self._path(d, remote, transfer_s, hits, num_tokens, tenant, best_id, best_pages)
+            path, is_local = self._path(d, remote, bool(prefills), transfer_s, hits, num_tokens, tenant, best_id,
+                                        best_pages)  # fmt: skip
             if path is None:
                 continue
             total = self._decode_cost(d) + path.cost_s
@@ -266,16 +280,21 @@ class Placer:
         return self._record(req_id, tenant, best, remote, best_pages, best_id, num_examined)
 
     def _path(
-        self, d: WorkerStats, remote: list[_Option], transfer_s: float, hits: PrefixMatch,
+        self, d: WorkerStats, remote: list[_Option], has_prefill: bool, transfer_s: float, hits: PrefixMatch,
         num_tokens: int, tenant: str, best_id: str | None, best_pages: int,
     ) -> tuple[_Option | None, bool]:
-        """Local prefill on `d`, or the cheapest remote one: (the option, is it local)."""
+        """Local prefill on `d`, or the cheapest remote one: (the option, is it local).
+
+        With healthy prefill workers that are all queued past the bound (`has_prefill` and no
+        `remote`), only a short uncached part goes local: a long one would stall d's whole
+        batch for its compute time, so the request waits for room (SATURATED) instead."""
         local = self._option(d, hits, num_tokens, tenant, best_id, best_pages)
         if local is not None:
-            stall_s = local.compute_s * d.num_running * self.cfg.stall_weight
-            local = local._replace(cost_s=local.cost_s + stall_s)
+            # the batch it stalls: what d reported, or what this placer sent it since
+            running = max(d.num_running, self._decodes.get(d.worker_id, 0))
+            local = local._replace(cost_s=local.cost_s + local.compute_s * running * self.cfg.stall_weight)
             is_short = local.num_recompute_tokens <= self.cfg.local_prefill_tokens
-            if is_short or not remote or local.cost_s <= remote[0].cost_s + transfer_s:
+            if is_short or (not remote and not has_prefill) or (remote and local.cost_s <= remote[0].cost_s + transfer_s):
                 return local, True
         if not remote:
             return None, False
@@ -287,7 +306,8 @@ class Placer:
     ) -> _Option | None:
         """Prefill of the prompt on `w`: None when its queue is past the bound."""
         cfg = self.cfg
-        queue_s = max(w.queue_delay_s, self._queued_tokens.get(w.worker_id, 0) * w.prefill_s_per_token)
+        queue_s = max(w.queue_delay_s, self._queued_tokens.get(w.worker_id, 0) * w.prefill_s_per_token,
+                      self._oldest_wait_s(w.worker_id))  # fmt: skip
         if queue_s > cfg.max_queue_delay_s:
             return None
         hit = hits.hit(w.worker_id)
@@ -307,6 +327,14 @@ class Placer:
         num_peer = max(0, best_pages - hit.num_pages) if is_peer else 0
         num_recompute = num_tokens - (hit.num_pages + num_peer) * cfg.page_size
         return _Option(cost_s, w.worker_id, hit, best_id if num_peer else None, num_peer, num_recompute, compute_s)
+
+    def _oldest_wait_s(self, worker_id: str) -> float:
+        """How long its oldest booked prefill has waited for its first token: a new one waits
+        at least about as long (0 when nothing is booked there)."""
+        waiting = self._waiting.get(worker_id)
+        if not waiting:
+            return 0.0
+        return max(0.0, self.clock() - next(iter(waiting.values())))
 
     def _decode_cost(self, d: WorkerStats) -> float:
         """Expected output tokens x ITL now, inflated by the batch's fill (a fuller batch is
@@ -371,6 +399,7 @@ class Placer:
     def _book(self, req_id: str, booking: _Booking) -> None:
         self._bookings[req_id] = booking
         self._queued_tokens[booking.prefill_id] += booking.num_tokens
+        self._waiting[booking.prefill_id][req_id] = self.clock()
         self._prefills[booking.prefill_id] += 1
         self._tenant_prefills[(booking.prefill_id, booking.tenant)] += 1
         self._decodes[booking.decode_id] += 1
@@ -382,6 +411,11 @@ class Placer:
             return
         booking.is_prefilling = False
         _drop(self._queued_tokens, booking.prefill_id, booking.num_tokens)
+        waiting = self._waiting.get(booking.prefill_id)
+        if waiting is not None:
+            waiting.pop(req_id, None)
+            if not waiting:
+                del self._waiting[booking.prefill_id]
         _drop(self._prefills, booking.prefill_id, 1)
         _drop(self._tenant_prefills, (booking.prefill_id, booking.tenant), 1)
 

@@ -248,3 +248,50 @@ def test_config_is_checked() -> None:
         PlacementConfig(tenant_share=0)
     with pytest.raises(ValueError):
         PlacementConfig(num_sampled=0)
+
+
+def test_a_long_cold_prompt_waits_when_every_prefill_worker_is_queued_past_the_bound() -> None:
+    # DESIGN §3: decode prefills only a short uncached part, or when no prefill worker is healthy.
+    busy = [_prefill("p0", queue_delay_s=60.0), _prefill("p1", queue_delay_s=60.0), _decode("d0", num_running=0)]
+    long = _fleet(busy).place("r1", _pages("cold", 100), 100 * PS + 3)
+    assert (long.kind, long.retry_after_s > 0) == (PlacementKind.SATURATED, True)
+    short = _fleet(busy).place("r2", [], 20)
+    assert (short.kind, short.decode_id) == (PlacementKind.LOCAL, "d0")
+    alone = _fleet([_decode("d0")]).place("r3", _pages("cold", 100), 100 * PS + 3)
+    assert (alone.kind, alone.decode_id) == (PlacementKind.LOCAL, "d0")  # no prefill worker at all
+
+
+def test_the_stall_of_a_local_prefill_counts_the_requests_booked_since_the_last_report() -> None:
+    # d0 reported an empty batch and computes twice as fast as p0; each request placed on d0
+    # since then is in the batch a local prefill stalls, so local placements thin out (counting
+    # only the reported batch, 6 of these 8 went local).
+    placer = _fleet([_prefill("p0", spt=2 * SPT), _decode("d0", num_running=0, spt=SPT)],
+                    replace(CFG, local_prefill_tokens=0, transfer_bytes_per_s=1e12))  # fmt: skip
+    kinds = [placer.place(f"r{i}", _pages(f"c{i}", 30), 30 * PS + 1).kind for i in range(8)]
+    assert kinds[0] == PlacementKind.LOCAL
+    assert kinds.count(PlacementKind.LOCAL) <= 3
+
+
+def test_a_stuck_holder_shows_in_how_long_its_booked_work_has_waited() -> None:
+    """Its reports say idle (they are stale, or it is stuck while answering them); the prefills
+    booked there an age ago still have no first token: a new request with its prefix goes to
+    the cold worker, and comes back to the holder once it moves again."""
+    now = [0.0]
+    history = _pages("conv", 24)
+    index = GlobalIndex()
+    index.load_snapshot("hot", 1, 0, [(h, Tier.DEVICE) for h in history[:20]])
+    index.load_snapshot("cold", 1, 0, [])
+    placer = Placer(index, CFG, random.Random(0), clock=lambda: now[0])
+    for w in (_prefill("hot"), _prefill("cold"), _decode("d0")):
+        placer.update_worker(w)
+    first = placer.place("r1", history, 24 * PS + 5)
+    assert first.prefill_id == "hot"
+    now[0] = 0.01  # a moment later: queued behind r1 is still cheaper than recomputing
+    assert placer.place("r2", history, 24 * PS + 5).prefill_id == "hot"
+    now[0] = 2.0  # r1 and r2 have waited 2 s for a prefill the model says takes ~0.04 s
+    stuck = placer.place("r3", history, 24 * PS + 5)
+    assert stuck.prefill_id == "cold" and stuck.locality_given_up == 20
+    placer.release_prefill("r1")
+    placer.release_prefill("r2")  # it moved again
+    placer.finish("r3")
+    assert placer.place("r4", history, 24 * PS + 5).prefill_id == "hot"

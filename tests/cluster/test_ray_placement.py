@@ -111,6 +111,7 @@ def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle)
     while front.placer.inflight(holder) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert front.placer.inflight(holder) >= 2, "the burst did not queue on the cache-hot worker"
+    time.sleep(1.0)  # the burst has waited on the holder far longer than its queue should take
     probe_start = time.monotonic()
     assert on_loop(pd2, generate(front, "probe", prompt + words(96)), STALL_S)
     probe_s = time.monotonic() - probe_start
