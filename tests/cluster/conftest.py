@@ -4,6 +4,7 @@ event loop, so tests can talk HTTP to it and still inspect the engine's pages.""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from cluster import ray_runtime  # sets Ray's environment before any test module
 from cluster.server import Running, ServerConfig, start
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from tests.etcd_server import INSTALL_HINT, EtcdServer
 
 
 def free_port() -> int:
@@ -164,3 +166,13 @@ def make_server(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., Serv
 def server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
     """The shared default server: no keys, default admission."""
     return make_server()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd on loopback for the session (membership tests and the Ray deployment's)."""
+    if shutil.which("etcd") is None:  # a failure, not a skip: these tests must run in CI
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    server = EtcdServer.launch(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()

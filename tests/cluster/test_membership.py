@@ -8,11 +8,10 @@ worker process is dead, etcd is down (its PID exited, its port refuses), the key
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aetcd  # type: ignore[import-untyped]
@@ -29,21 +28,12 @@ from cluster.membership import (
     WorkerInfo,
 )
 from cluster.membership_etcd import EtcdConfig, EtcdMembership
-from tests.etcd_server import INSTALL_HINT, EtcdServer, TcpGate, is_listening
+from tests.etcd_server import EtcdServer, TcpGate, is_listening
 
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENT_WAIT_S = 5.0
-
-
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    if shutil.which("etcd") is None:  # a failure, not a skip: these tests must run in CI
-        pytest.fail(INSTALL_HINT, pytrace=False)
-    server = EtcdServer.launch(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()
 
 
 class Cluster:

@@ -24,6 +24,7 @@ from cluster.cli import _build_parser, _server_config
 from engine.errors import BatonError
 from tests.cluster.conftest import ServerHandle, free_port
 from tests.cluster.test_ray_serving import LONG, MODEL
+from tests.etcd_server import EtcdServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,17 +96,25 @@ def _wait_port(port: int, timeout_s: float) -> None:
     raise TimeoutError(f"nothing listens on {port}")
 
 
-def test_serve_attaches_to_a_running_ray_cluster(
-    ray_head: tuple[str, dict[str, str]], tiny_model_dir: Path, server: ServerHandle
+def test_serve_attaches_to_a_running_ray_cluster_and_etcd(
+    ray_head: tuple[str, dict[str, str]], etcd: EtcdServer, tiny_model_dir: Path, server: ServerHandle, tmp_path: Path
 ) -> None:
+    """`baton serve --config cluster.yaml` on a `ray start` cluster with etcd membership: the
+    workers hold leases under /{cluster}/workers/ while it serves, and revoke them at the end."""
     address, env = ray_head
     http_port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--ray-address", address, "--model", str(tiny_model_dir),
-         "--dtype", "float32", "--max-model-len", "512", "--kv-pages", "256", "--port", str(http_port),
-         "--grpc-port", "0", "--served-model-name", MODEL],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"""
+cluster: attach-test
+model: {{path: "{tiny_model_dir}", served_name: {MODEL}, dtype: float32, max_model_len: 512}}
+ray: {{address: "{address}"}}
+workers: {{prefill: {{count: 1}}, decode: {{count: 1}}}}
+kv_cache: {{device_pages: 256}}
+membership: {{backend: etcd, lease_ttl_s: 3, etcd: {{host: 127.0.0.1, port: {etcd.port}}}}}
+api: {{port: {http_port}, grpc_port: 0}}
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--config", str(cfg)],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         url = f"http://127.0.0.1:{http_port}"
         deadline = time.monotonic() + 90
@@ -125,6 +134,9 @@ def test_serve_attaches_to_a_running_ray_cluster(
         )
         assert got.choices[0].text == want.choices[0].text
         assert 'baton_placements_total{route="disaggregated"} 1.0' in httpx.get(url + "/metrics").text
+        assert _etcd_workers(etcd, "attach-test") == ["decode-0", "prefill-0"]
+        nodes = {n["name"]: n for n in httpx.get(url + "/status", timeout=10).json()["nodes"]}
+        assert {n["health"] for n in nodes.values()} == {"ok"} and nodes["prefill-0"]["epoch"] > 0
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -134,3 +146,18 @@ def test_serve_attaches_to_a_running_ray_cluster(
             raise
     errors = proc.stderr.read() if proc.stderr else ""
     assert code in (0, 130) and "Traceback" not in errors, errors  # 130: stopped by Ctrl-C
+    assert _etcd_workers(etcd, "attach-test") == []  # the leases went with the workers
+
+
+def _etcd_workers(etcd: EtcdServer, cluster: str) -> list[str]:
+    import asyncio
+
+    import aetcd  # type: ignore[import-untyped]
+
+    async def read() -> list[str]:
+        async with aetcd.Client("127.0.0.1", etcd.port) as client:
+            prefix = f"/{cluster}/workers/".encode()
+            kvs = await client.get_prefix(prefix)
+            return sorted(kv.key.decode()[len(prefix):] for kv in kvs)
+
+    return asyncio.run(read())
