@@ -54,6 +54,7 @@ from cluster.membership import Role as MemberRole
 from cluster.node_status import NodeStatus
 from cluster.placement import Placement, PlacementConfig, PlacementKind, Placer, Role, WorkerStats
 from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
+from cluster.tracing import NO_SPAN, RequestTrace, Span, first_token, trace_of
 from cluster.transfer_metrics import TransferMetrics
 from cluster.worker_membership import DrainReport
 from cluster.worker_msgs import PrefillResult, TransferReport
@@ -214,7 +215,13 @@ class RayFront:
         if sampling.seed is None and not sampling.is_greedy:
             sampling = replace(sampling, seed=secrets.randbits(62))  # a re-run replays the stream
         job = PrefillJob(req_id, tuple(prompt_ids), sampling, priority, cache_salt)
-        placement = await self._placement(job)
+        trace = trace_of(req_id)  # the edge's span (cluster.tracing), or one that records nothing
+        with trace.span("baton.placement", req_id=req_id) as placing:
+            placement = await self._placement(job)
+            placing.set(kind=placement.kind.name.lower(), decode_worker=placement.decode_id or "",
+                        prefill_worker=placement.prefill_id or "", hit_pages=placement.hit.num_pages,
+                        peer_pages=placement.num_peer_pages, locality_given_up=placement.locality_given_up,
+                        recompute_tokens=placement.num_recompute_tokens, fallbacks=len(placement.fallbacks))
         decode = self._decode_of[placement.decode_id or ""]
         try:
             queue = decode.subscribe(req_id)
@@ -223,31 +230,47 @@ class RayFront:
             raise
         prefill: PrefillHandle | None = None
         sent_first = is_local = finished = False
+        prefilling = decoding = NO_SPAN  # this attempt's prefill; decode from the first token on
+        num_tokens = 0
         try:
             paths = self._paths(placement)  # None: local
             for prefill in paths:
+                prefilling = trace.span("baton.prefill", req_id=req_id)
                 try:
-                    placed = await self._place(job, decode, prefill)
+                    placed = await self._place(job, decode, prefill, prefilling)
                     self.placer.release_prefill(req_id)  # computed: it no longer queues there
                     if placed is None:  # decode prefills it itself
                         is_local = True
                         break
                     if not sent_first:  # the first token goes to the edge before the pages move
                         sent_first = True
+                        decoding = first_token(trace, placed.first.finished, req_id=req_id, worker=decode.name)
                         yield placed.first
                         if placed.first.finished:
                             finished = True
                             return
-                    await self._hand_over(job, decode, placed)
+                    await self._hand_over(job, decode, placed, trace)
                     break
                 except _Redispatch:
                     self.metrics.redispatches.labels("prefill" if self._healthy_prefills() else "local").inc()
             prefill = None
             # A local re-run's first token was already sent by a prefill worker.
-            async for out in self._stream(decode, queue, skip_first=is_local and sent_first):
+            async for out in self._stream(decode, queue, is_local and sent_first, prefilling):
+                if not sent_first:
+                    sent_first = True
+                    decoding = first_token(trace, out.finished, req_id=req_id, worker=decode.name)
                 finished = out.finished
+                num_tokens = out.num_output_tokens
                 yield out
+        except BaseException as exc:
+            if not finished:
+                prefilling.fail(exc)
+                decoding.fail(exc)
+            raise
         finally:
+            prefilling.end()
+            decoding.set(output_tokens=num_tokens)
+            decoding.end()
             self.placer.finish(req_id)
             decode.unsubscribe(req_id)
             if not finished:  # cancelled or failed: every worker it touched lets go
@@ -255,64 +278,81 @@ class RayFront:
                 if prefill is not None:
                     self._fire(prefill.actor.abort.remote(req_id))
 
-    async def _stream(self, decode: DecodeHandle, queue: Outputs, skip_first: bool) -> AsyncIterator[StepOutput]:
+    async def _stream(
+        self, decode: DecodeHandle, queue: Outputs, skip_first: bool, prefilling: Span = NO_SPAN
+    ) -> AsyncIterator[StepOutput]:
+        """decode's outputs of the request; its first token ends `prefilling` (a local prefill)."""
         async for out in decode.outputs(queue):
-            if skip_first and out.num_output_tokens == len(out.token_ids):
-                skip_first = False
-                if not out.finished:
-                    continue
-                out = replace(out, token_ids=(), text="", logprobs=())  # only the finish is news
+            if out.num_output_tokens == len(out.token_ids):  # the first token
+                prefilling.end()
+                if skip_first:
+                    skip_first = False
+                    if not out.finished:
+                        continue
+                    out = replace(out, token_ids=(), text="", logprobs=())  # only the finish is news
             yield out
 
-    async def _place(self, job: PrefillJob, decode: DecodeHandle, prefill: PrefillHandle | None) -> _Placed | None:
-        """Start the request down this path: None when decode prefills it itself; else the
-        first token from `prefill`, whose push to decode has started."""
+    async def _place(
+        self, job: PrefillJob, decode: DecodeHandle, prefill: PrefillHandle | None, prefilling: Span = NO_SPAN
+    ) -> _Placed | None:
+        """Start the request down this path: None when decode prefills it itself (`prefilling`
+        ends with its first token, in _stream); else the first token from `prefill`, whose push
+        to decode has started."""
         epoch = prefill.epoch if prefill is not None else None
         dest: KVDestination | None = await self._decode_call(decode, decode.actor.place.remote(job, epoch))
         if dest is None:
             self.metrics.placements.labels("local").inc()
+            prefilling.set(worker=decode.name, epoch=decode.epoch, local=True)
             return None
         assert prefill is not None
+        prefilling.set(worker=prefill.name, epoch=prefill.epoch, local=False)
         prefill.num_inflight += 1
         try:
             call = prefill.actor.prefill.remote(job, dest)
             result: PrefillResult = await asyncio.wait_for(_ray_await(call), self.cfg.reservation_ttl_s)
         except Exception as exc:
             self._fire(decode.actor.cancel.remote(dest))  # the pages go back at once
-            self._prefill_failed(prefill, job, exc)
+            prefilling.fail(self._prefill_failed(prefill, job, exc))
+            prefilling.end()
             raise _Redispatch from None
         finally:
             prefill.num_inflight -= 1
+        prefilling.end()
         self.metrics.placements.labels("disaggregated").inc()
         if result.output.finished:  # the first token ends it: nothing moves
             self._fire(decode.actor.cancel.remote(dest))
         return _Placed(result.output, dest, result.transfer_id, prefill)
 
-    async def _hand_over(self, job: PrefillJob, decode: DecodeHandle, placed: _Placed) -> None:
+    async def _hand_over(self, job: PrefillJob, decode: DecodeHandle, placed: _Placed, trace: RequestTrace) -> None:
         """Wait for the push; the request joins decode's batch, or _Redispatch (pages freed)."""
         wait_s = self.cfg.transfer_deadline_s
         admit = decode.actor.admit.remote(job, placed.dest, placed.first, wait_s)  # waits there
         failed: str | None = None
-        self.metrics.inflight.inc()
-        try:
-            call = placed.prefill.actor.push_result.remote(placed.transfer_id)
-            report: TransferReport = await asyncio.wait_for(_ray_await(call), wait_s + 1)
-            self.metrics.observe(report)
-            if not report.accepted:
-                failed = report.error
-                self.metrics.failures.labels(_reason(failed)).inc()
-        except Exception as exc:
-            failed = self._prefill_failed(placed.prefill, job, exc)  # counted there
-        finally:
-            self.metrics.inflight.dec()
-        if failed is not None:
-            self._fire(decode.actor.cancel.remote(placed.dest))  # admit then answers False at once
-        if not await self._decode_call(decode, admit, wait_s + 2):
-            if failed is None:  # the push said yes, but the pages did not all arrive in time
-                failed = "deadline"
-                self.metrics.failures.labels(failed).inc()
-            logger.info("%s: transfer %s failed (%s); re-dispatching", job.req_id, placed.transfer_id, failed)
-            raise _Redispatch
+        with trace.span("baton.transfer", req_id=job.req_id, prefill_worker=placed.prefill.name,
+                        decode_worker=decode.name) as transfer:  # fmt: skip
+            self.metrics.inflight.inc()
+            try:
+                call = placed.prefill.actor.push_result.remote(placed.transfer_id)
+                report: TransferReport = await asyncio.wait_for(_ray_await(call), wait_s + 1)
+                self.metrics.observe(report)
+                transfer.set(transport=report.transport, bytes=report.num_bytes, pages=report.num_pages,
+                             seconds=report.seconds)  # fmt: skip
+                if not report.accepted:
+                    failed = report.error
+                    self.metrics.failures.labels(_reason(failed)).inc()
+            except Exception as exc:
+                failed = self._prefill_failed(placed.prefill, job, exc)  # counted there
+            finally:
+                self.metrics.inflight.dec()
+            if failed is not None:
+                self._fire(decode.actor.cancel.remote(placed.dest))  # admit then answers False at once
+            if not await self._decode_call(decode, admit, wait_s + 2):
+                if failed is None:  # the push said yes, but the pages did not all arrive in time
+                    failed = "deadline"
+                    self.metrics.failures.labels(failed).inc()
+                logger.info("%s: transfer %s failed (%s); re-dispatching", job.req_id, placed.transfer_id, failed)
+                transfer.fail(_reason(failed))
+                raise _Redispatch
 
     # -- workers ----------------------------------------------------------------------------------
 
