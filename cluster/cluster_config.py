@@ -23,6 +23,8 @@ value of the wrong type or out of its range. An example with every key is exampl
     api:        host, port, grpc_port (0: off), api_keys_file, tls_cert, tls_key,
                 allow_priority_field, request_timeout_s, max_body_bytes
     admission:  max_waiting_requests, max_waiting_tokens, max_inflight_requests
+    tracing:    otlp_endpoint (null: $OTEL_EXPORTER_OTLP_ENDPOINT, else off), service_name,
+                sample_ratio, insecure                                 (cluster.tracing)
 
 No pickle: the file is parsed with yaml.safe_load, then checked by the schema below.
 """
@@ -145,6 +147,13 @@ class AdmissionSection(_Section):
     max_inflight_requests: int = Field(default=1024, ge=1)
 
 
+class TracingSection(_Section):
+    otlp_endpoint: str | None = Field(default=None, min_length=1, max_length=2048)  # OTLP/gRPC collector
+    service_name: str = Field(default="baton", min_length=1, max_length=256)
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    insecure: bool = True  # false: TLS to the collector (an https:// endpoint is TLS anyway)
+
+
 class ClusterFile(_Section):
     cluster: str = Field(default="baton", pattern=_NAME)
     model: ModelSection = ModelSection()
@@ -158,6 +167,7 @@ class ClusterFile(_Section):
     planner: PlannerSection = PlannerSection()
     api: ApiSection = ApiSection()
     admission: AdmissionSection = AdmissionSection()
+    tracing: TracingSection = TracingSection()
 
 
 def parse_cluster_file(text: str, source: str = "cluster.yaml") -> ClusterFile:
@@ -202,6 +212,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
     from cluster.disagg_config import DisaggConfig, MembershipConfig
     from cluster.http_api import HttpConfig
     from cluster.server import ServerConfig
+    from cluster.tracing import TracingConfig
     from engine.engine_config import EngineConfig
     from kvcache.tiers import TierConfig
 
@@ -240,7 +251,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port),
         )  # fmt: skip
     planner = _planner(f) if f.planner.enabled else None
-    a = f.api
+    a, tr = f.api, f.tracing
     return ServerConfig(
         engine=engine,
         http=HttpConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
@@ -258,6 +269,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         pin_cores=w.pin_cores,
         planner=planner,
         planner_period_s=f.planner.period_s,
+        tracing=TracingConfig(tr.otlp_endpoint, tr.service_name, tr.sample_ratio, tr.insecure),
     )  # fmt: skip
 
 

@@ -4,7 +4,10 @@
       tenant = keys.lookup(...)                      (401 / UNAUTHENTICATED)
       ticket = frontend.admit()                      (429 / RESOURCE_EXHAUSTED, before tokenizing)
       req    = frontend.prepare(ids, sampling, ...)  (400 / INVALID_ARGUMENT, before allocating)
-      async for out in frontend.stream(req, ticket): render SSE / protobuf
+      async for out in frontend.stream(req, ticket, api, trace): render SSE / protobuf
+
+`trace` is the call's edge span (cluster.tracing: the edge opens it, from `frontend.tracing`);
+while a request streams, its engine side finds it by req_id.
 
 Both APIs build the same frozen GenerateRequest and consume the same StepOutput stream, so
 they cannot drift apart in what they accept or how they finish.
@@ -25,6 +28,8 @@ from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.metrics import EdgeMetrics
 from cluster.node_status import NodeCollector, NodeStatus, collect_nodes
 from cluster.tenants import Tenant, TenantLimits
+from cluster.tracing import NO_TRACE, OFF, RequestTrace, Tracing, first_token
+from engine.async_engine import AsyncEngine
 from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.outputs import StepOutput, StepStats
@@ -32,6 +37,9 @@ from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+_ENGINE_NODE = "engine-0"  # the colocated engine's node name (cluster.node_status)
 
 
 class ModelView(Protocol):
@@ -101,8 +109,12 @@ class Frontend:
         model_name: str,
         admission: AdmissionConfig | None = None,
         request_timeout_s: float = 600.0,
+        tracing: Tracing = OFF,
     ) -> None:
         self.engine = engine
+        self.tracing = tracing
+        # Colocated, the engine side writes no spans of its own: stream() writes its prefill and decode.
+        self._engine_trace = isinstance(engine, AsyncEngine)
         self.model_name = model_name
         model = engine.engine
         self.tokenizer: Tokenizer = model.tokenizer
@@ -157,8 +169,10 @@ class Frontend:
         tenant: Tenant,
         deadline: float | None,
         max_tokens_given: bool = True,
+        req_id: str | None = None,
     ) -> GenerateRequest:
-        """Check a tokenized prompt against the model; default max_tokens to what is left."""
+        """Check a tokenized prompt against the model; default max_tokens to what is left.
+        `req_id`: the one the edge minted with its trace (else a new one; never the client's)."""
         n = len(prompt_ids)
         if n == 0:
             raise invalid("the prompt is empty", "prompt")
@@ -180,7 +194,7 @@ class Frontend:
                 "max_tokens",
             )
         return GenerateRequest(
-            req_id=uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), sampling=sampling,
+            req_id=req_id or uuid.uuid4().hex, prompt_ids=tuple(prompt_ids), sampling=sampling,
             tenant=tenant, priority=tenant.priority, deadline=deadline,
         )
 
@@ -195,7 +209,9 @@ class Frontend:
 
     # -- the stream -------------------------------------------------------------------------
 
-    async def stream(self, req: GenerateRequest, ticket: Ticket, api: str) -> AsyncIterator[StepOutput]:
+    async def stream(
+        self, req: GenerateRequest, ticket: Ticket, api: str, trace: RequestTrace = NO_TRACE
+    ) -> AsyncIterator[StepOutput]:
         """The request's outputs; raises EdgeError. Leaving early aborts the engine request."""
         start = last = time.monotonic()
         outcome = "error"
@@ -204,6 +220,13 @@ class Frontend:
         prompt_tokens, cached_tokens, generated_tokens = (
             m.tenant_tokens.labels(req.tenant.name, kind) for kind in ("prompt", "cached", "generated")
         )
+        trace.bind(req.req_id)
+        trace.set(max_tokens=req.sampling.max_tokens)
+        trace.add_usage(prompt_tokens=len(req.prompt_ids))
+        engine_trace = trace if self._engine_trace else NO_TRACE
+        stage = engine_trace.span("baton.prefill", req_id=req.req_id, worker=_ENGINE_NODE)  # then decode
+        num_tokens = 0
+        failure: BaseException | None = None
         try:
             async with asyncio.timeout(self._remaining(req)):
                 stream = self.engine.generate(
@@ -216,23 +239,29 @@ class Frontend:
                         m.ttft.observe(now - start)
                         prompt_tokens.inc(out.num_prompt_tokens)
                         cached_tokens.inc(out.num_cached_tokens)
+                        trace.add_usage(cached_tokens=out.num_cached_tokens)
+                        stage.end()
+                        stage = first_token(engine_trace, out.finished, req_id=req.req_id, worker=_ENGINE_NODE)
                     else:
                         m.itl.observe(now - last)
                     last = now
+                    num_tokens = out.num_output_tokens
                     generated_tokens.inc(len(out.token_ids))
                     self.limits.charge_generated(req.tenant, len(out.token_ids))
                     yield out
             outcome = "ok"
         except TimeoutError:
             outcome = "deadline"
-            raise EdgeError(Kind.DEADLINE_EXCEEDED, "the request's deadline passed") from None
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            failure = EdgeError(Kind.DEADLINE_EXCEEDED, "the request's deadline passed")
+            raise failure from None
+        except (asyncio.CancelledError, GeneratorExit) as exc:
+            outcome, failure = "cancelled", exc
             raise
-        except EdgeError:
+        except EdgeError as exc:
+            failure = exc
             raise
         except Exception as exc:
-            edge = classify(exc)
+            edge = failure = classify(exc)
             if edge.kind == Kind.INTERNAL:
                 logger.exception("request %s failed", req.req_id)
             raise edge from None
@@ -240,6 +269,14 @@ class Frontend:
             ticket.release()
             m.requests.labels(api, outcome).inc()
             m.e2e.observe(time.monotonic() - start)
+            if failure is not None:
+                stage.fail(failure)
+                trace.fail(failure)
+            if num_tokens:  # the stage is decode's
+                stage.set(output_tokens=num_tokens)
+            stage.end()
+            trace.add_usage(output_tokens=num_tokens)
+            trace.unbind(req.req_id)
 
     def _remaining(self, req: GenerateRequest) -> float | None:
         return None if req.deadline is None else max(0.0, req.deadline - time.monotonic())

@@ -15,6 +15,9 @@ CancelledError then lands inside our own `await`, so `aclosing` closes the front
 once (its `finally` aborts the engine request and frees its pages). An async-generator handler
 suspended at `yield` would instead be closed only whenever the garbage collector gets to it.
 
+Tracing (cluster.tracing, when configured): Generate and Complete each open a `baton.request`
+span before anything is checked; its parent is the `traceparent` metadata the client sent.
+
 Health (`grpc.health.v1`, SERVING while the step loop is live and the frontend not draining)
 and reflection are registered on the same server and need no key.
 """
@@ -40,6 +43,7 @@ from cluster.admission import Ticket
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.frontend import Frontend, GenerateRequest
 from cluster.tenants import ApiKeys, Tenant
+from cluster.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
 from engine.errors import ConfigError
 from engine.outputs import StepOutput
 from engine.request import FinishReason
@@ -121,12 +125,14 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(  # type: ignore[override]
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        await _guarded(context, self._generate(request, context))
+        with self._trace("Generate", context) as trace:
+            await _guarded(context, self._generate(request, context, trace), trace)
 
     async def Complete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.CompleteResponse:
-        return await _guarded(context, self._complete(request, context))
+        with self._trace("Complete", context) as trace:
+            return await _guarded(context, self._complete(request, context, trace), trace)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -136,11 +142,11 @@ class GenerationService(pb_grpc.GenerationServicer):
     # -- the three calls --------------------------------------------------------------------
 
     async def _generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> None:
-        req, ticket = await self._open(request, context)
+        req, ticket = await self._open(request, context, trace)
         try:
-            async with contextlib.aclosing(_stream(self.frontend, req, ticket)) as outs:
+            async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
                 request_id = req.req_id
                 async for out in outs:
                     await context.write(_delta(out, request_id))
@@ -149,13 +155,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             ticket.release()
 
     async def _complete(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> pb.CompleteResponse:
-        req, ticket = await self._open(request, context)
+        req, ticket = await self._open(request, context, trace)
         reply = pb.CompleteResponse(request_id=req.req_id)
         texts: list[str] = []
         try:
-            async with contextlib.aclosing(_stream(self.frontend, req, ticket)) as outs:
+            async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
                 async for out in outs:
                     reply.token_ids.extend(out.token_ids)
                     reply.logprobs.extend(_logprob(lp) for lp in out.logprobs)
@@ -181,12 +187,20 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     # -- the shared path --------------------------------------------------------------------
 
+    def _trace(self, method: str, context: grpc.aio.ServicerContext) -> RequestTrace:
+        tracing = self.frontend.tracing
+        if not tracing.is_enabled:  # off: the metadata is not even read
+            return NO_TRACE
+        return tracing.request("grpc", f"/{SERVICE_NAME}/{method}", context.invocation_metadata() or ())
+
     async def _open(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> tuple[GenerateRequest, Ticket]:
         """Authenticate, bound, admit, tokenize and prepare: the frozen request and its ticket."""
         tenant = self._authenticate(context)
+        trace.set(tenant=tenant.name)
         self._check_model(request.model)
+        trace.set(model=self.frontend.model_name)
         _check_prompt(request, self.frontend.max_model_len)
         sampling, max_tokens_given = build_sampling(request.sampling, self.frontend.max_model_len)
         tenant = self._priority(request, tenant)
@@ -194,7 +208,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         ticket = self.frontend.admit()
         try:
             prompt_ids = await self._prompt_ids(request)
-            req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, max_tokens_given)
+            req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, max_tokens_given, trace.req_id)
             self.frontend.check_tenant(ticket, req)
         except BaseException:
             ticket.release()
@@ -239,11 +253,11 @@ class GenerationService(pb_grpc.GenerationServicer):
 
 
 def _stream(
-    frontend: Frontend, req: GenerateRequest, ticket: Ticket
+    frontend: Frontend, req: GenerateRequest, ticket: Ticket, trace: RequestTrace
 ) -> AsyncGenerator[StepOutput, None]:
     # Frontend.stream is an async generator function (annotated as an AsyncIterator): name the
     # type that has aclose(), which is what closes it at once on cancellation.
-    return cast(AsyncGenerator[StepOutput, None], frontend.stream(req, ticket, "grpc"))
+    return cast(AsyncGenerator[StepOutput, None], frontend.stream(req, ticket, "grpc", trace))
 
 
 async def _maybe_in_thread(
@@ -255,12 +269,13 @@ async def _maybe_in_thread(
     return fn(*args, **kwargs)
 
 
-async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T], trace: Span = NO_SPAN) -> T:
     """Run a call; turn any failure into its status (internals never leak)."""
     try:
         return await work
     except Exception as exc:
         err = classify(exc)
+        trace.fail(err)
         if err.kind == Kind.INTERNAL and not isinstance(exc, EdgeError):
             logger.exception("gRPC call failed")
         await abort(context, err)

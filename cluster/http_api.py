@@ -8,6 +8,10 @@ how a dropped stream aborts its engine request.
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
 /live, /ready, /metrics, /status (the gateway and every node: cluster.node_status), /dashboard
 (a live page over /status), POST /admin/drain (stop admitting, finish in-flight), /openapi.json. Every error body is OpenAI-shaped.
+
+Tracing (cluster.tracing, when configured): an outermost middleware opens each generation call's
+`baton.request` span before auth and validation, so refused calls are traced too; its parent
+is the client's `traceparent` header.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from cluster.frontend import Frontend, GenerateRequest
 from cluster.openai_render import ChoiceState, Renderer, error_body, sse
 from cluster.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from cluster.tenants import ApiKeys, Tenant
+from cluster.tracing import NO_TRACE, RequestTrace, Tracing
 from engine.errors import BatonError
 from engine.outputs import StepOutput
 from engine.sampling import SamplingParams
@@ -68,19 +73,21 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set
     app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes,
                        open_paths=("/live", "/ready", "/dashboard"))  # fmt: skip
+    if frontend.tracing.is_enabled:  # added last: outermost, so it sees 401s and 413s too
+        app.add_middleware(TracedCalls, tracing=frontend.tracing)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_traced_error(request, _validation_error(exc)))
 
     @app.exception_handler(EdgeError)
-    async def _edge(_: Request, exc: EdgeError) -> JSONResponse:
-        return error_response(exc)
+    async def _edge(request: Request, exc: EdgeError) -> JSONResponse:
+        return error_response(_traced_error(request, exc))
 
     @app.exception_handler(BatonError)
-    async def _baton(_: Request, exc: BatonError) -> JSONResponse:
+    async def _baton(request: Request, exc: BatonError) -> JSONResponse:
         # e.g. a checkpoint's chat template refusing the messages: the caller's input, a 400.
-        return error_response(classify(exc))
+        return error_response(_traced_error(request, classify(exc)))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -153,6 +160,55 @@ def _dashboard_page() -> bytes:
     return (Path(__file__).parent / "static" / "dashboard.html").read_bytes()
 
 
+class TracedCalls:
+    """ASGI middleware: the `baton.request` span of each generation call, from the first byte to
+    the last (a stream's too), with the status it answered."""
+
+    PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+    def __init__(self, app: Any, tracing: Tracing) -> None:
+        self.app = app
+        self.tracing = tracing
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        trace = self.tracing.request("http", scope["path"], scope.get("headers", ()))
+        state = scope.setdefault("state", {})
+        state["trace"] = trace
+        status = 500  # an exception before the response started is answered with a 500
+
+        async def send_status(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        finally:
+            tenant = state.get("tenant")
+            if isinstance(tenant, Tenant):
+                trace.set(tenant=tenant.name)
+            trace.http_status(status)
+            trace.end()
+
+
+def _trace(request: Request) -> RequestTrace:
+    trace = request.scope.get("state", {}).get("trace", NO_TRACE)
+    return trace if isinstance(trace, RequestTrace) else NO_TRACE
+
+
+def _traced_error(request: Request, err: EdgeError) -> EdgeError:
+    """The call's trace learns why it failed (kind and field) before the status says that it did."""
+    _trace(request).fail(err)
+    return err
+
+
 def _validation_error(exc: RequestValidationError) -> EdgeError:
     errors = exc.errors()
     if not errors:
@@ -181,6 +237,8 @@ async def _serve(
     if isinstance(body, CompletionRequest) and body.echo:
         raise invalid("echo is not supported", "echo")
     tenant: Tenant = request.state.tenant
+    trace = _trace(request)
+    trace.set(model=frontend.model_name, tenant=tenant.name, stream=body.stream, choices=body.n)
     deadline = frontend.deadline(_timeout_header(request))
     num_choices = _num_prompts(body) * body.n
     if num_choices > MAX_CHOICES:
@@ -191,7 +249,7 @@ async def _serve(
         for _ in range(num_choices):
             tickets.append(frontend.admit())
         prompts = await _prompts(frontend, body)
-        reqs = _requests(frontend, cfg, body, prompts, tenant, deadline)
+        reqs = _requests(frontend, cfg, body, prompts, tenant, deadline, trace.req_id)
         for req, ticket in zip(reqs, tickets, strict=True):
             frontend.check_tenant(ticket, req)
     except BaseException:
@@ -202,7 +260,7 @@ async def _serve(
     renderer = Renderer(chat, prefix + uuid.uuid4().hex, frontend.model_name, int(time.time()),
                         lambda t: frontend.tokenizer.decode([t], skip_special_tokens=False), want_logprobs,
                         body.return_token_ids)
-    streams = [frontend.stream(r, t, "http") for r, t in zip(reqs, tickets, strict=True)]
+    streams = [frontend.stream(r, t, "http", trace) for r, t in zip(reqs, tickets, strict=True)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(
@@ -285,7 +343,7 @@ async def _encode(frontend: Frontend, text: str, special: bool) -> list[int]:
 
 def _requests(
     frontend: Frontend, cfg: HttpConfig, body: CompletionRequest | ChatCompletionRequest,
-    prompts: list[list[int]], tenant: Tenant, deadline: float,
+    prompts: list[list[int]], tenant: Tenant, deadline: float, first_req_id: str | None = None,
 ) -> list[GenerateRequest]:
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
@@ -293,11 +351,12 @@ def _requests(
     sampling = _sampling(body, max_tokens or frontend.max_model_len)
     if cfg.allow_priority_field and body.priority is not None:
         tenant = replace(tenant, priority=body.priority)
-    reqs = []
+    reqs: list[GenerateRequest] = []
     for prompt in prompts:
         for i in range(body.n):
             params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
-            reqs.append(frontend.prepare(prompt, params, tenant, deadline, max_tokens is not None))
+            req_id = None if reqs else first_req_id  # the trace's, for the call's first request
+            reqs.append(frontend.prepare(prompt, params, tenant, deadline, max_tokens is not None, req_id))
     return reqs
 
 

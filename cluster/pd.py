@@ -10,6 +10,9 @@ a decode engine, each on its own step thread, behind the surface the Frontend ex
         decode.call(receive_all)     verify and store every page          (decode thread)
         decode.stream(start_prefilled) the request joins the running batch; stream the rest
 
+Spans (cluster.tracing, under the edge's): baton.placement (local or disaggregated), baton.prefill
+(prefill-0, or decode-0 when it prefills itself), baton.transfer (local), baton.decode.
+
 Every engine-side step runs on that engine's own thread (AsyncEngine.call / stream), so the
 reservation book and the page pools are only ever touched by one thread. The Ray deployment
 replaces the two AsyncEngines with actors; the flow stays the same.
@@ -22,10 +25,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
+from cluster.tracing import NO_SPAN, RequestTrace, first_token, trace_of
 from decode.worker import DecodeWorker
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
-from engine.outputs import StepOutput, StepStats
+from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, TransferError
 from kvtransfer.local import receive_all
@@ -33,6 +37,8 @@ from kvtransfer.transport import KVDestination, build_chunks
 from prefill.worker import PrefillJob, PrefillWorker
 
 logger = logging.getLogger(__name__)
+
+PREFILL_NODE, DECODE_NODE = "prefill-0", "decode-0"  # as cluster.node_status names them
 
 
 class PDFront:
@@ -82,21 +88,51 @@ class PDFront:
         cache_salt: str = "",
     ) -> AsyncIterator[StepOutput]:
         job = PrefillJob(req_id, tuple(prompt_ids), sampling, priority, cache_salt)
-        # On the decode thread: prefers_local reads the decode engine's prefix cache.
-        dest = await self.decode.call(
-            lambda _: None if self.worker.prefers_local(job) else self.worker.reserve(job, self.epoch)
-        )
+        trace = trace_of(req_id)
+        with trace.span("baton.placement", req_id=req_id, decode_worker=DECODE_NODE) as placing:
+            # On the decode thread: prefers_local reads the decode engine's prefix cache.
+            dest = await self.decode.call(
+                lambda _: None if self.worker.prefers_local(job) else self.worker.reserve(job, self.epoch)
+            )
+            placing.set(kind="local" if dest is None else "disaggregated",
+                        prefill_worker=DECODE_NODE if dest is None else PREFILL_NODE)  # fmt: skip
         if dest is None:  # uncached part short, or no room to reserve: prefill on the decode side
             self.num_local += 1
-            async for out in self.decode.generate(req_id, prompt_ids, sampling, priority, cache_salt):
+            async for out in self._local(job, trace):
                 yield out
             return
         self.num_disaggregated += 1
-        async for out in self._disaggregated(job, dest):
+        async for out in self._disaggregated(job, dest, trace):
             yield out
 
-    async def _disaggregated(self, job: PrefillJob, dest: KVDestination) -> AsyncIterator[StepOutput]:
+    async def _local(self, job: PrefillJob, trace: RequestTrace) -> AsyncIterator[StepOutput]:
+        stage = trace.span("baton.prefill", req_id=job.req_id, worker=DECODE_NODE, local=True)  # then decode
+        num_tokens, finished = 0, False
+        try:
+            async for out in self.decode.generate(job.req_id, job.prompt_ids, job.sampling, job.priority,
+                                                  job.cache_salt):  # fmt: skip
+                if out.num_output_tokens == len(out.token_ids):  # the first token
+                    stage.end()
+                    stage = first_token(trace, out.finished, req_id=job.req_id, worker=DECODE_NODE)
+                num_tokens, finished = out.num_output_tokens, out.finished
+                yield out
+        except BaseException as exc:
+            if not finished:
+                stage.fail(exc)
+            raise
+        finally:
+            if num_tokens:  # the stage is decode's
+                stage.set(output_tokens=num_tokens)
+            stage.end()
+
+    async def _disaggregated(
+        self, job: PrefillJob, dest: KVDestination, trace: RequestTrace
+    ) -> AsyncIterator[StepOutput]:
         handed_over = False
+        prefilling = trace.span("baton.prefill", req_id=job.req_id, worker=PREFILL_NODE, epoch=self.epoch,
+                                local=False)  # fmt: skip
+        decoding = NO_SPAN
+        num_tokens, finished = 0, False
         try:
             first: StepOutput | None = None
             async for out in self.prefill.stream(job.req_id, lambda e: PrefillWorker.start(e, job)):
@@ -104,24 +140,43 @@ class PDFront:
             assert first is not None and first.finish_reason is not None
             exported = await self.prefill.call(lambda e: e.take_exported(job.req_id))
             assert exported is not None
+            prefilling.end()
             if PrefillWorker.ends_here(job, first.finish_reason):
                 yield first
                 return
+            decoding = first_token(trace, False, req_id=job.req_id, worker=DECODE_NODE)
             yield replace(first, finish_reason=None)  # the first token goes out now
-            start = time.perf_counter()
-            chunks = build_chunks(dest, exported.kv, self.epoch)
-            error = await self.decode.call(lambda _: receive_all(self.worker.receiver, chunks, self.limits))
-            if error:
-                raise TransferError(error)
-            logger.debug("%s: %d pages moved in %.1f ms", job.req_id, len(dest.dest_page_ids),
-                         1000 * (time.perf_counter() - start))
+            await self._transfer(job, dest, exported, trace)
             handed_over = True
 
             def start_decode(_: Engine) -> None:
                 self.worker.start_prefilled(job, dest, exported.first_token, first.num_cached_tokens)
 
             async for out in self.decode.stream(job.req_id, start_decode):
+                num_tokens, finished = out.num_output_tokens, out.finished
                 yield out
+        except BaseException as exc:
+            if not finished:
+                prefilling.fail(exc)
+                decoding.fail(exc)
+            raise
         finally:
+            prefilling.end()
+            decoding.set(output_tokens=num_tokens)
+            decoding.end()
             if not handed_over:  # failed, cancelled or finished early: the reservation goes back
                 await self.decode.call(lambda _: self.worker.cancel(dest))
+
+    async def _transfer(self, job: PrefillJob, dest: KVDestination, exported: ExportedKV, trace: RequestTrace) -> None:
+        """The prompt's pages into the decode engine's reserved ones; TransferError if refused."""
+        with trace.span("baton.transfer", req_id=job.req_id, transport="local", prefill_worker=PREFILL_NODE,
+                        decode_worker=DECODE_NODE, pages=len(dest.dest_page_ids)) as transfer:  # fmt: skip
+            start = time.perf_counter()
+            chunks = build_chunks(dest, exported.kv, self.epoch)
+            error = await self.decode.call(lambda _: receive_all(self.worker.receiver, chunks, self.limits))
+            seconds = time.perf_counter() - start
+            transfer.set(bytes=sum(len(c.payload) for c in chunks), seconds=seconds)
+            if error:
+                transfer.fail(error)
+                raise TransferError(error)
+        logger.debug("%s: %d pages moved in %.1f ms", job.req_id, len(dest.dest_page_ids), 1000 * seconds)

@@ -34,6 +34,7 @@ from cluster.frontend import Frontend
 from cluster.http_api import HttpConfig, create_app
 from cluster.pd import PDFront
 from cluster.tenants import ApiKeys
+from cluster.tracing import TracingConfig, configure
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -63,6 +64,7 @@ class ServerConfig:
     pin_cores: bool = False  # in-process engines: each step thread on its own core (Ray: disagg.pin_cores)
     planner: PlannerConfig | None = None  # set (Ray only): the gateway resizes its worker pools
     planner_period_s: float = 5.0
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # off unless an OTLP endpoint is set
 
 
 def load_api_keys(path: Path | None) -> ApiKeys:
@@ -92,6 +94,7 @@ class Running:
         await self.front.stop()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
+        await asyncio.to_thread(self.frontend.tracing.shutdown)  # exports the spans still queued
 
 
 async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
@@ -110,7 +113,7 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     if cfg.pin_cores:
         await _pin_step_threads(front)
     name = cfg.served_model_name or Path(cfg.engine.model).name
-    frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s)
+    frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s, configure(cfg.tracing))
     if ray_front is not None:
         ray_front.metrics.register(frontend.metrics.registry, ray_front)
     keys = load_api_keys(cfg.api_keys_file)
