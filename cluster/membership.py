@@ -115,7 +115,10 @@ class WorkerInfo:
         (a newer worker during a rolling upgrade), missing ones are an error."""
         if len(data) > MAX_VALUE_BYTES:
             raise ValueError(f"worker info is {len(data)} bytes, over {MAX_VALUE_BYTES}")
-        obj: Any = json.loads(data)
+        try:
+            obj: Any = json.loads(data)
+        except RecursionError:  # nesting past the interpreter's limit: not a ValueError by itself
+            raise ValueError("worker info nests too deeply") from None
         if not isinstance(obj, dict):
             raise ValueError("worker info is not a JSON object")
         try:
