@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pathlib
 import pickle
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -25,6 +26,7 @@ from tests.etcd_server import INSTALL_HINT, EtcdServer
 
 __all__ = ["make_server", "tiny_engine_config"]  # fixtures, re-exported for this suite
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "baton-tiny"
 ALPHA_KEY = "alpha-key-0123456789abcdef"
 BETA_KEY = "beta-key-0123456789abcdef0"
@@ -66,6 +68,16 @@ def guarded(
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+_EXCEPTION_NAME = re.compile(r"\b[A-Z][A-Za-z0-9_]*(?:Error|Exception|Exit|Interrupt|Warning)\b")
+_INTERNALS = ("Traceback", str(ROOT), "site-packages", ".py\"", ".py:", 'File "', "<class ", "<module")
+
+
+def leaks(text: str) -> list[str]:
+    """What in an error text tells a caller about the server's insides: a traceback, a
+    source path, an exception class name."""
+    return [marker for marker in _INTERNALS if marker in text] + _EXCEPTION_NAME.findall(text)
 
 
 class _Touch:
