@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 Attr = str | bool | int | float
 ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")  # the standard names
-EXPORT_TIMEOUT_S = 5.0  # one export, retries included: bounds a flush when the collector is gone
+EXPORT_TIMEOUT_S = 5.0  # one export, retries included
+SHUTDOWN_S = 5.0  # then a collector that does not answer gets no more tries (what is queued is dropped)
 _MAX_TRACEPARENT_CHARS = 128  # a version-00 traceparent has 55
 _MAX_PARAM_CHARS = 64
 _KIND_OF_STATUS = {kind.http_status: kind for kind in Kind} | {413: Kind.INVALID_ARGUMENT, 422: Kind.INVALID_ARGUMENT}
@@ -300,7 +302,7 @@ class _OtlpTracing(Tracing):
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=cfg.insecure, timeout=EXPORT_TIMEOUT_S)
+        exporter = self._exporter = OTLPSpanExporter(endpoint=endpoint, insecure=cfg.insecure, timeout=EXPORT_TIMEOUT_S)
         # Sampling is decided per call in request(); what is started is recorded.
         self._provider: TracerProvider = TracerProvider(
             sampler=ALWAYS_ON, resource=Resource.create({"service.name": cfg.service_name}), shutdown_on_exit=False
@@ -322,7 +324,16 @@ class _OtlpTracing(Tracing):
         return self._provider.force_flush()
 
     def shutdown(self) -> None:
-        self._provider.shutdown()
+        # The SDK's shutdown exports every queued batch, each retried for up to EXPORT_TIMEOUT_S:
+        # against a collector that is gone that is tens of seconds. Give it SHUTDOWN_S, then stop
+        # the exporter, which ends its retries at once.
+        flushing = threading.Thread(target=self._provider.shutdown, name="baton-trace-shutdown", daemon=True)
+        flushing.start()
+        flushing.join(SHUTDOWN_S)
+        if flushing.is_alive():
+            logger.warning("tracing: the collector did not take the last spans in %.0f s; dropping them", SHUTDOWN_S)
+            self._exporter.shutdown()
+            flushing.join(SHUTDOWN_S)
 
 
 def _parent(carrier: Iterable[tuple[Any, Any]]) -> Context | None:
