@@ -1,5 +1,6 @@
 """A real OTLP/gRPC trace collector for the tracing tests: TraceService.Export on grpc.aio, on
-127.0.0.1, run on its own thread and event loop (the tests talk to baton synchronously)."""
+127.0.0.1, run on its own thread and event loop (the tests talk to baton synchronously).
+Starting one skips the test where the `trace` packages are not installed."""
 
 from __future__ import annotations
 
@@ -8,19 +9,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
 
-pytest.importorskip("opentelemetry.sdk")
-pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+from cluster.tracing import Tracing
 
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
-from opentelemetry.proto.common.v1 import common_pb2  # noqa: E402
-from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: E402
-
-from cluster.tracing import Tracing  # noqa: E402
+if TYPE_CHECKING:
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+    from opentelemetry.proto.common.v1 import common_pb2
+    from opentelemetry.proto.trace.v1 import trace_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +56,8 @@ def _value(v: common_pb2.AnyValue) -> Any:
 
 
 def _decode(span: trace_pb2.Span, service: str) -> Got:
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
     return Got(
         name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
         parent_id=span.parent_span_id.hex(), attributes={a.key: _value(a.value) for a in span.attributes},
@@ -66,22 +67,20 @@ def _decode(span: trace_pb2.Span, service: str) -> Got:
     )  # fmt: skip
 
 
-class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, sink: Receiver) -> None:
-        self.sink = sink
+async def _export(
+    sink: Receiver, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
+) -> trace_service_pb2.ExportTraceServiceResponse:
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-    async def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        got = []
-        for rs in request.resource_spans:
-            names = [a.value.string_value for a in rs.resource.attributes if a.key == "service.name"]
-            for ss in rs.scope_spans:
-                got += [_decode(s, names[0] if names else "") for s in ss.spans]
-        with self.sink.lock:
-            self.sink.spans += got
-            self.sink.num_exports += 1
-        return trace_service_pb2.ExportTraceServiceResponse()
+    got = []
+    for rs in request.resource_spans:
+        names = [a.value.string_value for a in rs.resource.attributes if a.key == "service.name"]
+        for ss in rs.scope_spans:
+            got += [_decode(s, names[0] if names else "") for s in ss.spans]
+    with sink.lock:
+        sink.spans += got
+        sink.num_exports += 1
+    return trace_service_pb2.ExportTraceServiceResponse()
 
 
 @dataclass
@@ -99,13 +98,23 @@ class Receiver:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> Receiver:
+        pytest.importorskip("opentelemetry.sdk")
+        pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+        sink = self
+
+        class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+            async def Export(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await _export(sink, request, context)
+
         loop = asyncio.new_event_loop()
         ready = threading.Event()
 
         async def serve() -> None:
             self._stopping = asyncio.Event()
             server = grpc.aio.server()
-            trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), server)
+            trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
             self.port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             ready.set()

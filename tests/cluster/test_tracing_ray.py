@@ -35,7 +35,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def pd(ray_cluster: Any, tiny_engine_config: EngineConfig, receiver: Receiver) -> Iterator[ServerHandle]:
+def pd(receiver: Receiver, ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
     cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=MODEL, prefill_workers=1,
                        disagg=DisaggConfig(num_prefill=1, num_decode=1),
                        tracing=TracingConfig(receiver.endpoint, service_name="baton-ray"))  # fmt: skip
