@@ -87,8 +87,6 @@ class TracingConfig:
 class Span:
     """One span. This base records nothing: tracing off, a call not sampled."""
 
-    is_recording = False
-
     def set(self, **attributes: Attr) -> None:
         """Attributes, each named `baton.<key>`."""
 
@@ -195,8 +193,6 @@ def configure(cfg: TracingConfig) -> Tracing:
 
 
 class _Recording(Span):
-    is_recording = True
-
     def __init__(self, span: OtelSpan) -> None:
         self._span = span
         self._outcome: str | None = None
