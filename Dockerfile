@@ -41,7 +41,7 @@ COPY prefill/ prefill/
 # then baton with what a pod runs, and ray[default] at the project's Ray version (KubeRay's
 # probes need its dashboard agent; the cluster extra has plain ray).
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
- && pip install ".[model,serve,cluster]" "ray[default]==2.60.0"
+ && pip install ".[model,serve,cluster,trace]" "ray[default]==2.60.0"
 
 USER 1000:1000
 ENV HOME=/home/baton

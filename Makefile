@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.baton-installed
-EXTRAS ?= model,serve,bench,cluster,dev
+EXTRAS ?= model,serve,bench,cluster,trace,dev
 
 .PHONY: run test setup lint typecheck unit bench clean
 

@@ -196,7 +196,17 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _open(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> tuple[GenerateRequest, Ticket]:
-        """Authenticate, bound, admit, tokenize and prepare: the frozen request and its ticket."""
+        """Authenticate, bound, admit, tokenize and prepare: the frozen request and its ticket.
+        A refusal here counts as outcome "rejected" (nothing reached an engine)."""
+        try:
+            return await self._admit(request, context, trace)
+        except Exception:
+            self.frontend.metrics.requests.labels("grpc", "rejected").inc()
+            raise
+
+    async def _admit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
+    ) -> tuple[GenerateRequest, Ticket]:
         tenant = self._authenticate(context)
         trace.set(tenant=tenant.name)
         self._check_model(request.model)

@@ -61,6 +61,9 @@ class HttpConfig:
     tls_keyfile: str | None = None
 
 
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
 def error_response(err: EdgeError) -> JSONResponse:
     headers = {}
     if err.retry_after_s is not None:
@@ -78,6 +81,8 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path in GENERATION_ROUTES:
+            frontend.metrics.requests.labels("http", "rejected").inc()
         return error_response(_traced_error(request, _validation_error(exc)))
 
     @app.exception_handler(EdgeError)
@@ -232,6 +237,18 @@ async def _serve(
     frontend: Frontend, cfg: HttpConfig, request: Request, body: CompletionRequest | ChatCompletionRequest,
     chat: bool,
 ) -> Response:
+    try:
+        admitted = await _admit(frontend, cfg, request, body)
+    except Exception:
+        frontend.metrics.requests.labels("http", "rejected").inc()  # refused before any engine work
+        raise
+    return await _respond(frontend, request, body, chat, *admitted)
+
+
+async def _admit(
+    frontend: Frontend, cfg: HttpConfig, request: Request, body: CompletionRequest | ChatCompletionRequest,
+) -> tuple[list[GenerateRequest], list[Ticket], int, Any]:
+    """Check, admit, tokenize and prepare every choice of one call (tickets released on failure)."""
     if body.model != frontend.model_name:
         raise EdgeError(Kind.NOT_FOUND, f"model {body.model!r} does not exist", "model")
     if isinstance(body, CompletionRequest) and body.echo:
@@ -255,6 +272,13 @@ async def _serve(
     except BaseException:
         _release(tickets)
         raise
+    return reqs, tickets, len(prompts), trace
+
+
+async def _respond(
+    frontend: Frontend, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+    reqs: list[GenerateRequest], tickets: list[Ticket], num_prompts: int, trace: Any,
+) -> Response:
     want_logprobs = (body.logprobs is not None) if isinstance(body, CompletionRequest) else body.logprobs
     prefix = "chatcmpl-" if chat else "cmpl-"
     renderer = Renderer(chat, prefix + uuid.uuid4().hex, frontend.model_name, int(time.time()),
@@ -264,11 +288,11 @@ async def _serve(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(
-            _sse(renderer, streams, len(prompts), include_usage),
+            _sse(renderer, streams, num_prompts, include_usage),
             on_close=lambda: _release(tickets),
         )
     try:
-        return JSONResponse(await _collect(request, renderer, streams, len(prompts)))
+        return JSONResponse(await _collect(request, renderer, streams, num_prompts))
     finally:
         _release(tickets)
 

@@ -122,3 +122,15 @@ def test_drain_refuses_new_work_and_finishes_inflight(make_server: Any) -> None:
         assert refused.status_code == 503 and "Retry-After" in refused.headers
     worker.join(60)
     assert results == [200]  # the in-flight request finished
+
+
+def test_refused_requests_count_as_rejected(make_server: Any) -> None:
+    fresh = make_server()
+    with fresh.client() as client:
+        bad = client.post("/v1/completions", json={"model": "baton-tiny", "prompt": "x", "temperature": -3})
+        unknown = client.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1})
+        good = client.post("/v1/completions", json={"model": "baton-tiny", "prompt": "x", "max_tokens": 1})
+        assert (bad.status_code, unknown.status_code, good.status_code) == (400, 404, 200)
+        assert client.get("/status").json()["gateway"]["requests"] == {"rejected": 2, "ok": 1}
+        text = client.get("/metrics").text
+    assert 'baton_requests_total{api="http",outcome="rejected"} 2.0' in text
