@@ -19,7 +19,9 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,7 +121,8 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     keys = load_api_keys(cfg.api_keys_file)
     app = create_app(frontend, keys, cfg.http)
     grpc_server = await _start_grpc(frontend, keys, cfg)
-    http = uvicorn.Server(
+    http = DrainingServer(
+        frontend, cfg.request_timeout_s,
         uvicorn.Config(app, host=cfg.http.host, port=cfg.http.port, loop="none", log_level="warning",
                        lifespan="off", timeout_graceful_shutdown=5,
                        ssl_certfile=cfg.http.tls_certfile, ssl_keyfile=cfg.http.tls_keyfile)
@@ -137,6 +140,35 @@ async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, front: 
 
     window = LatencyWindow(frontend.metrics)
     await run(Planner(cfg), LocalRayScaler(front), lambda: sample_from(frontend, window), period_s, asyncio.Event())
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains first (DESIGN: the gateway does for its connections
+    what a worker's drain does): not-ready, new requests refused with 503 + Retry-After, the
+    ones in flight (streams included) finish, at most `drain_timeout_s`; then the usual
+    shutdown, and the process exits 0. A second SIGTERM, or SIGINT, exits at once."""
+
+    def __init__(self, frontend: Frontend, drain_timeout_s: float, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.frontend = frontend
+        self.drain_timeout_s = drain_timeout_s
+        self._drain: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig != signal.SIGTERM or self._drain is not None:
+            super().handle_exit(sig, frame)
+            return
+        loop = asyncio.get_running_loop()
+        self._drain = loop.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        self.frontend.draining = True
+        end = time.monotonic() + self.drain_timeout_s
+        logger.warning("SIGTERM: draining %d requests in flight", self.frontend.admission.num_inflight)
+        while self.frontend.admission.num_inflight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        logger.warning("drained: %d requests left; shutting down", self.frontend.admission.num_inflight)
+        self.should_exit = True
 
 
 async def _start_in_process(cfg: ServerConfig, engine: Engine | None) -> tuple[Engine, AsyncEngine | PDFront]:

@@ -134,3 +134,61 @@ def test_refused_requests_count_as_rejected(make_server: Any) -> None:
         assert client.get("/status").json()["gateway"]["requests"] == {"rejected": 2, "ok": 1}
         text = client.get("/metrics").text
     assert 'baton_requests_total{api="http",outcome="rejected"} 2.0' in text
+
+
+def test_sigterm_drains_the_gateway_then_exits_0(tiny_model_dir: Path, baton_cache_dir: Path) -> None:
+    """SIGTERM to `baton up`: not-ready and new requests refused at once, the stream in flight
+    completes with every token, then the process exits 0."""
+    import json
+    import signal
+    import threading
+
+    import httpx
+
+    from tests.cluster.conftest import free_port
+
+    port = free_port()
+    env = {**os.environ, "BATON_CACHE_DIR": str(baton_cache_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--model", str(tiny_model_dir), "--dtype",
+                             "float32", "--max-model-len", "512", "--kv-pages", "128", "--port", str(port),
+                             "--grpc-port", "0"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        started, tokens = threading.Event(), []
+
+        def stream() -> None:
+            body = {"model": tiny_model_dir.name, "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True,
+                    "stream": True, "return_token_ids": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        started.set()
+                        tokens.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30), "the stream never started"
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "still ready after SIGTERM"
+            time.sleep(0.05)
+        late = httpx.post(url + "/v1/completions", json={"model": tiny_model_dir.name, "prompt": "x",
+                                                          "max_tokens": 1}, timeout=10)  # fmt: skip
+        assert late.status_code == 503
+        reader.join(60)
+        assert len(tokens) == 300, len(tokens)  # the stream in flight got every token
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = proc.stderr.read() if proc.stderr else ""
+    assert code == 0 and "Traceback" not in errors, errors
