@@ -11,6 +11,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.exceptions import HTTPException
+
 from cluster.tenants import DEFAULT_TENANT, ApiKeys
 
 Scope = MutableMapping[str, Any]
@@ -20,8 +22,13 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(HTTPException):
+    """Raised from receive() once a body passes the limit. An HTTPException, because FastAPI's
+    body reader re-raises those (the app then answers 413) and turns any other exception
+    into a 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body over {limit} bytes")
 
 
 async def send_error(
@@ -83,7 +90,7 @@ class EdgeGuard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(self.max_body_bytes)
             return message
 
         async def tracking_send(message: Message) -> None:
