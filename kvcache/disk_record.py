@@ -256,7 +256,9 @@ class SegmentLog:
     """
 
     def __init__(self, directory: Path, segment_bytes: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        # private, like the shm region: the pages hold every tenant's prompts (an existing
+        # directory keeps the mode its operator gave it)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory = directory
         self.segment_bytes = segment_bytes
         self.segments: dict[int, Segment] = {}
@@ -356,7 +358,7 @@ class SegmentLog:
 
     def _open(self) -> Segment:
         path = self.directory / f"seg-{self._next_id:08d}.bkv"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
         seg = Segment(self._next_id, path, is_dir_synced=False)
         self._next_id += 1
         self.segments[seg.seg_id] = seg
