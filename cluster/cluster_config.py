@@ -96,6 +96,7 @@ class TransferSection(_Section):
     reservation_ttl_s: float = Field(default=30.0, gt=0)
     pages_per_chunk: int = Field(default=32, ge=1, le=4096)
     shm_slots: int = Field(default=4, ge=0, le=256)
+    max_migrations: int = Field(default=2, ge=0, le=16)  # a request whose decode worker is lost moves this often
 
 
 class PlacementSection(_Section):
@@ -245,7 +246,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             num_prefill=w.prefill.count, num_decode=w.decode.count, ray_address=f.ray.address,
             local_prefill_tokens=f.placement.local_prefill_tokens, transfer_deadline_s=t.deadline_s,
             reservation_ttl_s=t.reservation_ttl_s, num_threads=w.prefill.threads, pages_per_chunk=t.pages_per_chunk,
-            transport=t.transport, shm_slots=t.shm_slots, pin_cores=w.pin_cores, placement=f.placement.policy,
+            transport=t.transport, shm_slots=t.shm_slots, max_migrations=t.max_migrations, pin_cores=w.pin_cores, placement=f.placement.policy,
             prefill_resources=_resources(w.prefill), decode_resources=_resources(w.decode),
             decode_threads=w.decode.threads,
             membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port),

@@ -61,10 +61,13 @@ class DisaggConfig:
     decode_resources: ActorResources = ActorResources()
     decode_threads: int | None = None  # torch threads per decode actor (None: num_threads)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    max_migrations: int = 2  # times a request moves to another decode worker when its own is lost
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ConfigError("workers", "need --prefill >= 0 and --decode >= 1")
+        if self.max_migrations < 0:
+            raise ConfigError("max_migrations", "must be >= 0")
         if self.local_prefill_tokens < 0:
             raise ConfigError("local_prefill_tokens", "must be >= 0")
         if self.placement not in ("cache", "round_robin"):

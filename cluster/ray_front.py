@@ -212,10 +212,37 @@ class RayFront:
         self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0,
         cache_salt: str = "",
     ) -> AsyncIterator[StepOutput]:
+        """The request's outputs. When its decode worker is lost mid-stream, the request moves:
+        prompt + the tokens already emitted go to a healthy pair as a new attempt (at most
+        cfg.max_migrations times), and the stream goes on with no gap and no repeat. With no
+        capacity left, the WorkerLost (or the placement's refusal) reaches the client."""
         if sampling.seed is None and not sampling.is_greedy:
             sampling = replace(sampling, seed=secrets.randbits(62))  # a re-run replays the stream
-        job = PrefillJob(req_id, tuple(prompt_ids), sampling, priority, cache_salt)
         trace = trace_of(req_id)  # the edge's span (cluster.tracing), or one that records nothing
+        prompt, emitted = tuple(prompt_ids), 0
+        for attempt in range(self.cfg.max_migrations + 1):
+            job = PrefillJob(req_id if attempt == 0 else f"{req_id}@{attempt}", prompt, _continued(sampling, emitted),
+                             priority, cache_salt)  # fmt: skip
+            base = emitted
+            try:
+                async for out in self._attempt(job, trace):
+                    if base:  # counted from the original request's start, under its id
+                        out = replace(out, req_id=req_id, num_output_tokens=out.num_output_tokens + base,
+                                      num_prompt_tokens=len(prompt_ids))  # fmt: skip
+                    prompt += tuple(out.token_ids)
+                    emitted += len(out.token_ids)
+                    yield out
+                return
+            except WorkerLost as exc:
+                if attempt == self.cfg.max_migrations:
+                    raise
+                self.metrics.migrations.inc()
+                logger.warning("%s: %s; moving it with %d tokens emitted (attempt %d)", req_id, exc, emitted,
+                               attempt + 2)  # fmt: skip
+
+    async def _attempt(self, job: PrefillJob, trace: RequestTrace) -> AsyncIterator[StepOutput]:
+        """One placement of the request and its stream (generate moves it if the decode side is lost)."""
+        req_id = job.req_id
         with trace.span("baton.placement", req_id=req_id) as placing:
             placement = await self._placement(job)
             placing.set(kind=placement.kind.name.lower(), decode_worker=placement.decode_id or "",
@@ -647,6 +674,14 @@ class RayFront:
 
 async def _ray_await(ref: Any) -> Any:
     return await ref
+
+
+def _continued(sampling: SamplingParams, emitted: int) -> SamplingParams:
+    """The rest of a request that already emitted `emitted` tokens (they are now prompt)."""
+    if not emitted:
+        return sampling
+    return replace(sampling, max_tokens=max(1, sampling.max_tokens - emitted),
+                   min_tokens=max(0, sampling.min_tokens - emitted))  # fmt: skip
 
 
 def _reason(text: str) -> str:

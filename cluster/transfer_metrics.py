@@ -51,6 +51,9 @@ class TransferMetrics:
         self.redispatches = Counter(
             "baton_redispatches_total", "Requests sent down another path after a failure", ["to"], registry=None
         )
+        self.migrations = Counter(
+            "baton_request_migrations", "Requests moved to another decode worker after theirs was lost", registry=None
+        )
         self.placements = Counter(
             "baton_placements_total", "Requests by where their prompt was prefilled", ["route"], registry=None
         )
@@ -72,6 +75,7 @@ class TransferMetrics:
 
     def register(self, registry: CollectorRegistry, workers: Workers) -> None:
         for metric in (self.transfers, self.bytes, self.seconds, self.size, self.failures, self.redispatches,
+                       self.migrations,
                        self.placements, self.inflight, self.given_up, self.saturated):
             registry.register(metric)
         registry.register(_WorkerCollector(workers))

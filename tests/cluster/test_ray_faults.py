@@ -3,8 +3,8 @@ transfer can be caught in flight): a client that leaves mid-transfer frees the p
 sides; a prefill actor killed in the middle of a transfer sends the
 request to the other one, and once no prefill worker is left, decode prefills itself. Each
 request completes with the colocated server's greedy text, and the decode worker's pages return
-to their baseline. When the decode worker itself dies, its streams fail at once with a clear
-error and the gateway stops admitting."""
+to their baseline. When the only decode worker dies, its streams fail within 5 s with a clear
+error (there is no other to move them to) and the gateway stops admitting."""
 
 from __future__ import annotations
 
@@ -143,10 +143,10 @@ def test_decode_killed_mid_stream_fails_fast_and_clearly(slow: ServerHandle) -> 
     decode = front.decodes[0]
     kill_actor(decode.actor)
     started = time.monotonic()
-    with pytest.raises(openai.APIError, match="decode worker decode-0 failed"):
+    with pytest.raises(openai.APIError, match="decode worker"):  # lost, and no other to move to
         for _ in received:
             pass
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 5
     assert not front.is_alive
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model=MODEL, prompt=OTHER, max_tokens=4, temperature=0)
