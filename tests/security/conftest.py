@@ -14,7 +14,7 @@ import pickle
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,6 @@ ALPHA_KEY = "alpha-key-0123456789abcdef"
 BETA_KEY = "beta-key-0123456789abcdef0"
 OPEN_PATHS = frozenset({"/live", "/ready", "/dashboard"})  # no key needed (README, http_api)
 MAX_BODY_BYTES = 64 << 10
-MAX_MODEL_LEN = 64  # short contexts keep generated cases (schemathesis) quick
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +50,24 @@ class Guarded:
         return int(self.url.rsplit(":", 1)[1])
 
 
+def start_guarded(
+    make_server: Callable[..., ServerHandle], engine: EngineConfig, tmp_path_factory: pytest.TempPathFactory
+) -> Guarded:
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    keys.write_text(f"{ALPHA_KEY} alpha\n{BETA_KEY} beta priority=3\n")
+    grpc_port = free_port()
+    handle = make_server(api_keys_file=keys, grpc_port=grpc_port, http=HttpConfig(max_body_bytes=MAX_BODY_BYTES),
+                         engine=engine)  # fmt: skip
+    return Guarded(handle, f"127.0.0.1:{grpc_port}")
+
+
 @pytest.fixture(scope="session")
 def guarded(
     make_server: Callable[..., ServerHandle], tiny_engine_config: EngineConfig,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Guarded:
-    keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text(f"{ALPHA_KEY} alpha\n{BETA_KEY} beta priority=3\n")
-    grpc_port = free_port()
-    handle = make_server(
-        api_keys_file=keys, grpc_port=grpc_port, http=HttpConfig(max_body_bytes=MAX_BODY_BYTES),
-        engine=replace(tiny_engine_config, max_model_len=MAX_MODEL_LEN),
-    )  # fmt: skip
-    return Guarded(handle, f"127.0.0.1:{grpc_port}")
+    """The suite's gateway: baton-tiny with a 512-token context."""
+    return start_guarded(make_server, tiny_engine_config, tmp_path_factory)
 
 
 def bearer(key: str) -> dict[str, str]:

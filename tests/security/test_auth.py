@@ -237,7 +237,7 @@ def test_error_bodies_leak_no_internals(guarded: Guarded) -> None:
         _assert_clean_error(client.post("/v1/completions", headers=key, content=b"\xff\xfe\x00"), 400)
         for bad in ({**GOOD, "prompt": {"x": 1}}, {**GOOD, "temperature": 5}, {**GOOD, "max_tokens": "2"},
                     {**GOOD, "logits_processors": ["os.system"]}, {**GOOD, "prompt": [2**40]}, [1, 2],
-                    {**GOOD, "prompt": "hello " * 100}, {**GOOD, "n": 17}):  # fmt: skip
+                    {**GOOD, "prompt": "hello " * 600}, {**GOOD, "n": 17}):  # fmt: skip
             _assert_clean_error(client.post("/v1/completions", headers=key, json=bad), 400)
         lone_surrogate = b'{"model": "baton-tiny", "prompt": "hi", "stop": ["\\ud800"]}'
         _assert_clean_error(client.post("/v1/completions", headers=key, content=lone_surrogate), 400)

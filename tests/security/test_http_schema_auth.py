@@ -10,6 +10,8 @@ the served context is short) to keep the suite inside its budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -18,7 +20,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from tests.security.conftest import ALPHA_KEY, MODEL, OPEN_PATHS, Guarded, bearer
+from engine.engine_config import EngineConfig
+from tests.cluster.conftest import ServerHandle
+from tests.security.conftest import ALPHA_KEY, MODEL, OPEN_PATHS, Guarded, bearer, start_guarded
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,8 +30,19 @@ MAX_EXAMPLES = 10
 _AUTH_HEADERS = {"authorization", "x-api-key"}
 
 
+@pytest.fixture(scope="module")
+def schema_server(
+    make_server: Callable[..., ServerHandle], tiny_engine_config: EngineConfig,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Guarded:
+    """A guarded gateway with a 64-token context: a valid case without max_tokens generates
+    the rest of it, so the context bounds each case's time."""
+    return start_guarded(make_server, replace(tiny_engine_config, max_model_len=64), tmp_path_factory)
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
-def test_keyless_cases_are_401_and_keyed_ones_never_fail(guarded: Guarded, mode: GenerationMode) -> None:
+def test_keyless_cases_are_401_and_keyed_ones_never_fail(schema_server: Guarded, mode: GenerationMode) -> None:
+    guarded = schema_server
     assert httpx.get(guarded.url + "/openapi.json", timeout=10).status_code == 401
     spec = httpx.get(guarded.url + "/openapi.json", headers=bearer(ALPHA_KEY), timeout=10).json()
     operations = [result.ok() for result in schemathesis.openapi.from_dict(spec).get_all_operations()]

@@ -152,7 +152,7 @@ def test_a_colliding_client_request_id_does_not_disturb_the_request_in_flight(
     guarded: Guarded, recorded: list[Call]
 ) -> None:
     same = {"x-request-id": "same-id"}
-    long = {"model": MODEL, "prompt": _prompt(5, 8), "max_tokens": 48, "ignore_eos": True, "temperature": 0,
+    long = {"model": MODEL, "prompt": _prompt(5, 8), "max_tokens": 400, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
             "request_id": "same-id", "user": "u"}  # fmt: skip
     first_chunk, chunks = threading.Event(), []
@@ -175,12 +175,13 @@ def test_a_colliding_client_request_id_does_not_disturb_the_request_in_flight(
     with httpx.stream("POST", guarded.url + "/v1/completions", json=long, headers={**bearer(BETA_KEY), **same},
                       timeout=60) as reply:  # fmt: skip
         next(line for line in reply.iter_lines() if line.startswith("data: {"))
+    assert a.is_alive() and len(chunks) < 400  # all of this happened while A was in flight
     a.join(60)
     assert not a.is_alive()
     assert _cancelled(guarded, cancelled + 1) == cancelled + 1  # C's hang-up did abort a request: its own
     usage = chunks[-1]["usage"]
     tokens = sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"])
-    assert usage["completion_tokens"] == 48 and tokens == 48, (usage, tokens)
+    assert usage["completion_tokens"] == 400 and tokens == 400, (usage, tokens)
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     ids = [c.req_id for c in recorded]
     assert len(ids) == 3 and len(set(ids)) == 3 and "same-id" not in ids
