@@ -28,6 +28,7 @@ from engine.outputs import StepOutput
 from tests.cluster.conftest import ServerHandle
 from tests.security.conftest import (
     ALPHA_KEY,
+    BETA_KEY,
     MAX_BODY_BYTES,
     MODEL,
     OPEN_PATHS,
@@ -332,3 +333,17 @@ def test_a_tenant_key_cannot_drain_the_gateway(make_server: Callable[..., Server
         reply = client.post("/admin/drain")
         assert reply.status_code in (401, 403, 404), reply.status_code
         assert client.get("/ready").status_code == 200
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Any tenant's API key reads /metrics: baton_tenant_tokens_total names every other tenant "
+    "with its prompt, cached and generated token counts (and /status shows every node of the "
+    "cluster to any tenant). There is no operator "
+    "role apart from tenants (the same gap as /admin/drain); cluster/http_api.py is not this "
+    "suite's to edit"
+))  # fmt: skip
+def test_a_tenant_cannot_read_another_tenants_usage(guarded: Guarded) -> None:
+    reply = httpx.post(guarded.url + "/v1/completions", json=GOOD, headers=bearer(BETA_KEY), timeout=30)
+    assert reply.status_code == 200
+    metrics = httpx.get(guarded.url + "/metrics", headers=bearer(ALPHA_KEY), timeout=10)
+    assert metrics.status_code in (401, 403) or 'tenant="beta"' not in metrics.text
