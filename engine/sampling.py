@@ -5,7 +5,8 @@ constructor to bound every one of them before anything is allocated (DESIGN.md s
 each field is checked for its type (a bool is not an int here, NaN and infinities are refused)
 and its range, and a bad one raises `SamplingError` naming the field and what is allowed.
 The one bound checked elsewhere is `max_tokens` against the model's context, which only the
-engine knows.
+engine knows. An output constraint (`constraint`, engine.constraint) is bounded by its own
+constructor and compiled by the engine when the request arrives.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.constraint import Constraint
 from engine.errors import BatonError
 
 MAX_LOGPROBS = 20
@@ -106,6 +108,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # the sampled token's logprob plus this many alternatives
+    # The output must match this JSON schema / regex / grammar (structured output); None: free.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Normalise as we check: numbers become float, sequences tuples (hashable, frozen).
@@ -131,6 +135,8 @@ class SamplingParams:
             raise SamplingError("ignore_eos", "must be true or false")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise SamplingError("constraint", "must be a Constraint (engine.constraint)")
 
     @property
     def is_greedy(self) -> bool:
