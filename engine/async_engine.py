@@ -15,11 +15,12 @@ loop is alive", not just "the socket answers".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
 from engine.engine import Engine
@@ -96,8 +97,26 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str = "",
     ) -> AsyncIterator[StepOutput]:
-        """Stream a request's outputs; raises the engine's RequestError if it is refused."""
-        return self.stream(req_id, lambda e: e.add_request(req_id, prompt_ids, sampling, priority, cache_salt))
+        """Stream a request's outputs; raises the engine's RequestError (or ConstraintError) if
+        it is refused. A constraint is compiled off the step thread before the request is
+        queued (see `prepare`)."""
+        stream = self.stream(req_id, lambda e: e.add_request(req_id, prompt_ids, sampling, priority, cache_salt))
+        if self.engine.is_prepared(sampling):
+            return stream
+        return self._prepared(sampling, stream)
+
+    async def prepare(self, sampling: SamplingParams) -> None:
+        """Compile the request's constraint, if any, on a worker thread (the step loop goes
+        on meanwhile); ConstraintError if it is refused. Call it before `stream` for a start
+        function that adds a constrained request, so that the step thread never compiles."""
+        if not self.engine.is_prepared(sampling):
+            await asyncio.to_thread(self.engine.prepare, sampling)
+
+    async def _prepared(self, sampling: SamplingParams, stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+        await self.prepare(sampling)
+        async with contextlib.aclosing(cast(AsyncGenerator[StepOutput, None], stream)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def stream(self, req_id: str, start: Callable[[Engine], None]) -> AsyncIterator[StepOutput]:
         """Stream the outputs of the request that `start` puts into the engine (any role)."""

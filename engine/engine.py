@@ -29,6 +29,7 @@ from engine.runner import ModelRunner, RunResult
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.structured import GrammarMatcher, StructuredOutputs
 from engine.textstate import TextState
 from engine.tokenizer import Tokenizer
 from kvcache.hashing import model_fingerprint
@@ -82,6 +83,9 @@ class Engine:
                 backend, capture=True,
             )  # fmt: skip
         sampler = Sampler(mc.vocab_size, seed=cfg.seed)
+        self.structured = StructuredOutputs(
+            self.tokenizer.to_json, mc.vocab_size, self.eos_ids, cfg.structured, pin_memory=self.device.type == "cuda"
+        )
         self.runner = ModelRunner(self.model, self.pool, sampler, self.eos_ids, backend, graphs)
         self._arrivals = 0
         self._exported: dict[str, ExportedKV] = {}
@@ -108,10 +112,12 @@ class Engine:
 
         `cache_salt` (the tenant) keys the request's cached pages: only requests with the same
         salt share them. `export_kv` (the prefill role) keeps a copy of the prompt's KV when the
-        request finishes, for `take_exported`.
+        request finishes, for `take_exported`. A constraint that does not compile is a
+        ConstraintError here (see `prepare` to compile it off the step thread first).
         """
         self._validate(req_id, prompt_ids, sampling)
         request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
+        request.matcher = self._new_matcher(sampling)
         request.export_kv = export_kv
         request.cache_salt = cache_salt.encode()
         request.num_shared_pages = self._shared_pages(request.prompt_ids)
@@ -128,6 +134,21 @@ class Engine:
             if n > best and len(prompt_ids) >= n and tuple(prompt_ids[:n]) == prefix:
                 best = n
         return best // self.cfg.page_size
+
+    def prepare(self, sampling: SamplingParams) -> None:
+        """Compile the request's constraint, if any, now; ConstraintError if it is refused.
+
+        Thread-safe, and meant to run off the step thread (AsyncEngine.generate does): the
+        compiled grammar is cached, so `add_request` then finds it without waiting."""
+        if sampling.constraint is not None:
+            self.structured.prepare(sampling.constraint)
+
+    def is_prepared(self, sampling: SamplingParams) -> bool:
+        """True when `add_request` will not compile anything (thread-safe)."""
+        return sampling.constraint is None or self.structured.compiler.is_cached(sampling.constraint)
+
+    def _new_matcher(self, sampling: SamplingParams) -> GrammarMatcher | None:
+        return None if sampling.constraint is None else self.structured.new_matcher(sampling.constraint)
 
     def _validate(self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         if self.scheduler.get(req_id) is not None:
@@ -163,7 +184,8 @@ class Engine:
             return []
         if self.prefix_cache is not None and self.prefix_cache.host is not None:
             self.prefix_cache.host.fence()  # promoted pages are in, evicted ones out (CUDA)
-        result = self.runner.execute(sched)
+        masks = self.structured.start(sched.scheduled)  # filled while the forward runs
+        result = self.runner.execute(sched, masks)
         outputs = self._update(sched.scheduled, result)
         pages = self.pool.pages
         self.last_stats = StepStats(
@@ -177,6 +199,8 @@ class Engine:
             num_finished=sum(o.finished for o in outputs),
             pages_used=pages.num_used,
             pages_total=pages.num_pages,
+            num_constrained=len(masks.requests) if masks is not None else 0,
+            mask_wait_s=result.mask_wait_s,
         )
         return outputs
 
@@ -189,7 +213,8 @@ class Engine:
             token = result.samples.token_ids[row]
             logprob = result.samples.logprobs[row]
             request.output_ids.append(token)
-            text, reason = self._check_finish(request, token)
+            grammar = request.matcher.advance(token) if request.matcher is not None else None
+            text, reason = self._check_finish(request, token, grammar)
             if reason is not None:
                 if request.export_kv:
                     self._export(request)
@@ -208,7 +233,11 @@ class Engine:
             )
         return outputs
 
-    def _check_finish(self, request: Request, token: int) -> tuple[str, FinishReason | None]:
+    def _check_finish(
+        self, request: Request, token: int, grammar: FinishReason | None = None
+    ) -> tuple[str, FinishReason | None]:
+        """Why the request ends after `token`, if it does; `grammar` is its constraint's say
+        (complete: STOP, failed: ABORT), which ends it whatever min_tokens or ignore_eos say."""
         params = request.sampling
         num_out = len(request.output_ids)
         can_stop = num_out >= params.min_tokens
@@ -219,7 +248,9 @@ class Engine:
                 return delta.text, FinishReason.STOP
             text = delta.text
         reason: FinishReason | None = None
-        if can_stop and not params.ignore_eos and token in self.eos_ids:
+        if grammar is not None:
+            reason = grammar
+        elif can_stop and not params.ignore_eos and token in self.eos_ids:
             reason = FinishReason.STOP
         elif can_stop and token in params.stop_token_ids:
             reason = FinishReason.STOP
@@ -265,7 +296,9 @@ class Engine:
             self.pool.pages.free(pages)
 
     def close(self) -> None:
-        """Flush and release the disk tier (its directory is locked while an engine uses it)."""
+        """Flush and release the disk tier (its directory is locked while an engine uses it);
+        stop the grammar threads."""
+        self.structured.close()
         if self.prefix_cache is not None and self.prefix_cache.disk is not None:
             self.prefix_cache.disk.close()
 
@@ -308,6 +341,11 @@ class Engine:
         sampled elsewhere. The next step samples the second token."""
         self._validate(req_id, prompt_ids, sampling)
         request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
+        # The constraint's state after the first token: a fresh matcher advanced by it (the
+        # prefill side sampled it under the same grammar, so it is allowed and not the last).
+        request.matcher = self._new_matcher(sampling)
+        if request.matcher is not None and request.matcher.advance(first_token) is not None:
+            raise RequestError("constraint", "the first token ends or breaks the constraint; it cannot continue here")
         self._arrivals += 1
         request.cache_salt = cache_salt.encode()
         request.num_cached_tokens = num_cached_tokens  # the prefill side's reuse, for usage

@@ -10,6 +10,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.loader import parse_dtype
+from engine.structured import StructuredConfig
 from kvcache.tiers import TierConfig
 
 GiB = 1 << 30
@@ -39,6 +40,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA only: capture decode steps in CUDA graphs for batches up to this size (0: eager).
     cuda_graph_max_batch: int = 128
+    structured: StructuredConfig = StructuredConfig()  # constrained decoding (engine.structured)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

@@ -42,6 +42,8 @@ class StepStats:
     num_finished: int
     pages_used: int
     pages_total: int
+    num_constrained: int = 0  # requests sampled under a grammar mask this step
+    mask_wait_s: float = 0.0  # the step's wait for those masks after the forward pass
 
 
 @dataclass(frozen=True, slots=True)

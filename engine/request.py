@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.structured import GrammarMatcher
     from engine.textstate import TextState
 
 
@@ -56,6 +57,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     export_kv: bool = False  # prefill role: keep a copy of the prompt's KV when it finishes
     text: TextState | None = None  # detokenizer + stop strings; None when not detokenizing
+    matcher: GrammarMatcher | None = None  # where the output is in its grammar (constrained only)
 
     @property
     def num_tokens(self) -> int:

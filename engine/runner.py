@@ -25,6 +25,7 @@ from engine.model import CausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.structured import MaskJob
 from kvcache.pool import DevicePool
 
 
@@ -42,6 +43,7 @@ class RunResult(NamedTuple):
     forward_s: float
     num_prefill_tokens: int
     num_decode_tokens: int
+    mask_wait_s: float = 0.0  # waiting for grammar masks after the forward (what overlap did not hide)
 
 
 class ModelRunner:
@@ -63,12 +65,18 @@ class ModelRunner:
         self.decode_backend = decode_backend
         self.graphs = graphs  # decode-only steps that fit replay a captured graph
 
-    def execute(self, out: SchedulerOutput) -> RunResult:
-        """Forward the scheduled tokens and sample for every request that caught up."""
+    def execute(self, out: SchedulerOutput, masks: MaskJob | None = None) -> RunResult:
+        """Forward the scheduled tokens and sample for every request that caught up, under
+        the grammar masks being filled meanwhile (engine.structured) for constrained ones."""
         fwd = self.forward(out)
         rows = [self._sampling_row(request) for request, _ in fwd.sampled]
-        samples = self.sampler(fwd.logits, rows) if rows else SamplerOutput([], [])
-        return RunResult(fwd.sampled, samples, fwd.forward_s, fwd.num_prefill_tokens, fwd.num_decode_tokens)
+        start = time.perf_counter()
+        mask = masks.wait(fwd.sampled) if masks is not None else None
+        mask_wait_s = time.perf_counter() - start
+        samples = self.sampler(fwd.logits, rows, mask) if rows else SamplerOutput([], [])
+        return RunResult(
+            fwd.sampled, samples, fwd.forward_s, fwd.num_prefill_tokens, fwd.num_decode_tokens, mask_wait_s
+        )
 
     def forward(self, out: SchedulerOutput) -> ForwardResult:
         """The forward pass alone: logits [S, vocab] of the requests that caught up."""

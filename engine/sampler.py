@@ -2,7 +2,8 @@
 
 Per row, in vLLM / OpenAI order:
 
-    raw logits ─┬─> log_softmax ──────────────────────────────> logprobs (raw model distribution)
+    raw logits ── grammar mask (constrained rows: ids the grammar refuses -> -inf)
+               ─┬─> log_softmax ──────────────────────────────> logprobs
                 └─> repetition penalty (prompt + output ids)
                     presence / frequency penalties (output ids)
                     blocked ids -> -inf
@@ -24,7 +25,10 @@ the race re-run on the same noise. The result is exactly the race over the nucle
 unresolved after a few rounds fall back to a sort.
 
 Logprobs are those of the model's raw distribution (log_softmax of the unprocessed logits,
-before penalties, blocked ids and temperature), as vLLM v1 returns by default.
+before penalties, blocked ids and temperature), as vLLM v1 returns by default. A constrained
+row's distribution is the raw one renormalised over the tokens its grammar allows, so its
+logprobs are finite and its alternatives are tokens the grammar would have taken. Should
+blocked ids (min_tokens) leave a constrained row nothing, the grammar's mask alone applies.
 """
 
 from __future__ import annotations
@@ -61,6 +65,13 @@ class TokenLogprobs(NamedTuple):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
+
+
+class TokenMask(NamedTuple):
+    """Which tokens the constrained rows of a step may take (engine.structured fills it)."""
+
+    rows: list[int]  # rows of the step's logits
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, on the CPU: bit t set = t allowed
 
 
 class SamplerOutput(NamedTuple):
@@ -149,6 +160,18 @@ def _apply_penalties(work: torch.Tensor, rows: Sequence[SamplingRow], idx: list[
         delta = (freq[row] * counts + pres[row]).to(dev)
         tokens = tokens.to(dev)
         flat[tokens] = flat[tokens] - delta
+
+
+def _apply_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """logits [B, V] with the tokens its masked rows may not take at -inf (a copy: the forward
+    pass's logits are inference tensors)."""
+    dev, vocab = logits.device, logits.shape[1]
+    words = mask.bits.to(dev, non_blocking=True)  # [R, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(mask.rows), -1)[:, :vocab]  # [R, V]
+    rows = _index(mask.rows, dev)
+    sub = logits.index_select(0, rows).masked_fill_(allowed == 0, _NEG_INF)
+    return logits.index_copy(0, rows, sub)
 
 
 def _apply_blocked(work: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
@@ -243,8 +266,11 @@ class Sampler:
         self._seed = seed  # for unseeded rows; None draws a fresh seed per device
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits [B, V>=vocab_size]; columns past vocab_size (lm_head padding) are ignored."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
+    ) -> SamplerOutput:
+        """logits [B, V>=vocab_size]; columns past vocab_size (lm_head padding) are ignored.
+        `mask` limits its rows to the tokens their grammars allow."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if logits.shape[1] < self.vocab_size:
@@ -252,6 +278,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if not rows:
             return SamplerOutput([], [])
+        if mask is not None:
+            logits = _apply_mask(logits, mask)
         if all(_is_plain_greedy(r) for r in rows):
             # argmax is exact in any float dtype, so no cast is needed.
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
@@ -279,6 +307,12 @@ class Sampler:
             _apply_penalties(work, rows, penalized)
         if blocked:
             _apply_blocked(work, rows, blocked)
+            # min_tokens may block the one token a grammar allows (EOS): then the grammar wins.
+            b = _index(blocked, raw.device)
+            dead = work.index_select(0, b).isneginf().all(dim=-1)
+            if bool(dead.any()):
+                b = b[dead]
+                work.index_copy_(0, b, raw.index_select(0, b))
         return work
 
     def _sample(
@@ -363,6 +397,7 @@ def _logprobs(
         top_v, top_i = top.values.tolist(), top.indices.tolist()
     for k, i in enumerate(idx):
         n = num_top[k]
-        alts = tuple(zip(top_i[k][:n], top_v[k][:n], strict=True))
+        # A constrained row may allow fewer tokens than asked for: no -inf alternatives.
+        alts = tuple((t, v) for t, v in zip(top_i[k][:n], top_v[k][:n], strict=True) if v != _NEG_INF)
         out[i] = TokenLogprobs(token_ids[i], chosen[k], alts)
     return out

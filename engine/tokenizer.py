@@ -8,6 +8,7 @@ in Jinja's immutable sandbox, with the helpers Hugging Face templates expect.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -125,6 +126,14 @@ class Tokenizer:
         variables = {**self._special_tokens, **extra}
         variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         return self._chat_template.render(variables)
+
+    def to_json(self) -> str:
+        """tokenizer.json's content (padding and truncation off), for the grammar matcher."""
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        text: str = backend.to_str()
+        return text
 
     def new_detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode, prompt_ids, self.is_special)
