@@ -138,6 +138,7 @@ class ApiSection(_Section):
     tls_cert: str | None = None
     tls_key: str | None = None
     allow_priority_field: bool = False
+    enable_admin: bool = False  # POST /admin/drain (a pod's preStop); needs an operator key when keys are set
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
 
@@ -256,7 +257,8 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
     return ServerConfig(
         engine=engine,
         http=HttpConfig(host=a.host, port=a.port, max_body_bytes=a.max_body_bytes,
-                        allow_priority_field=a.allow_priority_field, tls_certfile=a.tls_cert, tls_keyfile=a.tls_key),
+                        allow_priority_field=a.allow_priority_field, tls_certfile=a.tls_cert, tls_keyfile=a.tls_key,
+                        enable_admin=a.enable_admin),
         admission=AdmissionConfig(f.admission.max_waiting_requests, f.admission.max_waiting_tokens,
                                   f.admission.max_inflight_requests),
         grpc_port=a.grpc_port or None,

@@ -54,11 +54,15 @@ def bearer_key(headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 class EdgeGuard:
-    def __init__(self, app: ASGIApp, keys: ApiKeys, max_body_bytes: int, open_paths: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: ApiKeys, max_body_bytes: int, open_paths: tuple[str, ...],
+        operator_paths: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.keys = keys
         self.max_body_bytes = max_body_bytes
         self.open_paths = open_paths
+        self.operator_paths = operator_paths  # prefixes: with keys set, only an operator key passes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,6 +77,9 @@ class EdgeGuard:
                                  ((b"www-authenticate", b"Bearer"),))
                 return
             tenant = found
+            if self.keys.enabled and not tenant.is_operator and scope["path"].startswith(self.operator_paths):
+                await send_error(send, 403, "this route needs an operator key (role=operator)", "permission_error")
+                return
         scope.setdefault("state", {})["tenant"] = tenant
         for name, value in headers:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:

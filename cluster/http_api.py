@@ -59,9 +59,11 @@ class HttpConfig:
     allow_priority_field: bool = False  # let clients set `priority` (else it comes from the key)
     tls_certfile: str | None = None  # both set: HTTPS (and TLS on gRPC)
     tls_keyfile: str | None = None
+    enable_admin: bool = False  # POST /admin/drain (off: 404); with keys set it needs an operator key
 
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+OPERATOR_PATHS = ("/metrics", "/status", "/admin/")
 
 
 def error_response(err: EdgeError) -> JSONResponse:
@@ -74,8 +76,9 @@ def error_response(err: EdgeError) -> JSONResponse:
 def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     app = FastAPI(title="baton", version="0.1.0", docs_url=None, redoc_url=None)
     # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set
+    # With keys set, what shows every tenant and node (or changes the gateway) needs an operator key.
     app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes,
-                       open_paths=("/live", "/ready", "/dashboard"))  # fmt: skip
+                       open_paths=("/live", "/ready", "/dashboard"), operator_paths=OPERATOR_PATHS)  # fmt: skip
     if frontend.tracing.is_enabled:  # added last: outermost, so it sees 401s and 413s too
         app.add_middleware(TracedCalls, tracing=frontend.tracing)
 
@@ -144,6 +147,8 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
 
     @app.post("/admin/drain", include_in_schema=False)  # an operator route, not the OpenAI API
     async def drain() -> JSONResponse:
+        if not cfg.enable_admin:
+            raise EdgeError(Kind.NOT_FOUND, "Not Found")  # admin routes are off unless configured
         """Stop taking requests (ready -> 503, new requests -> 503 + Retry-After) and let the
         in-flight ones finish: a pod's preStop calls this, then waits for inflight to reach 0."""
         frontend.draining = True

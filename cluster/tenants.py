@@ -26,6 +26,7 @@ class Tenant:
     priority: int = 0  # lower runs first (the engine's priority classes)
     requests_per_s: float | None = None  # None: unlimited
     tokens_per_s: float | None = None  # prompt + generated tokens
+    is_operator: bool = False  # `role=operator`: /metrics, /status and (when enabled) /admin/*
 
 
 DEFAULT_TENANT = Tenant("default")
@@ -138,7 +139,7 @@ def _parse_key_line(line: str, where: str) -> tuple[str, Tenant]:
     values: dict[str, str] = {}
     for option in options:
         field, sep, value = option.partition("=")
-        if not sep or field not in ("priority", "rps", "tps"):
+        if not sep or field not in ("priority", "rps", "tps", "role"):
             raise ConfigError("api_keys_file", f"{where}: unknown option {option!r}")
         values[field] = value
     try:
@@ -147,9 +148,12 @@ def _parse_key_line(line: str, where: str) -> tuple[str, Tenant]:
             priority=int(values.get("priority", "0")),
             requests_per_s=float(values["rps"]) if "rps" in values else None,
             tokens_per_s=float(values["tps"]) if "tps" in values else None,
+            is_operator=values.get("role", "tenant") == "operator",
         )
     except ValueError:
         raise ConfigError("api_keys_file", f"{where}: bad number in {options}") from None
+    if values.get("role", "tenant") not in ("tenant", "operator"):
+        raise ConfigError("api_keys_file", f"{where}: role is tenant or operator, not {values['role']!r}")
     for limit in (tenant.requests_per_s, tenant.tokens_per_s):
         if limit is not None and limit <= 0:
             raise ConfigError("api_keys_file", f"{where}: rate limits must be positive")

@@ -266,7 +266,7 @@ def test_dashboard_asks_for_the_api_key(
 ) -> None:
     key = "d" * 24
     keys = tmp_path / "keys"
-    keys.write_text(f"{key} ops\n")
+    keys.write_text(f"{key} ops role=operator\n")
     guarded = make_server(api_keys_file=keys)
     with guarded.client() as client:
         assert client.get("/status").status_code == 401

@@ -156,7 +156,7 @@ def test_health_and_metrics(server: ServerHandle) -> None:
 
 def test_api_keys_guard_every_route_but_health(make_server: Any, tmp_path: Any) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("k" * 24 + " acme priority=1 rps=1000\n")
+    keys.write_text("k" * 24 + " acme priority=1 rps=1000\n" + "o" * 24 + " ops role=operator\n")
     guarded = make_server(api_keys_file=keys)
     with guarded.client() as client:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
@@ -168,7 +168,8 @@ def test_api_keys_guard_every_route_but_health(make_server: Any, tmp_path: Any) 
         assert client.get("/live").status_code == 200 and client.get("/ready").status_code == 200
         good = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer " + "k" * 24})
         assert good.status_code == 200
-        metrics = client.get("/metrics", headers={"x-api-key": "k" * 24}).text
+        assert client.get("/metrics", headers={"x-api-key": "k" * 24}).status_code == 403  # a tenant's key
+        metrics = client.get("/metrics", headers={"x-api-key": "o" * 24}).text
         assert 'baton_tenant_tokens_total{kind="generated",tenant="acme"} 2.0' in metrics
 
 
@@ -211,7 +212,7 @@ def test_return_token_ids_extension(server: ServerHandle) -> None:
 
 def test_cached_tokens_are_real_and_per_tenant(make_server: Any, tmp_path: Any) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("a" * 24 + " alpha\n" + "b" * 24 + " beta\n")
+    keys.write_text("a" * 24 + " alpha\n" + "b" * 24 + " beta\n" + "o" * 24 + " ops role=operator\n")
     srv = make_server(api_keys_file=keys)
     body = {"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 2, "temperature": 0}
 
@@ -223,6 +224,6 @@ def test_cached_tokens_are_real_and_per_tenant(make_server: Any, tmp_path: Any) 
     # 40 prompt tokens = 2 full pages + 8: the second alpha request reuses 32 tokens; beta's
     # first request, with the same prompt, reuses nothing of alpha's.
     assert [cached("a"), cached("a"), cached("b"), cached("b")] == [0, 32, 0, 32]
-    with srv.client(headers={"x-api-key": "a" * 24}) as client:
+    with srv.client(headers={"x-api-key": "o" * 24}) as client:
         metrics = client.get("/metrics").text
     assert 'baton_tenant_tokens_total{kind="cached",tenant="alpha"} 32.0' in metrics

@@ -65,7 +65,7 @@ def test_baton_status_prints_the_table(server: ServerHandle) -> None:
 
 def test_status_needs_the_key_when_keys_are_set(make_server: Any, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("s" * 24 + " ops\n")
+    keys.write_text("s" * 24 + " ops role=operator\n")
     guarded = make_server(api_keys_file=keys)
     with guarded.client() as client:
         assert client.get("/status").status_code == 401
@@ -101,7 +101,10 @@ def test_drain_refuses_new_work_and_finishes_inflight(make_server: Any) -> None:
 
     import httpx
 
-    drained = make_server()
+    from cluster.http_api import HttpConfig
+
+    assert make_server().client().post("/admin/drain").status_code == 404  # admin routes: off by default
+    drained = make_server(http=HttpConfig(enable_admin=True))
     results: list[int] = []
 
     def long_request() -> None:

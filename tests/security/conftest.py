@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "baton-tiny"
 ALPHA_KEY = "alpha-key-0123456789abcdef"
 BETA_KEY = "beta-key-0123456789abcdef0"
+OPS_KEY = "ops-key-0123456789abcdef00"  # role=operator: /metrics, /status, /admin/*
+OPERATOR_PATHS = ("/metrics", "/status", "/admin/")
 OPEN_PATHS = frozenset({"/live", "/ready", "/dashboard"})  # no key needed (README, http_api)
 MAX_BODY_BYTES = 64 << 10
 
@@ -54,7 +56,7 @@ def start_guarded(
     make_server: Callable[..., ServerHandle], engine: EngineConfig, tmp_path_factory: pytest.TempPathFactory
 ) -> Guarded:
     keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text(f"{ALPHA_KEY} alpha\n{BETA_KEY} beta priority=3\n")
+    keys.write_text(f"{ALPHA_KEY} alpha\n{BETA_KEY} beta priority=3\n{OPS_KEY} ops role=operator\n")
     grpc_port = free_port()
     handle = make_server(api_keys_file=keys, grpc_port=grpc_port, http=HttpConfig(max_body_bytes=MAX_BODY_BYTES),
                          engine=engine)  # fmt: skip

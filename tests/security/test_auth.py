@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from batonpb.baton.v1 import generation_pb2 as gen_pb
 from cluster.frontend import Frontend
+from cluster.http_api import HttpConfig
 from engine.outputs import StepOutput
 from tests.cluster.conftest import ServerHandle
 from tests.security.conftest import (
@@ -32,6 +33,8 @@ from tests.security.conftest import (
     MAX_BODY_BYTES,
     MODEL,
     OPEN_PATHS,
+    OPERATOR_PATHS,
+    OPS_KEY,
     ROOT,
     Guarded,
     bearer,
@@ -99,8 +102,12 @@ def test_every_route_but_the_probes_needs_a_key(guarded: Guarded) -> None:
                     if method != "HEAD":
                         assert reply.json()["error"]["type"] == "authentication_error"
             if path.startswith("/admin/"):
-                continue  # with a key it would act (drain the shared server): see the xfail below
-            for headers in (bearer(ALPHA_KEY), {"authorization": f"bearer  {ALPHA_KEY}"}, {"X-API-Key": ALPHA_KEY}):
+                continue  # with a key it would act (drain the shared server): its own test below
+            key = OPS_KEY if path.startswith(OPERATOR_PATHS) else ALPHA_KEY
+            if key == OPS_KEY:  # a tenant's key is not enough there
+                reply = client.request(method, path, headers=bearer(ALPHA_KEY))
+                assert reply.status_code == 403, (method, path, reply.status_code)
+            for headers in (bearer(key), {"authorization": f"bearer  {key}"}, {"X-API-Key": key}):
                 reply = client.request(method, path, headers=headers, json=GOOD if method == "POST" else None)
                 assert reply.status_code not in (401, 403) and reply.status_code < 500, (method, path, reply.status_code)
 
@@ -135,7 +142,7 @@ def _refused(status: int | None, reply: bytes, what: object) -> None:
 def test_path_variants_do_not_get_around_the_key(guarded: Guarded) -> None:
     # the raw path works at all: the open probe answers, a guarded route with its key too
     assert raw_http(guarded.port, get("/live"))[0] == 200
-    assert raw_http(guarded.port, get("/metrics", bearer(ALPHA_KEY)))[0] == 200
+    assert raw_http(guarded.port, get("/metrics", bearer(OPS_KEY)))[0] == 200
     for path in PATH_VARIANTS:
         for method in ("GET", "POST"):
             status, reply = raw_http(guarded.port, get(path, method=method))
@@ -269,7 +276,7 @@ def test_internal_errors_leak_no_internals(guarded: Guarded, monkeypatch: pytest
     # uvicorn closes a connection whose app raised (after the 500 went out): one per request
     with httpx.Client(base_url=guarded.url, timeout=30, headers={**key, "Connection": "close"}) as client:
         monkeypatch.setattr(frontend, "status", _boom)
-        _assert_clean_error(client.get("/status"), 500)
+        _assert_clean_error(client.get("/status", headers=bearer(OPS_KEY)), 500)
         monkeypatch.setattr(frontend, "stream", _boom_stream)
         _assert_clean_error(client.post("/v1/completions", json=GOOD), 500)
         streamed = client.post("/v1/completions", json={**GOOD, "stream": True})
@@ -319,12 +326,6 @@ def test_a_malformed_grpc_message_is_invalid_argument_and_leaks_nothing(guarded:
 # -- admin routes --------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DESIGN.md section 8: admin routes are off by default. POST /admin/drain is always on and "
-    "accepts any tenant's API key (and anyone, when no keys are set): one tenant can stop the "
-    "gateway admitting for all, with no way back short of a restart. cluster/http_api.py is not "
-    "this suite's to edit; it needs an operator-only key (or the route off unless configured)"
-))  # fmt: skip
 def test_a_tenant_key_cannot_drain_the_gateway(make_server: Callable[..., ServerHandle], tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"{ALPHA_KEY} alpha\n")
@@ -333,15 +334,17 @@ def test_a_tenant_key_cannot_drain_the_gateway(make_server: Callable[..., Server
         reply = client.post("/admin/drain")
         assert reply.status_code in (401, 403, 404), reply.status_code
         assert client.get("/ready").status_code == 200
+    # Enabled (a pod's preStop), it still takes only an operator key.
+    ops_key = "o" * 32
+    keys.write_text(f"{ALPHA_KEY} alpha\n{ops_key} ops role=operator\n")
+    enabled = make_server(api_keys_file=keys, http=HttpConfig(enable_admin=True))
+    with enabled.client() as client:
+        assert client.post("/admin/drain", headers=bearer(ALPHA_KEY)).status_code == 403
+        assert client.get("/ready").status_code == 200
+        assert client.post("/admin/drain", headers=bearer(ops_key)).status_code == 200
+        assert client.get("/ready").status_code == 503
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Any tenant's API key reads /metrics: baton_tenant_tokens_total names every other tenant "
-    "with its prompt, cached and generated token counts (and /status shows every node of the "
-    "cluster to any tenant). There is no operator "
-    "role apart from tenants (the same gap as /admin/drain); cluster/http_api.py is not this "
-    "suite's to edit"
-))  # fmt: skip
 def test_a_tenant_cannot_read_another_tenants_usage(guarded: Guarded) -> None:
     reply = httpx.post(guarded.url + "/v1/completions", json=GOOD, headers=bearer(BETA_KEY), timeout=30)
     assert reply.status_code == 200

@@ -34,7 +34,7 @@ from cluster.frontend import EngineFront
 from cluster.placement import Placer
 from engine.async_engine import AsyncEngine
 from engine.sampling import SamplingParams
-from tests.security.conftest import ALPHA_KEY, BETA_KEY, MODEL, Guarded, bearer
+from tests.security.conftest import ALPHA_KEY, BETA_KEY, MODEL, OPS_KEY, Guarded, bearer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -194,7 +194,7 @@ def _cancelled(guarded: Guarded, expected: float | None = None) -> float:
     pattern = re.compile(r'^baton_requests_total\{api="http",outcome="cancelled"\} (\S+)$', re.M)
     deadline = time.monotonic() + 10
     while True:
-        text = httpx.get(guarded.url + "/metrics", headers=bearer(ALPHA_KEY), timeout=10).text
+        text = httpx.get(guarded.url + "/metrics", headers=bearer(OPS_KEY), timeout=10).text
         match = pattern.search(text)
         value = float(match.group(1)) if match else 0.0
         if expected is None or value == expected or time.monotonic() > deadline:
