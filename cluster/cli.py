@@ -316,7 +316,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         with urllib.request.urlopen(request, timeout=args.timeout) as reply:  # noqa: S310  (http(s) only, above)
             body = json.loads(reply.read(8 << 20))
     except urllib.error.HTTPError as exc:
-        hint = " (set BATON_API_KEY)" if exc.code == 401 else ""
+        hint = {401: " (set BATON_API_KEY)", 403: " (BATON_API_KEY must be an operator key: role=operator)"}.get(
+            exc.code, "")
         raise BatonError(f"{url}: HTTP {exc.code}{hint}") from None
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         raise BatonError(f"{url}: cannot reach the gateway ({getattr(exc, 'reason', exc)})") from None

@@ -99,7 +99,7 @@ def create_grpc_server(frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> gr
         # take half the connections instead of failing to start.
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(frontend, keys, cfg), server)
+    _add_generation(GenerationService(frontend, keys, cfg), server)
     health_pb2_grpc.add_HealthServicer_to_server(LiveHealth(frontend, ("", SERVICE_NAME)), server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME)
@@ -112,6 +112,47 @@ def create_grpc_server(frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> gr
         port = server.add_insecure_port(address)
     logger.info("gRPC API on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_file else "no TLS")
     return server
+
+
+class _Malformed:
+    """What a request that does not parse as its message becomes (INVALID_ARGUMENT, not the
+    UNKNOWN with the decoder's exception class that grpc's own deserializer path answers)."""
+
+
+MALFORMED = _Malformed()
+
+
+def _tolerant(message: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except Exception:  # DecodeError, and whatever else a hostile byte string provokes
+            return MALFORMED
+
+    return parse
+
+
+def _add_generation(service: GenerationService, server: grpc.aio.Server) -> None:
+    """The generated add_GenerationServicer_to_server, with tolerant request parsing."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            service.Complete, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.CompleteResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, request_deserializer=_tolerant(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+    }  # fmt: skip
+    assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _check_parsed(request: object) -> None:
+    if request is MALFORMED:
+        raise invalid("the request is not a valid protobuf message of this method's type", None)
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -177,6 +218,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
+        _check_parsed(request)
         self._authenticate(context)
         self._check_model(request.model)
         if len(request.text) > MAX_PROMPT_CHARS:
@@ -199,6 +241,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         """Authenticate, bound, admit, tokenize and prepare: the frozen request and its ticket.
         A refusal here counts as outcome "rejected" (nothing reached an engine)."""
         try:
+            _check_parsed(request)
             return await self._admit(request, context, trace)
         except Exception:
             self.frontend.metrics.requests.labels("grpc", "rejected").inc()

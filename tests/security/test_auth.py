@@ -309,13 +309,6 @@ def test_grpc_error_details_leak_no_internals(guarded: Guarded) -> None:
             assert details and not leaks(details), details
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "grpc.aio answers a request its deserializer cannot parse with UNKNOWN and the details "
-    "\"Unexpected <class 'google.protobuf.message.DecodeError'>: Error parsing message with type "
-    "'baton.v1.GenerateRequest'...\", before authentication; cluster/grpc_api.py (not this "
-    "suite's to edit) would need a tolerant deserializer (as kvtransfer's _unframe_or_poison) and "
-    "INVALID_ARGUMENT"
-))  # fmt: skip
 def test_a_malformed_grpc_message_is_invalid_argument_and_leaks_nothing(guarded: Guarded) -> None:
     with grpc.insecure_channel(guarded.grpc_target) as channel:
         for path, kind, _ in _generation_methods():
