@@ -84,7 +84,7 @@ class Engine:
             )  # fmt: skip
         sampler = Sampler(mc.vocab_size, seed=cfg.seed)
         self.structured = StructuredOutputs(
-            self.tokenizer.to_json, mc.vocab_size, self.eos_ids, cfg.structured, pin_memory=self.device.type == "cuda"
+            self.tokenizer.to_json, mc.vocab_size, self.eos_ids, cfg.structured, self.device
         )
         self.runner = ModelRunner(self.model, self.pool, sampler, self.eos_ids, backend, graphs)
         self._arrivals = 0

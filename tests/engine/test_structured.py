@@ -26,8 +26,9 @@ from engine.async_engine import AsyncEngine
 from engine.constraint import MAX_SCHEMA_DEPTH, Constraint, ConstraintError
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from engine.errors import BatonError
+from engine.errors import BatonError, ConfigError
 from engine.request import FinishReason
+from engine.sampler import TokenMask, _apply_mask
 from engine.sampling import SamplingParams
 from engine.structured import GrammarCompiler, StructuredConfig
 
@@ -236,6 +237,23 @@ def test_unconstrained_requests_are_unchanged_by_constrained_ones_beside_them(en
         jsonschema.validate(json.loads(_text(engine, together[f"c{i}"][0])), ORDER)
 
 
+def test_the_mask_adds_minus_infinity_to_refused_tokens_of_its_rows_only() -> None:
+    vocab = 100  # not a multiple of 32: the last word's high bits are padding
+    allowed = torch.rand(2, vocab) < 0.3
+    padded = torch.zeros(2, 128, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.view(2, 4, 32) << torch.arange(32)).sum(-1)  # bit t of word w = token 32w + t
+    bits = words.where(words < 2**31, words - 2**32).to(torch.int32)
+    with torch.inference_mode():
+        logits = torch.randn(4, vocab)
+    before = logits.clone()
+    _apply_mask(logits, TokenMask([3, 1], bits))
+    for row, k in ((3, 0), (1, 1)):
+        assert torch.equal(logits[row][allowed[k]], before[row][allowed[k]])
+        assert torch.isneginf(logits[row][~allowed[k]]).all()
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+
+
 # -- matcher state across preemption, the prefix cache and the hand-off -----------------------------
 
 
@@ -414,6 +432,15 @@ def test_the_compile_cache_is_bounded(engine: Engine) -> None:
         assert [compiler.is_cached(c) for c in regexes] == [False, True, True]
     finally:
         compiler.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("compile_timeout_s", 0.0), ("cache_size", 0), ("num_mask_threads", -1), ("num_compile_threads", 1.5)]
+)
+def test_structured_config_is_validated(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"structured.{field}"):
+        StructuredConfig(**{field: value})  # type: ignore[arg-type]
+    assert StructuredConfig(overlap=None).resolve_overlap(torch.device("cuda")) is True
 
 
 async def test_async_engine_compiles_off_the_step_thread_and_refuses_before_queueing(engine: Engine) -> None:
