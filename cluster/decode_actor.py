@@ -230,7 +230,7 @@ class DecodeActor(KVPublisher, Registered):
             len(engine.scheduler.running), engine.scheduler.num_waiting,
             book.refused_bad_token, book.refused_stale_epoch, book.refused_bad_page,
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
-            self._cache_report(),
+            self._cache_report(), engine.num_preempted_total,
         )  # fmt: skip
 
     def _cache_report(self) -> CacheReport:

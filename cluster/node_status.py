@@ -46,6 +46,7 @@ class NodeStatus:
     failed_transfers: int = 0
     cache: CacheReport = CacheReport()
     age_s: float = 0.0  # since its last report
+    preemptions: int = 0  # requests its engine preempted (recomputed later) since start
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -81,16 +82,17 @@ async def engine_node(name: str, role: str, stepper: AsyncEngine) -> NodeStatus:
         return NodeStatus(name, role, "down")
     start = time.monotonic()
     try:
-        running, waiting, report = await asyncio.wait_for(stepper.call(_read_engine), READ_TIMEOUT_S)
+        running, waiting, report, preempted = await asyncio.wait_for(stepper.call(_read_engine), READ_TIMEOUT_S)
     except TimeoutError:
         return NodeStatus(name, role, "stalled", age_s=time.monotonic() - start)
     return NodeStatus(name, role, "ok", running=running, waiting=waiting, cache=report,
-                      age_s=time.monotonic() - start)  # fmt: skip
+                      age_s=time.monotonic() - start, preemptions=preempted)  # fmt: skip
 
 
-def _read_engine(engine: Engine) -> tuple[int, int, CacheReport]:
+def _read_engine(engine: Engine) -> tuple[int, int, CacheReport, int]:
     return (len(engine.scheduler.running), engine.scheduler.num_waiting,
-            cache_report(engine.pool.pages, engine.prefix_cache, engine.cfg.page_size))  # fmt: skip
+            cache_report(engine.pool.pages, engine.prefix_cache, engine.cfg.page_size),
+            engine.num_preempted_total)  # fmt: skip
 
 
 class NodeCollector(Collector):
@@ -114,6 +116,8 @@ class NodeCollector(Collector):
                                       labels=labels)  # fmt: skip
         failed = CounterMetricFamily("baton_node_kv_failed_reads", "Lower-tier pages that could not be read back",
                                      labels=labels)  # fmt: skip
+        preempted = CounterMetricFamily("baton_node_preemptions", "Requests the node's engine preempted "
+                                        "(their pages freed, recomputed later)", labels=labels)  # fmt: skip
         requests = GaugeMetricFamily("baton_node_requests", "Requests on the node: running, waiting",
                                      labels=[*labels, "state"])  # fmt: skip
         for n in self.nodes:
@@ -130,6 +134,7 @@ class NodeCollector(Collector):
                 moves.add_metric([*key, kind], value)
             corrupt.add_metric(key, c.corrupt_records)
             failed.add_metric(key, c.failed_reads)
+            preempted.add_metric(key, n.preemptions)
             requests.add_metric([*key, "running"], n.running)
             requests.add_metric([*key, "waiting"], n.waiting)
-        yield from (up, queried, hits, pages, moves, corrupt, failed, requests)
+        yield from (up, queried, hits, pages, moves, corrupt, failed, preempted, requests)

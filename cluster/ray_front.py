@@ -160,7 +160,7 @@ class RayFront:
                 p.name, "prefill", health, p.epoch, s.num_running if s else 0, 0,
                 s.num_pending_tokens if s else 0, 0, s.num_pinned_pages if s else 0,
                 s.num_transfers if s else 0, s.num_failed_transfers if s else 0,
-                s.cache if s else CacheReport(), now - p.reported_at if s else 0.0,
+                s.cache if s else CacheReport(), now - p.reported_at if s else 0.0, s.num_preempted if s else 0,
             ))  # fmt: skip
         for d in self.decodes:
             t = d.stats
@@ -168,7 +168,7 @@ class RayFront:
             nodes.append(NodeStatus(
                 d.name, "decode", health, d.epoch, t.num_running if t else 0, t.num_waiting if t else 0, 0,
                 t.num_reserved_pages if t else 0, cache=t.cache if t else CacheReport(),
-                age_s=now - d.heartbeat if t else 0.0,
+                age_s=now - d.heartbeat if t else 0.0, preemptions=t.num_preempted if t else 0,
             ))  # fmt: skip
         return nodes
 

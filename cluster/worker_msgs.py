@@ -50,6 +50,7 @@ class PrefillStats:
     num_pending_tokens: int = 0  # prompt tokens queued or being computed
     prefill_s_per_token: float = 0.0  # measured over its recent steps (moving average); 0: none yet
     cache: CacheReport = CacheReport()  # by tier, for status and the per-node metrics
+    num_preempted: int = 0  # requests its engine preempted since start
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class DecodeStats:
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
     cache: CacheReport = CacheReport()  # read at most every CACHE_REPORT_S (it walks the cache)
+    num_preempted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

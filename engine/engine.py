@@ -92,6 +92,7 @@ class Engine:
         # Operator-shared prefixes; the server may add tokenized ones after start-up.
         self.shared_prefixes: tuple[tuple[int, ...], ...] = cfg.shared_prefixes
         self.last_stats: StepStats | None = None
+        self.num_preempted_total = 0  # requests preempted (recomputed later) since start
         logger.info(
             "engine ready: %s (%s, %s), %d pages x %d tokens, max_model_len %d",
             model_dir.name, self.dtype, self.device, num_pages, cfg.page_size, self.max_model_len,
@@ -188,6 +189,7 @@ class Engine:
         result = self.runner.execute(sched, masks)
         outputs = self._update(sched.scheduled, result)
         pages = self.pool.pages
+        self.num_preempted_total += len(sched.preempted)
         self.last_stats = StepStats(
             step_s=time.perf_counter() - start,
             forward_s=result.forward_s,

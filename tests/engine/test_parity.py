@@ -138,6 +138,7 @@ def _staggered(
             preempted += engine.last_stats.num_preempted
         step += 1
         engine.check_integrity()
+    assert engine.num_preempted_total >= preempted  # the cumulative count /metrics exports
     return [tokens[f"r{i}"] for i in range(len(prompts))], preempted
 
 
