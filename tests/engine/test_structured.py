@@ -105,15 +105,9 @@ def engine(tiny_model_dir: Path) -> Engine:
 def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list[int], FinishReason]]:
     for req_id, (prompt, params) in requests.items():
         engine.add_request(req_id, prompt, params)
-    tokens: dict[str, list[int]] = {req_id: [] for req_id in requests}
-    reasons: dict[str, FinishReason] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.req_id].extend(out.token_ids)
-            if out.finish_reason is not None:
-                reasons[out.req_id] = out.finish_reason
+    results = _continue(engine, *requests)
     engine.check_integrity()
-    return {req_id: (tokens[req_id], reasons[req_id]) for req_id in requests}
+    return results
 
 
 def _params(constraint: Constraint, temperature: float, seed: int | None, max_tokens: int = 400) -> SamplingParams:
