@@ -16,12 +16,13 @@ they cannot drift apart in what they accept or how they finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 from cluster.admission import Admission, AdmissionConfig, Ticket
 from cluster.errors import EdgeError, Kind, classify, invalid
@@ -228,11 +229,19 @@ class Frontend:
         num_tokens = 0
         failure: BaseException | None = None
         try:
-            async with asyncio.timeout(self._remaining(req)):
-                stream = self.engine.generate(
-                    req.req_id, req.prompt_ids, req.sampling, req.priority, cache_salt=req.tenant.name
-                )
-                async for out in stream:
+            stream = self.engine.generate(
+                req.req_id, req.prompt_ids, req.sampling, req.priority, cache_salt=req.tenant.name
+            )
+            # The deadline bounds each wait for the engine, never a `yield`: a timeout armed
+            # across a yield fires in whatever the consumer is awaiting (a socket write) and
+            # surfaces as a cancellation there, not as this request's deadline.
+            async with contextlib.aclosing(cast(AsyncGenerator[StepOutput, None], stream)) as outs:
+                while True:
+                    try:
+                        async with asyncio.timeout(self._remaining(req)):
+                            out = await anext(outs)
+                    except StopAsyncIteration:
+                        break
                     now = time.monotonic()
                     if out.num_output_tokens == len(out.token_ids):
                         ticket.started()

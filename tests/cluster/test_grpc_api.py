@@ -227,7 +227,7 @@ async def test_server_timeout_is_deadline_exceeded(front: AsyncEngine, engine: E
             if _outcomes(s.frontend, "deadline"):
                 break
             await asyncio.sleep(0.05)
-        assert _outcomes(s.frontend, "deadline") == 1
+        assert _outcomes(s.frontend, "deadline") == 1, s.frontend.metrics.outcomes()
     assert await _all_pages_free(engine)
 
 
