@@ -148,12 +148,13 @@ class Registered:
         return report
 
     async def drain_and_exit(self) -> None:
-        """SIGTERM's path: drain, release what outlives the process, exit 0 (Ray records an
-        intended exit)."""
+        """SIGTERM's path (and the end of the gateway's drain_worker): drain unless a drain
+        already ran, release what outlives the process, exit 0 (Ray records an intended exit)."""
         import ray
 
         try:
-            await self.drain()
+            if not self.draining:
+                await self.drain()
             await self._shutdown()
         finally:
             ray.get_runtime_context().current_actor.exit.remote()
