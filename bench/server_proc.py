@@ -15,6 +15,7 @@ that group (the child and the local Ray it started), nothing else.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,37 @@ STOP_WAIT_S = 60.0  # SIGINT -> exit: a Ray deployment needs ~5 s
 POLL_S = 0.5
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Ports for servers a test or benchmark starts: outside the kernel's ephemeral range (the
+# ports it hands to outgoing connections, of which a local Ray makes hundreds) and outside
+# Ray's worker ports (10002-19999), so a port found free is still free when the server binds
+# it. A port from bind(0) is an ephemeral one: an outgoing connection took it between the
+# probe and the bind once in CI ("address already in use").
+_PORTS = range(20000, 32000)
+_rng = random.Random()
+
+
+def _ephemeral_range() -> range:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that nothing listens on and no outgoing connection will take."""
+    ephemeral = _ephemeral_range()
+    for _ in range(200):
+        port = _rng.choice(_PORTS)
+        if port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1} on {host}")
 
 
 def baton_command() -> list[str]:

@@ -241,6 +241,8 @@ class EtcdMembership(ViewBacked):
 
     async def _watch_from(self, start_revision: int) -> None:
         watch = await self._client.watch_prefix(self.cfg.prefix, start_revision=start_revision)
+        if self._is_closed:  # closed while the watch was created (see _cancel)
+            return
         if not self._is_connected:
             logger.info("etcd reachable: watching from revision %d", start_revision)
         self._is_connected = True
@@ -279,7 +281,19 @@ class EtcdMembership(ViewBacked):
         return self.cfg.prefix + worker_id.encode()
 
 
+CANCEL_TRIES = 50  # x CANCEL_WAIT_S: how long close() waits for a task that swallows cancellation
+CANCEL_WAIT_S = 0.1
+
+
 async def _cancel(task: asyncio.Task[None] | None) -> None:
-    if task is not None:
+    """Cancel `task` and wait for it, bounded. aetcd can swallow a cancellation that lands
+    while it creates a watch (the task then waits on the new watch's events for ever, and a
+    single cancel-and-gather hangs close()): cancel again until the task is done."""
+    if task is None:
+        return
+    for _ in range(CANCEL_TRIES):
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        done, _ = await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+        if done:
+            return
+    logger.error("%s did not stop within %.0f s of being cancelled", task.get_name(), CANCEL_TRIES * CANCEL_WAIT_S)

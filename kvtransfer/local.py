@@ -51,6 +51,8 @@ def receive_all(receiver: KVReceiver, chunks: Sequence[WireChunk], limits: Codec
                 raise TransferError("refused")
             transfer_id = chunk.header.transfer_id
             receiver.store(chunk.header, pages)
+            if receiver.is_complete(transfer_id):
+                break  # complete: the transfer stands (its token is spent), as in receive_push
         if not transfer_id or not receiver.is_complete(transfer_id):
             raise TransferError("transfer incomplete")
         return ""

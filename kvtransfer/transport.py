@@ -243,8 +243,8 @@ async def receive_push(
                 raise TransferError("refused")  # no detail: the token may be a guess
             transfer_id = chunk.header.transfer_id  # from here on, failures release it
             done = receiver.store(chunk.header, pages)
-            if chunk.header.is_last:
-                break
+            if chunk.header.is_last or receiver.is_complete(transfer_id):
+                break  # complete: the transfer stands, whatever the stream still carries
         if not transfer_id:
             raise TransferError("empty stream")
         if not receiver.is_complete(transfer_id):

@@ -11,6 +11,7 @@ claim: speed is measured by the benchmarks.)
 from __future__ import annotations
 
 import os
+import shutil
 import tomllib
 from collections import defaultdict
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from engine.builtin import resolve_model_dir
+from tests.etcd_server import INSTALL_HINT, EtcdServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +51,17 @@ def tiny_model_dir(baton_cache_dir: Path) -> Path:
     return path
 
 _durations: dict[str, float] = defaultdict(float)
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd on loopback for the whole run (membership, security and Ray deployment
+    tests): a failure, not a skip, without the binary, as these tests must run in CI."""
+    if shutil.which("etcd") is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    server = EtcdServer.launch(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
 
 
 def _budgets() -> dict[str, float]:

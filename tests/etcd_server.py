@@ -23,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.server_proc import free_port
+
 INSTALL_HINT = (
     "etcd is not on PATH: the membership tests run a real etcd server on loopback. "
     "Install it with `sudo apt-get install -y etcd-server` (Debian/Ubuntu; .ci/run does this "
@@ -32,12 +34,6 @@ INSTALL_HINT = (
 
 class EtcdMissing(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def is_listening(port: int) -> bool:

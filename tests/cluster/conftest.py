@@ -4,8 +4,6 @@ event loop, so tests can talk HTTP to it and still inspect the engine's pages.""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,17 +15,11 @@ import httpx
 import pytest
 import uvloop
 
+from bench.server_proc import free_port
 from cluster import ray_runtime  # sets Ray's environment before any test module imports `ray`
 from cluster.server import Running, ServerConfig, start
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from tests.etcd_server import INSTALL_HINT, EtcdServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -145,9 +137,7 @@ def tiny_engine_config(tiny_model_dir: Path) -> EngineConfig:
     return EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512, num_pages=256)
 
 
-@pytest.fixture(scope="session")
-def make_server(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
-    """Start servers with config overrides; each gets its own engine; all stop at session end."""
+def _server_factory(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
     handles: list[ServerHandle] = []
 
     def make(**overrides: Any) -> ServerHandle:
@@ -162,17 +152,28 @@ def make_server(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., Serv
         handle.stop()
 
 
+@pytest.fixture
+def make_server(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
+    """Start servers with config overrides; each gets its own engine; they stop when the test
+    ends (a server left running holds an engine, threads and sockets for the rest of the run)."""
+    yield from _server_factory(tiny_engine_config)
+
+
+@pytest.fixture(scope="module")
+def make_module_server(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
+    """make_server for module-scoped fixtures: these servers stop when the module's tests end."""
+    yield from _server_factory(tiny_engine_config)
+
+
 @pytest.fixture(scope="session")
-def server(make_server: Callable[..., ServerHandle]) -> ServerHandle:
+def make_shared_server(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
+    """make_server for session-scoped fixtures (the shared `server`): they stop at session end."""
+    yield from _server_factory(tiny_engine_config)
+
+
+@pytest.fixture(scope="session")
+def server(make_shared_server: Callable[..., ServerHandle]) -> ServerHandle:
     """The shared default server: no keys, default admission."""
-    return make_server()
+    return make_shared_server()
 
 
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """One real etcd on loopback for the session (membership tests and the Ray deployment's)."""
-    if shutil.which("etcd") is None:  # a failure, not a skip: these tests must run in CI
-        pytest.fail(INSTALL_HINT, pytrace=False)
-    server = EtcdServer.launch(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from batonpb.baton.v1 import generation_pb2 as pb
 from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
+from bench.server_proc import free_port
 from cluster.admission import AdmissionConfig
 from cluster.client import AsyncBatonClient, BatonClient, BatonClientError, Message, Sampling
 from cluster.frontend import Frontend
@@ -68,20 +68,13 @@ async def front(engine: Engine) -> AsyncIterator[AsyncEngine]:
     await front.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @contextlib.asynccontextmanager
 async def serving(
     front: AsyncEngine, keys: ApiKeys = KEYS, admission: AdmissionConfig | None = None,
     request_timeout_s: float = 30.0, **cfg: object,
 ) -> AsyncIterator[Served]:
     frontend = Frontend(front, MODEL, admission, request_timeout_s=request_timeout_s)
-    port = _free_port()
+    port = free_port()
     config = GrpcConfig(port=port, **cfg)  # type: ignore[arg-type]
     server = create_grpc_server(frontend, keys, config)
     await server.start()

@@ -23,8 +23,8 @@ MAX_EXAMPLES = 30
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(make_server: Any, tiny_engine_config: EngineConfig) -> ServerHandle:
-    return make_server(engine=replace(tiny_engine_config, max_model_len=64))
+def fuzz_server(make_module_server: Any, tiny_engine_config: EngineConfig) -> ServerHandle:
+    return make_module_server(engine=replace(tiny_engine_config, max_model_len=64))
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)

@@ -58,9 +58,9 @@ class Traced(ServerHandle):
 
 
 @pytest.fixture(scope="module")
-def traced(make_server: Callable[..., ServerHandle], receiver: Receiver, keys_file: Path) -> Iterator[Traced]:
+def traced(make_module_server: Callable[..., ServerHandle], receiver: Receiver, keys_file: Path) -> Iterator[Traced]:
     port = free_port()
-    handle = make_server(grpc_port=port, api_keys_file=keys_file,
+    handle = make_module_server(grpc_port=port, api_keys_file=keys_file,
                          tracing=TracingConfig(receiver.endpoint, service_name="baton-colocated"))  # fmt: skip
     yield Traced(handle.url, handle.running, handle.loop, handle.thread, port)
     handle.stop()

@@ -2,8 +2,8 @@
 
 Real parts on loopback, as everywhere in tests/: the gateway servers come from
 tests/cluster/conftest.py (re-exported here, so this suite gets its own session-scoped
-instances), a guarded gateway serves HTTP and gRPC with two tenants' API keys, a real etcd
-runs for the membership tests, and `canary` is the pickle payload every listener is fed: if
+instances), a guarded gateway serves HTTP and gRPC with two tenants' API keys, the session's real etcd
+(tests/conftest.py) serves the membership tests, and `canary` is the pickle payload every listener is fed: if
 anything on the other side ever unpickles it, a file appears.
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 import pathlib
 import pickle
 import re
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +20,16 @@ import pytest
 
 from cluster.http_api import HttpConfig
 from engine.engine_config import EngineConfig
-from tests.cluster.conftest import ServerHandle, free_port, make_server, tiny_engine_config
-from tests.etcd_server import INSTALL_HINT, EtcdServer
+from tests.cluster.conftest import (
+    ServerHandle,
+    free_port,
+    make_module_server,
+    make_server,
+    make_shared_server,
+    tiny_engine_config,
+)
 
-__all__ = ["make_server", "tiny_engine_config"]  # fixtures, re-exported for this suite
+__all__ = ["make_module_server", "make_server", "make_shared_server", "tiny_engine_config"]  # fixtures, re-exported for this suite
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "baton-tiny"
@@ -65,11 +70,11 @@ def start_guarded(
 
 @pytest.fixture(scope="session")
 def guarded(
-    make_server: Callable[..., ServerHandle], tiny_engine_config: EngineConfig,
+    make_shared_server: Callable[..., ServerHandle], tiny_engine_config: EngineConfig,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Guarded:
     """The suite's gateway: baton-tiny with a 512-token context."""
-    return start_guarded(make_server, tiny_engine_config, tmp_path_factory)
+    return start_guarded(make_shared_server, tiny_engine_config, tmp_path_factory)
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -121,11 +126,3 @@ def canary(tmp_path: Path) -> Canary:
     return armed
 
 
-@pytest.fixture(scope="session")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """A real etcd on loopback (a failure, not a skip, without the binary: as tests/cluster)."""
-    if shutil.which("etcd") is None:
-        pytest.fail(INSTALL_HINT, pytrace=False)
-    server = EtcdServer.launch(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()

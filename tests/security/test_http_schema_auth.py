@@ -32,12 +32,12 @@ _AUTH_HEADERS = {"authorization", "x-api-key"}
 
 @pytest.fixture(scope="module")
 def schema_server(
-    make_server: Callable[..., ServerHandle], tiny_engine_config: EngineConfig,
+    make_module_server: Callable[..., ServerHandle], tiny_engine_config: EngineConfig,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Guarded:
     """A guarded gateway with a 64-token context: a valid case without max_tokens generates
     the rest of it, so the context bounds each case's time."""
-    return start_guarded(make_server, replace(tiny_engine_config, max_model_len=64), tmp_path_factory)
+    return start_guarded(make_module_server, replace(tiny_engine_config, max_model_len=64), tmp_path_factory)
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
