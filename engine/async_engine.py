@@ -107,9 +107,10 @@ class AsyncEngine:
 
     async def prepare(self, sampling: SamplingParams) -> None:
         """Compile the request's constraint, if any, on a worker thread (the step loop goes
-        on meanwhile); ConstraintError if it is refused. Call it before `stream` for a start
-        function that adds a constrained request, so that the step thread never compiles."""
-        if not self.engine.is_prepared(sampling):
+        on meanwhile); ConstraintError if it is refused, now or earlier (refusals are cached
+        too). Call it before `stream` for a start function that adds a constrained request,
+        so that the step thread never compiles."""
+        if sampling.constraint is not None:
             await asyncio.to_thread(self.engine.prepare, sampling)
 
     async def _prepared(self, sampling: SamplingParams, stream: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:

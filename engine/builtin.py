@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # Bump whenever the bytes a spec produces change (generator, asset, layout): the cache
 # directory name carries it, so a stale cached model is never reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: the chat template's tool section
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 TOKENIZER_ASSET = ASSETS_DIR / "tokenizer.json"

@@ -57,6 +57,7 @@ class ConstraintError(BatonError, ValueError):
     def __init__(self, message: str, field: str = _FIELD) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message  # without the field's name: an edge names its own request field
 
 
 class ConstraintKind(enum.StrEnum):
