@@ -33,9 +33,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.admission import Ticket
+from cluster.constraint_fields import OutputSpec
 from cluster.edge_guard import EdgeGuard
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.frontend import Frontend, GenerateRequest
+from cluster.openai_output import output_spec, template_messages
 from cluster.openai_render import ChoiceState, Renderer, error_body, sse
 from cluster.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from cluster.tenants import ApiKeys, Tenant
@@ -243,17 +245,20 @@ async def _serve(
     chat: bool,
 ) -> Response:
     try:
-        admitted = await _admit(frontend, cfg, request, body)
+        spec = output_spec(body)
+        admitted = await _admit(frontend, cfg, request, body, spec)
     except Exception:
         frontend.metrics.requests.labels("http", "rejected").inc()  # refused before any engine work
         raise
-    return await _respond(frontend, request, body, chat, *admitted)
+    return await _respond(frontend, request, body, chat, spec, *admitted)
 
 
 async def _admit(
     frontend: Frontend, cfg: HttpConfig, request: Request, body: CompletionRequest | ChatCompletionRequest,
+    spec: OutputSpec,
 ) -> tuple[list[GenerateRequest], list[Ticket], int, Any]:
-    """Check, admit, tokenize and prepare every choice of one call (tickets released on failure)."""
+    """Check, admit, tokenize and prepare every choice of one call (tickets released on failure);
+    an output constraint is compiled before the response starts (a 400 if it does not)."""
     if body.model != frontend.model_name:
         raise EdgeError(Kind.NOT_FOUND, f"model {body.model!r} does not exist", "model")
     if isinstance(body, CompletionRequest) and body.echo:
@@ -270,10 +275,11 @@ async def _admit(
         # Admission first, before any tokenizing: one O(1) ticket per engine request.
         for _ in range(num_choices):
             tickets.append(frontend.admit())
-        prompts = await _prompts(frontend, body)
-        reqs = _requests(frontend, cfg, body, prompts, tenant, deadline, trace.req_id)
+        prompts = await _prompts(frontend, body, spec)
+        reqs = _requests(frontend, cfg, body, prompts, tenant, deadline, trace.req_id, spec)
         for req, ticket in zip(reqs, tickets, strict=True):
             frontend.check_tenant(ticket, req)
+        await frontend.prepare_constraint(reqs[0].sampling, spec.param)
     except BaseException:
         _release(tickets)
         raise
@@ -282,13 +288,13 @@ async def _admit(
 
 async def _respond(
     frontend: Frontend, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
-    reqs: list[GenerateRequest], tickets: list[Ticket], num_prompts: int, trace: Any,
+    spec: OutputSpec, reqs: list[GenerateRequest], tickets: list[Ticket], num_prompts: int, trace: Any,
 ) -> Response:
     want_logprobs = (body.logprobs is not None) if isinstance(body, CompletionRequest) else body.logprobs
     prefix = "chatcmpl-" if chat else "cmpl-"
     renderer = Renderer(chat, prefix + uuid.uuid4().hex, frontend.model_name, int(time.time()),
                         lambda t: frontend.tokenizer.decode([t], skip_special_tokens=False), want_logprobs,
-                        body.return_token_ids)
+                        body.return_token_ids, spec.tools)
     streams = [frontend.stream(r, t, "http", trace) for r, t in zip(reqs, tickets, strict=True)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -344,11 +350,13 @@ def _num_prompts(body: CompletionRequest | ChatCompletionRequest) -> int:
     return 1 if all(isinstance(t, int) for t in body.prompt) else len(body.prompt)
 
 
-async def _prompts(frontend: Frontend, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+async def _prompts(
+    frontend: Frontend, body: CompletionRequest | ChatCompletionRequest, spec: OutputSpec
+) -> list[list[int]]:
     tok = frontend.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        extra = {"tools": [t.template_value() for t in spec.tools.tools]} if spec.tools else {}
+        text = tok.apply_chat_template(template_messages(body), body.add_generation_prompt, **extra)
         return [await _encode(frontend, text, special=False)]
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -372,12 +380,12 @@ async def _encode(frontend: Frontend, text: str, special: bool) -> list[int]:
 
 def _requests(
     frontend: Frontend, cfg: HttpConfig, body: CompletionRequest | ChatCompletionRequest,
-    prompts: list[list[int]], tenant: Tenant, deadline: float, first_req_id: str | None = None,
+    prompts: list[list[int]], tenant: Tenant, deadline: float, first_req_id: str | None, spec: OutputSpec,
 ) -> list[GenerateRequest]:
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
-    sampling = _sampling(body, max_tokens or frontend.max_model_len)
+    sampling = replace(_sampling(body, max_tokens or frontend.max_model_len), constraint=spec.constraint)
     if cfg.allow_priority_field and body.priority is not None:
         tenant = replace(tenant, priority=body.priority)
     reqs: list[GenerateRequest] = []
@@ -457,7 +465,9 @@ async def _sse(
         async for index, out in _merge(streams):
             first = not choices[index].completion_tokens and not choices[index].text
             choices[index].add(out)
-            yield sse(renderer.chunk(index, out, first))
+            chunk = renderer.chunk(index, out, first)
+            if chunk is not None:
+                yield sse(chunk)
         if include_usage:
             yield sse(renderer.usage_chunk(choices, prompts))
     except Exception as exc:  # the status line is gone: report in-band, then end the stream

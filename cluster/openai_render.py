@@ -1,4 +1,9 @@
-"""Response shapes of the OpenAI API, from StepOutputs (no I/O here)."""
+"""Response shapes of the OpenAI API, from StepOutputs (no I/O here).
+
+With tool calls parsed (cluster.tool_calls), each chat choice's text goes through its own
+ToolCallParser: content and `tool_calls` deltas (index; id, type and name first, then argument
+fragments) in a stream, a `message.tool_calls` list in a body, and finish_reason "tool_calls"
+when the output ended after a call."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.errors import EdgeError
+from cluster.tool_calls import Parsed, ToolCallParser, ToolUse, finish_reason
 from engine.outputs import StepOutput
 from engine.sampler import TokenLogprobs
 
@@ -97,8 +103,10 @@ class Renderer:
     """Builds completion or chat bodies/chunks for one call."""
 
     def __init__(self, chat: bool, call_id: str, model: str, created: int, token_text: TokenText,
-                 want_logprobs: bool, want_token_ids: bool = False) -> None:
+                 want_logprobs: bool, want_token_ids: bool = False, tools: ToolUse | None = None) -> None:
         self.chat = chat
+        self.tools = tools if chat and tools is not None and tools.is_parsed else None
+        self._parsers: dict[int, ToolCallParser] = {}  # a stream's, per choice
         self.id = call_id
         self.model = model
         self.created = created
@@ -111,7 +119,8 @@ class Renderer:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, index: int, out: StepOutput | None, first: bool) -> dict[str, Any]:
+    def chunk(self, index: int, out: StepOutput | None, first: bool) -> dict[str, Any] | None:
+        """One SSE chunk; None when it would say nothing (text held back by a tool-call parser)."""
         finish = out.finish_reason.openai_name if out and out.finish_reason is not None else None
         text = out.text if out else ""
         logprobs = None
@@ -123,13 +132,34 @@ class Renderer:
                 logprobs = completion_logprobs(out.logprobs, self.token_text, offset)
                 self._offsets[index] = offset + len(text)
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            if self.tools is not None:
+                delta, finish = self._tool_delta(self.tools, index, text, first, finish)
+            else:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         if self.want_token_ids:
             choice["token_ids"] = list(out.token_ids) if out else []
+        elif not choice.get("delta", True) and finish is None and logprobs is None:
+            return None
         return {**self._envelope(True), "choices": [choice]}
+
+    def _tool_delta(
+        self, tools: ToolUse, index: int, text: str, first: bool, finish: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = tools.parser()
+        parsed = parser.feed(text)
+        if finish is not None:
+            parsed.content.extend(parser.finish().content)
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if parsed.content or first:
+            delta["content"] = parsed.text if parsed.content or not parsed.calls else None
+        if parsed.calls:
+            delta["tool_calls"] = [c.to_openai() for c in parsed.calls]
+        return delta, finish_reason(finish, parser)
 
     def usage_chunk(self, choices: Sequence[ChoiceState], prompts: int) -> dict[str, Any]:
         return {**self._envelope(True), "choices": [], "usage": usage(choices, prompts)}
@@ -144,7 +174,10 @@ class Renderer:
                     chat_logprobs(c.logprobs, self.token_text)
                     if self.chat else completion_logprobs(c.logprobs, self.token_text, 0)
                 )
-            if self.chat:
+            if self.tools is not None:
+                message, finish = _tool_message(self.tools.parser(), text, c.finish_reason)
+                rendered.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            elif self.chat:
                 message = {"role": "assistant", "content": text}
                 rendered.append({"index": index, "message": message, "logprobs": logprobs,
                                  "finish_reason": c.finish_reason})
@@ -154,3 +187,14 @@ class Renderer:
             if self.want_token_ids:
                 rendered[-1]["token_ids"] = c.token_ids
         return {**self._envelope(False), "choices": rendered, "usage": usage(choices, prompts)}
+
+
+def _tool_message(parser: ToolCallParser, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """A whole choice's message with its tool calls parsed out (the stream's parser, fed once)."""
+    parsed = Parsed()
+    for part in (parser.feed(text), parser.finish()):
+        parsed.content.extend(part.content)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.text or (None if parser.calls else "")}
+    if parser.calls:
+        message["tool_calls"] = [c.to_openai() for c in parser.calls]
+    return message, finish_reason(finish, parser)

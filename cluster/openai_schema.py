@@ -17,6 +17,17 @@ MAX_CHOICES = 16
 MAX_PROMPT_CHARS = 4_000_000  # the body limit bounds it first; this keeps the schema honest
 MAX_PROMPT_TOKENS = 1_000_000
 MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # in one assistant message of the conversation
+MAX_DESCRIPTION_CHARS = 65_536
+MAX_CONSTRAINT_CHARS = 1 << 20  # engine.constraint bounds each kind far below; this bounds the schema
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's, for functions and json_schema names
+# Other servers' constraint fields: ignoring them would return unconstrained text to a client
+# that asked for a constraint, so they are refused with the name baton uses.
+FOREIGN_CONSTRAINTS = {
+    "guided_json": "response_format (json_schema)", "guided_regex": "regex", "guided_grammar": "grammar",
+    "guided_choice": "regex or grammar", "ebnf": "grammar", "structured_outputs": "response_format, regex or grammar",
+}  # fmt: skip
 REFUSED_FIELDS = frozenset(
     {"logits_processors", "logits_processor", "logit_processors", "processors", "custom_logits_processors"}
 )
@@ -36,6 +47,20 @@ def _no_surrogates(text: str, field: str) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="absent: any JSON object")
+    strict: bool | None = Field(default=None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -63,6 +88,11 @@ class _Sampling(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     priority: int | None = Field(default=None, ge=-100, le=100, description="operator-enabled extension")
     return_token_ids: bool = Field(default=False, description="add each choice's token ids (vLLM's extension)")
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS,
+                              description="extension: the output matches this regex in full")
+    grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS,
+                                description="extension: the output is derived by this Lark grammar (llguidance's)")
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +101,9 @@ class _Sampling(BaseModel):
             refused = sorted(REFUSED_FIELDS & data.keys())
             if refused:
                 raise ValueError(f"field {refused[0]!r} would run code on the server and is refused")
+            foreign = sorted(FOREIGN_CONSTRAINTS.keys() & data.keys())
+            if foreign:
+                raise ValueError(f"field {foreign[0]!r} is not baton's: use {FOREIGN_CONSTRAINTS[foreign[0]]}")
         return data
 
     @field_validator("stop")
@@ -106,11 +139,28 @@ class TextPart(BaseModel):
     text: str = Field(max_length=MAX_PROMPT_CHARS)
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS, description="JSON text")
+
+
+class MessageToolCall(BaseModel):
+    """A tool call an earlier assistant turn made (rendered by the chat template)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str = Field(default="", max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(default=None)
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
     @field_validator("content")
     @classmethod
@@ -125,9 +175,38 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = Field(default=None, description="a JSON schema of an object; absent: no arguments")
+    strict: bool | None = Field(default=None, description="accepted; the parameters are always enforced")
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="absent: auto with tools, none without")
+    parallel_tool_calls: bool = True

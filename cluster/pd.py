@@ -77,6 +77,12 @@ class PDFront:
         await self.prefill.stop()
         await self.decode.stop()
 
+    async def prepare(self, sampling: SamplingParams) -> None:
+        """Compile the request's constraint on both sides (the prefill side samples the first
+        token under it, the decode side goes on from there); ConstraintError if refused."""
+        await self.decode.prepare(sampling)
+        await self.prefill.prepare(sampling)
+
     # -- one request ----------------------------------------------------------------------------
 
     async def generate(
