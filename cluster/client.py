@@ -8,6 +8,13 @@
         async with contextlib.aclosing(client.generate(...)) as deltas:
             async for delta in deltas: ...
 
+Structured output and tool calls:
+
+    client.complete("Name:", sampling=Sampling(max_tokens=64, json_schema=json.dumps(schema)))
+    client.complete(messages=[Message("user", "Weather in Paris?")],
+                    tools=Tools((Tool("get_weather", parameters=json.dumps(params)),), choice="required"))
+        -> Completion(text=content, tool_calls=(ToolCall(id, "get_weather", '{"city": ...}'),), ...)
+
 Values are frozen dataclasses, not protobuf messages, so callers do not depend on the
 generated stubs. Every failure is a BatonClientError carrying the gRPC status code, the
 server's message and, when the server is overloaded, how long to wait before retrying.
@@ -29,7 +36,15 @@ _FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
+_TOOL_CHOICES = {
+    "auto": pb.TOOL_CHOICE_AUTO,
+    "none": pb.TOOL_CHOICE_NONE,
+    "required": pb.TOOL_CHOICE_REQUIRED,
+    "function": pb.TOOL_CHOICE_FUNCTION,
+}
+_CONSTRAINTS = ("json_schema", "regex", "grammar")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +66,56 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Structured output (at most one): any JSON object, a JSON schema (JSON text), a regex the
+    # whole output matches, or a Lark grammar (llguidance's). Bounds: see the .proto.
+    json_object: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str  # "call_..."
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a streamed tool call: the first of each call has id and name, the next ones
+    fragments of its arguments."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str  # [A-Za-z0-9_-]{1,64}
+    parameters: str = ""  # the arguments' JSON schema (an object) as JSON text; "": none
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Tools:
+    """Functions the model may call (chat only). choice: "auto", "none", "required", or
+    "function" (call `function`, once); parallel False: at most one call."""
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    function: str | None = None
+    parallel: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
     role: str  # system, developer, user, assistant or tool
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str = ""  # a tool turn: the call it answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +140,9 @@ class Delta:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[Logprob, ...]
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "tool_calls"
     usage: Usage | None
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # with tools (their text is not in `text`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +153,7 @@ class Completion:
     logprobs: tuple[Logprob, ...]
     finish_reason: str | None
     usage: Usage | None
+    tool_calls: tuple[ToolCall, ...] = ()  # with tools: `text` is the content
 
 
 class BatonClientError(Exception):
@@ -110,23 +171,39 @@ class BatonClientError(Exception):
 
 def build_request(
     model: str, prompt: str | Sequence[int] | None, messages: Sequence[Message] | None,
-    sampling: Sampling | None,
+    sampling: Sampling | None, tools: Tools | None = None,
 ) -> pb.GenerateRequest:
     """The request message; a value protobuf cannot hold (a negative count) is INVALID_ARGUMENT."""
     try:
         request = pb.GenerateRequest(model=model, sampling=_sampling(sampling or Sampling()))
         if messages is not None:
             request.chat = True
-            request.messages.extend(
-                pb.ChatMessage(role=m.role, content=m.content) for m in messages
-            )
+            request.messages.extend(_message(m) for m in messages)
         if isinstance(prompt, str):
             request.text = prompt
         elif prompt is not None:
             request.token_ids.ids.extend(prompt)
+        if tools is not None:
+            _tools(request, tools)
     except (TypeError, ValueError) as exc:
         raise BatonClientError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
     return request
+
+
+def _message(m: Message) -> pb.ChatMessage:
+    calls = [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]
+    return pb.ChatMessage(role=m.role, content=m.content, tool_calls=calls, tool_call_id=m.tool_call_id)
+
+
+def _tools(request: pb.GenerateRequest, tools: Tools) -> None:
+    if tools.choice not in _TOOL_CHOICES:
+        raise ValueError(f"tool choice must be one of {', '.join(_TOOL_CHOICES)}, got {tools.choice!r}")
+    request.tools.extend(
+        pb.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools.tools
+    )
+    request.tool_choice = _TOOL_CHOICES[tools.choice]
+    request.tool_function = tools.function or ""
+    request.parallel_tool_calls = tools.parallel
 
 
 def _sampling(s: Sampling) -> pb.Sampling:
@@ -140,6 +217,11 @@ def _sampling(s: Sampling) -> pb.Sampling:
         value = getattr(s, name)
         if value is not None:
             setattr(msg, name, value)
+    given = [name for name in _CONSTRAINTS if getattr(s, name) is not None] + ["json_object"] * s.json_object
+    if len(given) > 1:
+        raise ValueError(f"set at most one output constraint, got {', '.join(given)}")
+    for name in given:
+        setattr(msg, name, True if name == "json_object" else getattr(s, name))
     return msg
 
 
@@ -161,6 +243,7 @@ def to_delta(msg: pb.GenerateResponse) -> Delta:
     return Delta(
         msg.request_id, tuple(msg.token_ids), msg.text, _logprobs(msg.logprobs),
         _FINISH_NAMES.get(msg.finish_reason), _usage(msg),
+        tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in msg.tool_calls),
     )
 
 
@@ -168,6 +251,7 @@ def to_completion(msg: pb.CompleteResponse) -> Completion:
     return Completion(
         msg.request_id, tuple(msg.token_ids), msg.text, _logprobs(msg.logprobs),
         _FINISH_NAMES.get(msg.finish_reason), _usage(msg),
+        tuple(ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls),
     )
 
 
@@ -236,9 +320,9 @@ class BatonClient:
 
     def generate(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None, timeout_s: float | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> Generator[Delta, None, None]:
-        request = build_request(self.model, prompt, messages, sampling)
+        request = build_request(self.model, prompt, messages, sampling, tools)
         call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             for msg in call:
@@ -250,9 +334,9 @@ class BatonClient:
 
     def complete(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None, timeout_s: float | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> Completion:
-        request = build_request(self.model, prompt, messages, sampling)
+        request = build_request(self.model, prompt, messages, sampling, tools)
         try:
             return to_completion(self._stub.Complete(request, **self._call(timeout_s)))
         except grpc.RpcError as exc:
@@ -302,10 +386,10 @@ class AsyncBatonClient:
 
     async def generate(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None, timeout_s: float | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Stream deltas. Close it (contextlib.aclosing) to cancel the call when leaving early."""
-        request = build_request(self.model, prompt, messages, sampling)
+        request = build_request(self.model, prompt, messages, sampling, tools)
         call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             async for msg in call:
@@ -317,9 +401,9 @@ class AsyncBatonClient:
 
     async def complete(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None, timeout_s: float | None = None,
+        sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> Completion:
-        request = build_request(self.model, prompt, messages, sampling)
+        request = build_request(self.model, prompt, messages, sampling, tools)
         try:
             return to_completion(await self._stub.Complete(request, **self._call(timeout_s)))
         except grpc.RpcError as exc:

@@ -3,11 +3,15 @@
 One call, the same internal path as the HTTP API (cluster/frontend.py):
 
     key     = `authorization: Bearer <key>` or `x-api-key`  -> keys.lookup   (UNAUTHENTICATED)
-    bounds  = model, prompt / messages, sampling fields      (INVALID_ARGUMENT, NOT_FOUND)
+    bounds  = model, prompt / messages, sampling fields,     (INVALID_ARGUMENT, NOT_FOUND)
+              constraint and tools (cluster.grpc_output)
     ticket  = frontend.admit()                               (RESOURCE_EXHAUSTED + retry metadata)
     req     = frontend.prepare(tokenize(prompt), sampling, tenant, deadline of the call)
     frontend.check_tenant(ticket, req)
+    frontend.prepare_constraint(req.sampling, field)         (INVALID_ARGUMENT: does not compile)
     async for out in frontend.stream(req, ticket, "grpc"): context.write(delta)
+
+With tools, a reply's `text` is the content and its tool calls come apart (cluster.tool_calls).
 
 Handlers are coroutines that write with `context.write`, not async generators: when the
 client cancels or the deadline passes, grpc.aio cancels the handler's task, and the
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -40,9 +45,12 @@ from grpc_reflection.v1alpha import reflection
 from batonpb.baton.v1 import generation_pb2 as pb
 from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
 from cluster.admission import Ticket
+from cluster.constraint_fields import OutputSpec
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.frontend import Frontend, GenerateRequest
+from cluster.grpc_output import ended_in_calls, output_spec, split_tool_calls, template_messages
 from cluster.tenants import ApiKeys, Tenant
+from cluster.tool_calls import ToolCallParser
 from cluster.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
 from engine.errors import ConfigError
 from engine.outputs import StepOutput
@@ -185,12 +193,13 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> None:
-        req, ticket = await self._open(request, context, trace)
+        req, ticket, spec = await self._open(request, context, trace)
+        parser = spec.tools.parser() if spec.tools is not None and spec.tools.is_parsed else None
         try:
             async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
                 request_id = req.req_id
                 async for out in outs:
-                    await context.write(_delta(out, request_id))
+                    await context.write(_delta(out, request_id, parser))
                     request_id = ""  # only the first message carries it
         finally:
             ticket.release()
@@ -198,7 +207,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _complete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> pb.CompleteResponse:
-        req, ticket = await self._open(request, context, trace)
+        req, ticket, spec = await self._open(request, context, trace)
         reply = pb.CompleteResponse(request_id=req.req_id)
         texts: list[str] = []
         try:
@@ -213,6 +222,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         finally:
             ticket.release()
         reply.text = "".join(texts)
+        if spec.tools is not None and spec.tools.is_parsed:
+            parser = spec.tools.parser()
+            split_tool_calls(reply, parser, True)
+            ended_in_calls(reply, parser)
         return reply
 
     async def _tokenize(
@@ -237,7 +250,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def _open(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
-    ) -> tuple[GenerateRequest, Ticket]:
+    ) -> tuple[GenerateRequest, Ticket, OutputSpec]:
         """Authenticate, bound, admit, tokenize and prepare: the frozen request and its ticket.
         A refusal here counts as outcome "rejected" (nothing reached an engine)."""
         try:
@@ -249,24 +262,27 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
-    ) -> tuple[GenerateRequest, Ticket]:
+    ) -> tuple[GenerateRequest, Ticket, OutputSpec]:
         tenant = self._authenticate(context)
         trace.set(tenant=tenant.name)
         self._check_model(request.model)
         trace.set(model=self.frontend.model_name)
         _check_prompt(request, self.frontend.max_model_len)
         sampling, max_tokens_given = build_sampling(request.sampling, self.frontend.max_model_len)
+        spec = output_spec(request)
+        sampling = replace(sampling, constraint=spec.constraint)
         tenant = self._priority(request, tenant)
         deadline = self.frontend.deadline(context.time_remaining())
         ticket = self.frontend.admit()
         try:
-            prompt_ids = await self._prompt_ids(request)
+            prompt_ids = await self._prompt_ids(request, spec)
             req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, max_tokens_given, trace.req_id)
             self.frontend.check_tenant(ticket, req)
+            await self.frontend.prepare_constraint(req.sampling, spec.param)
         except BaseException:
             ticket.release()
             raise
-        return req, ticket
+        return req, ticket, spec
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
         tenant = self.keys.lookup(api_key(context.invocation_metadata() or ()))
@@ -289,10 +305,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             raise invalid(f"priority: must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
         return replace(tenant, priority=request.priority)
 
-    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: pb.GenerateRequest, spec: OutputSpec) -> list[int]:
         if request.chat:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            render = self.frontend.tokenizer.apply_chat_template
+            messages = template_messages(request)
+            tools = [t.template_value() for t in spec.tools.tools] if spec.tools is not None else None
+            render = functools.partial(self.frontend.tokenizer.apply_chat_template, tools=tools)
             text = await _maybe_in_thread(
                 sum(len(m.content) for m in request.messages), render, messages, True
             )
@@ -414,14 +431,18 @@ def build_sampling(s: pb.Sampling, max_model_len: int) -> tuple[SamplingParams, 
     return params, given
 
 
-def _delta(out: StepOutput, request_id: str) -> pb.GenerateResponse:
+def _delta(out: StepOutput, request_id: str, parser: ToolCallParser | None = None) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
         request_id=request_id, token_ids=out.token_ids, text=out.text,
         logprobs=[_logprob(lp) for lp in out.logprobs],
     )
+    if parser is not None:
+        split_tool_calls(msg, parser, out.finish_reason is not None)
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.CopyFrom(_usage(out))
+        if parser is not None:
+            ended_in_calls(msg, parser)
     return msg
 
 

@@ -33,6 +33,33 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ToolChoice:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoice.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_AUTO: _ToolChoice.ValueType  # 0
+    """text, or calls (enforced once "<tool_call>" starts one)"""
+    TOOL_CHOICE_NONE: _ToolChoice.ValueType  # 1
+    """text only (the tools are still in the prompt)"""
+    TOOL_CHOICE_REQUIRED: _ToolChoice.ValueType  # 2
+    """one or more calls, nothing else"""
+    TOOL_CHOICE_FUNCTION: _ToolChoice.ValueType  # 3
+    """exactly one call of GenerateRequest.tool_function"""
+
+class ToolChoice(_ToolChoice, metaclass=_ToolChoiceEnumTypeWrapper): ...
+
+TOOL_CHOICE_AUTO: ToolChoice.ValueType  # 0
+"""text, or calls (enforced once "<tool_call>" starts one)"""
+TOOL_CHOICE_NONE: ToolChoice.ValueType  # 1
+"""text only (the tools are still in the prompt)"""
+TOOL_CHOICE_REQUIRED: ToolChoice.ValueType  # 2
+"""one or more calls, nothing else"""
+TOOL_CHOICE_FUNCTION: ToolChoice.ValueType  # 3
+"""exactly one call of GenerateRequest.tool_function"""
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -47,6 +74,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """max_tokens or the model's context"""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """aborted (a cancelled call ends without a final message)"""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 4
+    """the output ended after its tool calls"""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -58,6 +87,8 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens or the model's context"""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """aborted (a cancelled call ends without a final message)"""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 4
+"""the output ended after its tool calls"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -92,23 +123,129 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """One of "system", "developer", "user", "assistant", "tool"."""
     content: _builtins.str
     """The turn's text, up to 4,000,000 characters."""
+    tool_call_id: _builtins.str
+    """A "tool" turn: the id of the call it answers (up to 256 characters)."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant turn's tool calls (up to 128; arguments must be JSON text)."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call (chat only). Calls are enforced while decoding: a call's
+    arguments always match `parameters` (see tool_choice).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """1 to 64 of [A-Za-z0-9_-]."""
+    description: _builtins.str
+    """Up to 65,536 characters."""
+    parameters: _builtins.str
+    """The arguments' JSON schema (an object), as JSON text; bounded like Sampling.json_schema.
+    Empty: the function takes no arguments.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A whole tool call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """"call_..." (generated by the server)"""
+    name: _builtins.str
+    arguments: _builtins.str
+    """JSON text, exactly as generated"""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """A piece of a tool call as it streams: the first piece of each call carries its id and name,
+    the next ones fragments of its arguments (concatenated, they are ToolCall.arguments).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """which call of this sequence, from 0"""
+    id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
 
 @_typing.final
 class Sampling(_message.Message):
@@ -132,6 +269,10 @@ class Sampling(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Tokens to generate, in [1, 2^31 - 1] and at most max_model_len - prompt tokens.
     Absent: the rest of the model's context.
@@ -157,6 +298,16 @@ class Sampling(_message.Message):
     """Keep generating past EOS (benchmarks)."""
     logprobs: _builtins.int
     """Return each token's logprob and this many alternatives, in [0, 20]. Absent: none."""
+    json_object: _builtins.bool
+    """Any JSON object; must be true when set."""
+    json_schema: _builtins.str
+    """A JSON Schema (as JSON text): up to 64 KiB, nesting up to 64 containers deep."""
+    regex: _builtins.str
+    """A regex the whole output matches: up to 2,000 characters, 32 nested groups, counted
+    repetitions up to 1,000 and 5,000 positions expanded.
+    """
+    grammar: _builtins.str
+    """A Lark grammar as llguidance reads it: up to 64 KiB; its /regex/ terminals as above."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Up to 16 stop strings of 1 to 256 characters each; not included in the output."""
@@ -182,10 +333,14 @@ class Sampling(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
         logprobs: _builtins.int | None = ...,
+        json_object: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "regex", b"regex", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
@@ -199,6 +354,8 @@ class Sampling(_message.Message):
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
@@ -211,6 +368,8 @@ class Sampling(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___Sampling: _TypeAlias = Sampling  # noqa: Y015
 
@@ -225,6 +384,10 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    TOOL_FUNCTION_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model's name; any other name is NOT_FOUND. Up to 256 characters."""
     text: _builtins.str
@@ -237,6 +400,11 @@ class GenerateRequest(_message.Message):
     """Scheduling class, in [-100, 100], lower first. Honoured only when the server allows it;
     otherwise the API key's tenant decides.
     """
+    tool_choice: Global___ToolChoice.ValueType
+    tool_function: _builtins.str
+    """The function to call, with TOOL_CHOICE_FUNCTION (and only then)."""
+    parallel_tool_calls: _builtins.bool
+    """Absent: true. False: at most one call."""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -246,6 +414,12 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """1 to 2048 messages when `chat` is true; empty otherwise."""
+
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Functions the model may call (chat only, up to 128, distinct names), rendered by the chat
+        template. With tools, the response's `text` is the content and tool calls come apart.
+        """
 
     def __init__(
         self,
@@ -257,15 +431,23 @@ class GenerateRequest(_message.Message):
         chat: _builtins.bool = ...,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         priority: _builtins.int | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice.ValueType = ...,
+        tool_function: _builtins.str = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "chat", b"chat", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "chat", b"chat", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
@@ -363,6 +545,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The server-generated request id (for logs and support); set on the first message only."""
     text: _builtins.str
@@ -381,6 +564,10 @@ class GenerateResponse(_message.Message):
     def usage(self) -> Global___Usage:
         """Set on the last message only."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
+        """With tools: pieces of tool calls this step completed (their text is not in `text`)."""
+
     def __init__(
         self,
         *,
@@ -390,10 +577,11 @@ class GenerateResponse(_message.Message):
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -409,8 +597,10 @@ class CompleteResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
+    """with tools: the content, tool calls apart"""
     finish_reason: Global___FinishReason.ValueType
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -422,6 +612,8 @@ class CompleteResponse(_message.Message):
 
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
     def __init__(
         self,
         *,
@@ -431,10 +623,11 @@ class CompleteResponse(_message.Message):
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
