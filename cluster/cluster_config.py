@@ -16,6 +16,7 @@ value of the wrong type or out of its range. An example with every key is exampl
     scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk
     transfer:   transport (auto, grpc, shm), deadline_s, reservation_ttl_s, pages_per_chunk,
                 shm_slots
+    recovery:   max_migrations, watchdog_s, max_restarts
     placement:  policy (cache, round_robin), local_prefill_tokens
     membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port}
     planner:    enabled, period_s, ttft_slo_s, itl_slo_s, min/max_prefill, min/max_decode,
@@ -96,7 +97,12 @@ class TransferSection(_Section):
     reservation_ttl_s: float = Field(default=30.0, gt=0)
     pages_per_chunk: int = Field(default=32, ge=1, le=4096)
     shm_slots: int = Field(default=4, ge=0, le=256)
+
+
+class RecoverySection(_Section):
     max_migrations: int = Field(default=2, ge=0, le=16)  # a request whose decode worker is lost moves this often
+    watchdog_s: float = Field(default=30.0, gt=0, le=3600)  # a worker silent this long is stalled: its work moves
+    max_restarts: int = Field(default=3, ge=0, le=100)  # Ray restarts a worker whose engine failed this often
 
 
 class PlacementSection(_Section):
@@ -164,6 +170,7 @@ class ClusterFile(_Section):
     kv_cache: KVCacheSection = KVCacheSection()
     scheduler: SchedulerSection = SchedulerSection()
     transfer: TransferSection = TransferSection()
+    recovery: RecoverySection = RecoverySection()
     placement: PlacementSection = PlacementSection()
     membership: MembershipSection = MembershipSection()
     planner: PlannerSection = PlannerSection()
@@ -247,7 +254,9 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             num_prefill=w.prefill.count, num_decode=w.decode.count, ray_address=f.ray.address,
             local_prefill_tokens=f.placement.local_prefill_tokens, transfer_deadline_s=t.deadline_s,
             reservation_ttl_s=t.reservation_ttl_s, num_threads=w.prefill.threads, pages_per_chunk=t.pages_per_chunk,
-            transport=t.transport, shm_slots=t.shm_slots, max_migrations=t.max_migrations, pin_cores=w.pin_cores, placement=f.placement.policy,
+            transport=t.transport, shm_slots=t.shm_slots, pin_cores=w.pin_cores, placement=f.placement.policy,
+            max_migrations=f.recovery.max_migrations, watchdog_s=f.recovery.watchdog_s,
+            max_restarts=f.recovery.max_restarts,
             prefill_resources=_resources(w.prefill), decode_resources=_resources(w.decode),
             decode_threads=w.decode.threads,
             membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port),

@@ -81,7 +81,9 @@ class DecodeActor(KVPublisher, Registered):
         shm_slot_pages: int = 32,  # pages one slot holds: the senders' pages per chunk
         pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
         epoch: int = 1,  # of its KV events (a restarted worker gets a new one)
+        exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
     ) -> None:
+        self.exit_on_failure = exit_on_failure
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self._settled = _Signal()
@@ -170,6 +172,9 @@ class DecodeActor(KVPublisher, Registered):
     def _kv_address(self) -> str:
         return self.worker.address
 
+    def _engine(self) -> Engine:
+        return self.worker.engine
+
     def _is_idle(self) -> bool:
         engine = self.worker.engine
         return not engine.has_unfinished() and not self.worker.book.num_open and self._acked >= self.feed.seq
@@ -214,6 +219,7 @@ class DecodeActor(KVPublisher, Registered):
         except Exception as exc:  # report the death through next_batch, never vanish
             logger.exception("decode step loop died")
             self.error = repr(exc)
+            self._engine_failed(exc)
 
     def _check_started(self) -> None:
         if self._server is None:

@@ -62,12 +62,16 @@ class DisaggConfig:
     decode_threads: int | None = None  # torch threads per decode actor (None: num_threads)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     max_migrations: int = 2  # times a request moves to another decode worker when its own is lost
+    watchdog_s: float = 30.0  # a worker that answers nothing this long (past a long-poll) is stalled
+    max_restarts: int = 3  # Ray restarts an actor whose process died (its engine failed) this often
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ConfigError("workers", "need --prefill >= 0 and --decode >= 1")
         if self.max_migrations < 0:
             raise ConfigError("max_migrations", "must be >= 0")
+        if not self.watchdog_s > 0 or self.max_restarts < 0:
+            raise ConfigError("recovery", "watchdog_s must be > 0 and max_restarts >= 0")
         if self.local_prefill_tokens < 0:
             raise ConfigError("local_prefill_tokens", "must be >= 0")
         if self.placement not in ("cache", "round_robin"):

@@ -112,7 +112,9 @@ class PrefillActor(KVPublisher, Registered):
         chunk_pause_s: float = 0.0,  # fault drills only: a pause before each chunk
         pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
         reservation_ttl_s: float = 30.0,  # the decode side's reserve -> complete bound
+        exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
     ) -> None:
+        self.exit_on_failure = exit_on_failure
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
@@ -222,6 +224,9 @@ class PrefillActor(KVPublisher, Registered):
             self.worker.engine.num_preempted_total,
         )  # fmt: skip
 
+    def _engine(self) -> Engine:
+        return self.worker.engine
+
     def _set_epoch(self, epoch: int) -> None:
         super()._set_epoch(epoch)
         self.worker.epoch = epoch  # its pushes carry it: decode refuses pages of a stale one
@@ -266,9 +271,10 @@ class PrefillActor(KVPublisher, Registered):
             pending, start = scheduler.num_pending_tokens, time.perf_counter()
             try:
                 finished = self.worker.step()
-            except Exception as exc:  # one bad step fails its prompts, not the actor
+            except Exception as exc:  # its prompts fail; the engine's state is in doubt
                 logger.exception("prefill step failed")
                 self._fail_all(exc)
+                self._engine_failed(exc)  # with a restart budget: the process ends here
                 continue
             self._measure(pending - scheduler.num_pending_tokens, time.perf_counter() - start)
             for done in finished:

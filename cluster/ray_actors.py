@@ -42,18 +42,27 @@ __all__ = [
 
 
 def spawn_prefill(
-    cfg: EngineConfig, *, name: str | None = None, resources: ActorResources = NO_RESOURCES, **kwargs: Any
+    cfg: EngineConfig, *, name: str | None = None, resources: ActorResources = NO_RESOURCES, max_restarts: int = 0,
+    **kwargs: Any,
 ) -> ActorHandle[Any]:
-    """A PrefillActor on the current Ray cluster (ray_runtime started or connected it)."""
-    handle: ActorHandle[Any] = _remote(PrefillActor).options(name=name, **resources.options()).remote(cfg, **kwargs)
+    """A PrefillActor on the current Ray cluster (ray_runtime started or connected it). With
+    max_restarts, Ray starts a fresh process when this one dies (its engine failed: the actor
+    exits on purpose); the gateway then has it rejoin (RayFront._revive)."""
+    handle: ActorHandle[Any] = _remote(PrefillActor).options(
+        name=name, max_restarts=max_restarts, **resources.options()).remote(cfg, exit_on_failure=max_restarts > 0,
+                                                                           **kwargs)  # fmt: skip
     return handle
 
 
 def spawn_decode(
-    cfg: EngineConfig, *, name: str | None = None, resources: ActorResources = NO_RESOURCES, **kwargs: Any
+    cfg: EngineConfig, *, name: str | None = None, resources: ActorResources = NO_RESOURCES, max_restarts: int = 0,
+    **kwargs: Any,
 ) -> ActorHandle[Any]:
-    """A DecodeActor on the current Ray cluster; call `start()` on it before placing requests."""
-    handle: ActorHandle[Any] = _remote(DecodeActor).options(name=name, **resources.options()).remote(cfg, **kwargs)
+    """A DecodeActor on the current Ray cluster; call `start()` on it before placing requests
+    (and again after Ray restarted it: see spawn_prefill)."""
+    handle: ActorHandle[Any] = _remote(DecodeActor).options(
+        name=name, max_restarts=max_restarts, **resources.options()).remote(cfg, exit_on_failure=max_restarts > 0,
+                                                                           **kwargs)  # fmt: skip
     return handle
 
 

@@ -93,6 +93,10 @@ class _Redispatch(Exception):
     """This path failed; the request goes down the next one."""
 
 
+class _Stalled(Exception):
+    """The prefill worker stalled or died while the request waited on it."""
+
+
 class RayFront:
     def __init__(
         self, model: ModelView, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], cfg: DisaggConfig,
@@ -128,7 +132,8 @@ class RayFront:
         self.registry_name = registry_name  # what workers join (WorkerMember.join)
         self.spawner = spawner  # add_worker's (None: this gateway cannot start workers)
         self._members: asyncio.Task[None] | None = None
-        self._retired: set[str] = set()  # drained names: never reused, never adopted again
+        self._retired: set[str] = set()  # drained or dead for good: never reused, adopted or revived
+        self._reviving: set[str] = set()  # dead workers being brought back (_revive)
         self._spawned: dict[str, Any] = {}  # add_worker's actors: the creator's handles keep them alive
         self.num_member_events = {kind.name.lower(): 0 for kind in EventKind}
 
@@ -155,7 +160,8 @@ class RayFront:
         now, nodes = time.monotonic(), []
         for p in self.prefills:
             s = p.stats
-            health = "down" if not p.is_alive else "left" if not p.is_member else "starting" if s is None else "ok"
+            health = ("down" if not p.is_alive else "stalled" if p.is_stalled else "left" if not p.is_member
+                      else "starting" if s is None else "ok")  # fmt: skip
             nodes.append(NodeStatus(
                 p.name, "prefill", health, p.epoch, s.num_running if s else 0, 0,
                 s.num_pending_tokens if s else 0, 0, s.num_pinned_pages if s else 0,
@@ -164,7 +170,8 @@ class RayFront:
             ))  # fmt: skip
         for d in self.decodes:
             t = d.stats
-            health = "down" if not d.is_alive else "left" if not d.is_member else "starting" if t is None else "ok"
+            health = ("down" if not d.is_alive else "stalled" if d.is_stalled else "left" if not d.is_member
+                      else "starting" if t is None else "ok")  # fmt: skip
             nodes.append(NodeStatus(
                 d.name, "decode", health, d.epoch, t.num_running if t else 0, t.num_waiting if t else 0, 0,
                 t.num_reserved_pages if t else 0, cache=t.cache if t else CacheReport(),
@@ -180,8 +187,9 @@ class RayFront:
 
     def start(self) -> None:
         for d in self.decodes:
+            self._watch_decode(d)
             d.start()
-        self._health = asyncio.create_task(self._watch_prefills())
+        self._health = asyncio.create_task(self._watch_workers())
         self._kv = asyncio.create_task(self._follow_kv())
         if self.membership is not None:
             self._members = asyncio.create_task(self._follow_members(self.membership))
@@ -335,8 +343,7 @@ class RayFront:
         prefilling.set(worker=prefill.name, epoch=prefill.epoch, local=False)
         prefill.num_inflight += 1
         try:
-            call = prefill.actor.prefill.remote(job, dest)
-            result: PrefillResult = await asyncio.wait_for(_ray_await(call), self.cfg.reservation_ttl_s)
+            result: PrefillResult = await self._prefill_call(prefill, prefill.actor.prefill.remote(job, dest))
         except Exception as exc:
             self._fire(decode.actor.cancel.remote(dest))  # the pages go back at once
             prefilling.fail(self._prefill_failed(prefill, job, exc))
@@ -495,10 +502,30 @@ class RayFront:
     def _healthy_prefills(self) -> list[PrefillHandle]:
         return sorted((p for p in self.prefills if p.is_routable), key=lambda p: p.num_inflight)
 
+    async def _prefill_call(self, prefill: PrefillHandle, ref: Any) -> PrefillResult:
+        """The prefill's first token, bounded by the reservation; _Stalled as soon as the
+        worker stalls or dies (the request moves on without waiting out the deadline)."""
+        call = asyncio.ensure_future(_ray_await(ref))
+        trouble = asyncio.ensure_future(prefill.trouble.wait())
+        try:
+            done, _ = await asyncio.wait({call, trouble}, timeout=self.cfg.reservation_ttl_s,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            trouble.cancel()
+        if call in done:
+            result: PrefillResult = call.result()
+            return result
+        call.cancel()
+        if trouble in done:
+            raise _Stalled(f"prefill worker {prefill.name} stalled or died")
+        raise TimeoutError
+
     def _prefill_failed(self, prefill: PrefillHandle, job: PrefillJob, exc: BaseException) -> str:
         if isinstance(exc, ray.exceptions.RayActorError):
             prefill.mark_dead(exc)
             reason = "prefill worker died"
+        elif isinstance(exc, _Stalled):
+            reason = "prefill worker stalled"
         elif isinstance(exc, TimeoutError):
             reason = "deadline"
         else:
@@ -509,10 +536,23 @@ class RayFront:
         return reason
 
     async def _decode_call(self, decode: DecodeHandle, ref: Any, timeout_s: float | None = None) -> Any:
+        """A call to `decode`, bounded; WorkerLost (the request moves) as soon as it stalls or dies."""
+        call = asyncio.ensure_future(_ray_await(ref))
+        trouble = asyncio.ensure_future(decode.trouble.wait())
         try:
-            return await asyncio.wait_for(_ray_await(ref), timeout_s or self.cfg.reservation_ttl_s)
+            done, _ = await asyncio.wait({call, trouble}, timeout=timeout_s or self.cfg.reservation_ttl_s,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            trouble.cancel()
+        if call not in done:
+            call.cancel()
+            if trouble in done:
+                raise WorkerLost(f"decode worker {decode.name} stalled or failed")
+            raise TimeoutError
+        try:
+            return call.result()
         except ray.exceptions.RayActorError:
-            decode.is_alive = False
+            decode.mark_dead()
             raise WorkerLost(f"decode worker {decode.name} failed") from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause
@@ -520,20 +560,86 @@ class RayFront:
                 raise cause from None
             raise
 
-    async def _watch_prefills(self) -> None:
-        """Health and stats of the prefill workers (decode ones report with every batch)."""
+    async def _watch_workers(self) -> None:
+        """Every HEALTH_PERIOD_S: the prefill workers' stats (decode ones report with every
+        batch), each bounded by the watchdog: one that does not answer in cfg.watchdog_s is
+        stalled (its in-flight prefills move at once; it gets work again when it answers);
+        and a dead worker is revived if Ray restarts it (cfg.max_restarts)."""
         while True:
-            for p in self.prefills:
-                if not p.is_alive:
-                    continue
-                try:
-                    p.stats = await asyncio.wait_for(_ray_await(p.actor.stats.remote()), 5 * HEALTH_PERIOD_S)
-                    p.reported_at = time.monotonic()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    p.mark_dead(exc)
+            await asyncio.gather(*(self._poll_prefill(p) for p in self.prefills if p.is_alive))
+            handles: list[PrefillHandle | DecodeHandle] = [*self.prefills, *self.decodes]
+            for handle in handles:
+                if not handle.is_alive and self.cfg.max_restarts and handle.name not in self._reviving | self._retired:
+                    self._reviving.add(handle.name)
+                    self._fire(self._revive(handle))
             await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def _poll_prefill(self, p: PrefillHandle) -> None:
+        call = asyncio.ensure_future(_ray_await(p.actor.stats.remote()))
+        try:
+            done, _ = await asyncio.wait({call}, timeout=self.cfg.watchdog_s)
+            if not done:
+                if p.mark_stalled(self.cfg.watchdog_s):
+                    self.metrics.stalls.labels("prefill").inc()
+                call.cancel()
+                return
+            p.stats = call.result()
+            p.reported_at = time.monotonic()
+            p.mark_answering()
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as exc:
+            p.mark_dead(exc)
+
+    def _watch_decode(self, d: DecodeHandle) -> None:
+        def stalled() -> None:
+            self.metrics.stalls.labels("decode").inc()
+
+        d.on_stall = stalled
+
+    async def _revive(self, handle: PrefillHandle | DecodeHandle) -> None:
+        """A worker's actor died. Ray restarts it when it has restarts left (a failed engine
+        exits on purpose: Registered._engine_failed): the fresh process is started, rejoins
+        membership under its old name (a new epoch; its predecessor's lease must run out
+        first), and is routed to and from, and the handle serves again. An actor that is dead
+        for good (killed, drained, out of restarts) answers RayActorError: it stays down."""
+        from cluster.ray_launch import route
+
+        role = "decode" if isinstance(handle, DecodeHandle) else "prefill"
+        try:
+            async with asyncio.timeout(ADD_WORKER_S):
+                if isinstance(handle, DecodeHandle):
+                    address: str = await _ray_await(handle.actor.start.remote())
+                else:
+                    await _ray_await(handle.actor.ping.remote())
+                epoch: int = await _ray_await(handle.actor.join.remote(self.cfg.membership, self.registry_name,
+                                                                      handle.name))  # fmt: skip
+                if isinstance(handle, DecodeHandle):
+                    await route([p.actor for p in self.prefills if p.is_alive], [handle.actor], [address],
+                                self.cfg.transport)  # fmt: skip
+                else:
+                    live = [d for d in self.decodes if d.is_alive]
+                    await route([handle.actor], [d.actor for d in live], [d.address for d in live], self.cfg.transport)
+        except ray.exceptions.ActorUnavailableError as exc:  # restarting: the next health period asks again
+            logger.info("%s worker %s is not back yet: %s", role, handle.name, type(exc).__name__)
+            return
+        except ray.exceptions.RayActorError as exc:
+            logger.warning("%s worker %s is dead for good: %s", role, handle.name, type(exc).__name__)
+            self._retired.add(handle.name)  # never tried again
+            return
+        except Exception as exc:  # the next health period tries again
+            logger.warning("%s worker %s: restart not rejoined yet (%r)", role, handle.name, exc)
+            return
+        finally:
+            self._reviving.discard(handle.name)
+        if isinstance(handle, DecodeHandle):
+            handle.revive(address, epoch)
+        else:
+            handle.revive(epoch)
+        self.index.add_worker(handle.name, epoch)  # its cache is empty: stale until its snapshot
+        self.metrics.restarts.labels(role).inc()
+        logger.warning("%s worker %s restarted and rejoined (epoch %d)", role, handle.name, epoch)
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -601,9 +707,11 @@ class RayFront:
             else:
                 address: str = await asyncio.wait_for(_ray_await(actor.start.remote()), STOP_S)
                 await route([p.actor for p in self.prefills if p.is_alive], [actor], [address], self.cfg.transport)
-                decode = DecodeHandle(info.worker_id, actor, address, self.cfg.poll_wait_s, epoch=info.epoch)
+                decode = DecodeHandle(info.worker_id, actor, address, self.cfg.poll_wait_s, epoch=info.epoch,
+                                      watchdog_s=self.cfg.watchdog_s)  # fmt: skip
                 self.decodes.append(decode)
                 self._decode_of[info.worker_id] = decode
+                self._watch_decode(decode)
                 decode.start()
         except Exception as exc:
             logger.warning("cannot adopt %s (%s at %r): %s", info.worker_id, info.role, info.address, exc)

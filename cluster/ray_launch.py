@@ -93,7 +93,8 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
         model,
         [PrefillHandle(f"prefill-{i}", actor, epoch) for i, (actor, epoch) in enumerate(zip(prefills, prefill_epochs,
                                                                                             strict=True))],
-        [DecodeHandle(f"decode-{i}", actor, addr, cfg.poll_wait_s, epoch=epoch) for i, (actor, addr, epoch)
+        [DecodeHandle(f"decode-{i}", actor, addr, cfg.poll_wait_s, epoch=epoch, watchdog_s=cfg.watchdog_s)
+         for i, (actor, addr, epoch)
          in enumerate(zip(decodes, addresses, decode_epochs, strict=True))],
         cfg, fingerprint, engine_cfg.page_size, engine_cfg.max_num_seqs, page_bytes,
         membership=membership, registry=registry, registry_name=registry_name, spawner=spawner,
@@ -117,7 +118,7 @@ class Spawner:
             reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
             local_prefill_tokens=cfg.local_prefill_tokens, resources=cfg.decode_resources,
             num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots,
-            shm_slot_pages=cfg.pages_per_chunk, pin_slot=pin_slot,
+            shm_slot_pages=cfg.pages_per_chunk, pin_slot=pin_slot, max_restarts=cfg.max_restarts,
         )  # fmt: skip
 
     def prefill(self, index: int, pin_slot: int | None = None) -> Any:
@@ -127,7 +128,7 @@ class Spawner:
             replace(self.engine_cfg, tiers=TierConfig()), name=f"baton-{self.run}-prefill-{index}", epoch=index + 1,
             pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads, resources=cfg.prefill_resources,
             push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s, pin_slot=pin_slot,
-            reservation_ttl_s=cfg.reservation_ttl_s,
+            reservation_ttl_s=cfg.reservation_ttl_s, max_restarts=cfg.max_restarts,
         )  # fmt: skip
 
     async def start_worker(self, role: str, index: int) -> Any:

@@ -34,6 +34,7 @@ LOOPBACK = "127.0.0.1"
 DEFAULT_OBJECT_STORE_BYTES = 256 << 20  # KV pages travel over gRPC, not the object store
 # Every worker process of this job: SIGTERM drains an actor instead of killing it (cluster.worker_signals).
 WORKER_ENV = {"worker_process_setup_hook": "cluster.worker_signals.install"}
+FAULTS_ENV = "BATON_FAULT_INJECTION"  # engine.faults.ENV (not imported: this module loads before torch)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -45,6 +46,15 @@ class RayInfo:
     node_ip: str  # the GCS's host: 127.0.0.1 for a local cluster
     is_local: bool  # started by this process (shutdown stops it)
     init_s: float
+
+
+def _runtime_env() -> dict[str, object]:
+    """The job's runtime_env: the worker setup hook; a gateway allowed fault drills
+    (engine.faults) passes the permission on to its actors."""
+    env: dict[str, object] = dict(WORKER_ENV)
+    if os.environ.get(FAULTS_ENV) == "1":
+        env["env_vars"] = {FAULTS_ENV: "1"}
+    return env
 
 
 def start_local(
@@ -70,7 +80,7 @@ def start_local(
         dashboard_host=LOOPBACK,
         _node_ip_address=LOOPBACK,
         configure_logging=False,
-        runtime_env=WORKER_ENV,
+        runtime_env=_runtime_env(),
     )
     info = _info(is_local=True, init_s=time.monotonic() - started)
     if info.node_ip != LOOPBACK:
@@ -90,7 +100,7 @@ def connect(address: str) -> RayInfo:
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process")
     started = time.monotonic()
-    ray.init(address=address, configure_logging=False, runtime_env=WORKER_ENV)
+    ray.init(address=address, configure_logging=False, runtime_env=_runtime_env())
     info = _info(is_local=False, init_s=time.monotonic() - started)
     logger.info("connected to Ray at %s", info.gcs_address)
     return info

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cluster.errors import EdgeError, Kind
@@ -51,21 +51,45 @@ class PrefillHandle:
     stats: PrefillStats | None = None
     reported_at: float = 0.0  # time.monotonic() of `stats`
     is_member: bool = True  # registered: new work may go there (a lease lost or a drain: False)
+    is_stalled: bool = False  # its stats poll went unanswered past the watchdog
+    trouble: asyncio.Event = field(default_factory=asyncio.Event)  # set while stalled or dead
 
     @property
     def is_routable(self) -> bool:
-        return self.is_alive and self.is_member
+        return self.is_alive and self.is_member and not self.is_stalled
 
     def mark_dead(self, why: object) -> None:
         if self.is_alive:
             logger.warning("prefill worker %s is gone: %s", self.name, why)
         self.is_alive = False
+        self.trouble.set()
+
+    def mark_stalled(self, watchdog_s: float) -> bool:
+        """True when this newly stalls (its in-flight prefills move: see `trouble`)."""
+        if self.is_stalled or not self.is_alive:
+            return False
+        logger.warning("prefill worker %s answered nothing in %.1f s: stalled, no new work", self.name, watchdog_s)
+        self.is_stalled = True
+        self.trouble.set()
+        return True
+
+    def mark_answering(self) -> None:
+        if self.is_stalled:
+            logger.warning("prefill worker %s answers again: re-admitted", self.name)
+        self.is_stalled = False
+        if self.is_alive:
+            self.trouble.clear()
+
+    def revive(self, epoch: int) -> None:
+        """Ray restarted its actor and it rejoined (RayFront._revive)."""
+        self.epoch, self.is_alive, self.is_stalled, self.stats = epoch, True, False, None
+        self.trouble.clear()
 
 
 class DecodeHandle:
     def __init__(
         self, name: str, actor: Any, address: str, poll_wait_s: float = 1.0, max_buffered: int = 4096,
-        epoch: int = 1,
+        epoch: int = 1, watchdog_s: float = 30.0,
     ) -> None:
         self.name = name
         self.epoch = epoch  # its membership registration's
@@ -77,6 +101,10 @@ class DecodeHandle:
         self.stats: DecodeStats | None = None
         self.heartbeat = time.monotonic()
         self.is_alive = True
+        self.watchdog_s = watchdog_s  # no answer this long past a long-poll: stalled
+        self.is_stalled = False
+        self.trouble = asyncio.Event()  # set while stalled or dead: calls waiting on it give up
+        self.on_stall: Callable[[], None] | None = None  # RayFront counts stalls
         self._queues: dict[str, Outputs] = {}
         self._task: asyncio.Task[None] | None = None
         self.num_batches = 0
@@ -84,7 +112,7 @@ class DecodeHandle:
 
     @property
     def is_routable(self) -> bool:
-        return self.is_alive and self.is_member
+        return self.is_alive and self.is_member and not self.is_stalled
 
     @property
     def num_active(self) -> int:
@@ -129,16 +157,33 @@ class DecodeHandle:
 
     # -- the stream -----------------------------------------------------------------------------
 
+    def revive(self, address: str, epoch: int) -> None:
+        """Ray restarted its actor and it rejoined (RayFront._revive): a fresh output stream."""
+        self.address, self.epoch, self.stats = address, epoch, None
+        self.is_alive, self.is_stalled, self.heartbeat = True, False, time.monotonic()
+        self.trouble.clear()
+        self.start()
+
     async def _poll(self) -> None:
         after = 0
         while True:
+            call = asyncio.ensure_future(_answer(self.actor.next_batch.remote(after, self.poll_wait_s)))
             try:
-                batch: OutputBatch = await self.actor.next_batch.remote(after, self.poll_wait_s)
+                done, _ = await asyncio.wait({call}, timeout=self.poll_wait_s + self.watchdog_s)
+                if not done:  # a stopped process, a wedged loop: its requests move now
+                    self._stall()
+                    await call  # no new calls pile up behind it; its answer re-admits it
+                batch: OutputBatch = call.result()
             except asyncio.CancelledError:
+                call.cancel()
                 raise
             except Exception as exc:
                 self._fail_all(WorkerLost(f"decode worker {self.name} failed"), exc)
                 return
+            if self.is_stalled:
+                logger.warning("decode worker %s answers again: re-admitted", self.name)
+                self.is_stalled = False
+                self.trouble.clear()
             if batch.first_seq > after + 1:  # the feed dropped steps we never saw
                 self._fail_all(WorkerLost(f"decode worker {self.name}'s output stream lost steps"), None)
             after = max(after, batch.last_seq)
@@ -160,6 +205,19 @@ class DecodeHandle:
             return
         queue.put_nowait(out)
 
+    def mark_dead(self) -> None:
+        self.is_alive = False
+        self.trouble.set()
+
+    def _stall(self) -> None:
+        logger.warning("decode worker %s answered nothing in %.1f s: stalled; its %d requests move",
+                       self.name, self.poll_wait_s + self.watchdog_s, len(self._queues))  # fmt: skip
+        self.is_stalled = True
+        self.trouble.set()
+        if self.on_stall is not None:
+            self.on_stall()
+        self._fail_all(WorkerLost(f"decode worker {self.name} stalled"), None)
+
     def fail_all(self, error: WorkerLost) -> None:
         """End every subscribed stream with `error` (a drain's abandoned requests)."""
         self._fail_all(error, None)
@@ -167,7 +225,11 @@ class DecodeHandle:
     def _fail_all(self, error: WorkerLost, cause: BaseException | None) -> None:
         if cause is not None:
             logger.warning("decode worker %s: output stream ended: %r", self.name, cause)
-            self.is_alive = False
+            self.mark_dead()
         for queue in self._queues.values():
             queue.put_nowait(_Failed(error))
         self._queues.clear()
+
+
+async def _answer(ref: Any) -> Any:
+    return await ref

@@ -54,6 +54,13 @@ class TransferMetrics:
         self.migrations = Counter(
             "baton_request_migrations", "Requests moved to another decode worker after theirs was lost", registry=None
         )
+        self.stalls = Counter(
+            "baton_worker_stalls", "Workers that answered nothing within the watchdog (their requests moved)",
+            ["role"], registry=None,
+        )
+        self.restarts = Counter(
+            "baton_worker_restarts", "Workers that died, were restarted by Ray and rejoined", ["role"], registry=None
+        )
         self.placements = Counter(
             "baton_placements_total", "Requests by where their prompt was prefilled", ["route"], registry=None
         )
@@ -75,7 +82,7 @@ class TransferMetrics:
 
     def register(self, registry: CollectorRegistry, workers: Workers) -> None:
         for metric in (self.transfers, self.bytes, self.seconds, self.size, self.failures, self.redispatches,
-                       self.migrations,
+                       self.migrations, self.stalls, self.restarts,
                        self.placements, self.inflight, self.given_up, self.saturated):
             registry.register(metric)
         registry.register(_WorkerCollector(workers))

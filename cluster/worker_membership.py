@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster import worker_signals
 from cluster.disagg_config import MembershipConfig
 from cluster.kv_log import KVEventLog
 from cluster.membership import Membership, Role, WorkerIdTaken, WorkerInfo
 
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
 logger = logging.getLogger(__name__)
 
+EXIT_ENGINE_FAILED = 70  # the process exit code when the engine failed (EX_SOFTWARE)
 JOIN_GRACE_S = 2.0  # past the lease TTL, for a predecessor's registration to expire
 DRAIN_TIMEOUT_S = 300.0  # a drain gives in-flight requests this long (k8s: below the grace period)
 DRAIN_QUIET_S = 0.5  # idle this long ends a drain: calls the gateway had sent meanwhile land first
@@ -163,6 +168,29 @@ class Registered:
         import ray
 
         ray.actor.exit_actor()
+
+    # -- failure ------------------------------------------------------------------------------
+
+    exit_on_failure: bool = False  # spawned with a restart budget (ray_actors): die, Ray restarts
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine raised out of a step: its state (pages, batch) is in doubt. With a
+        restart budget the process ends now (exit code EXIT_ENGINE_FAILED): the gateway sees
+        the actor die, moves its requests, and once Ray has started a fresh process, has it
+        rejoin under a new epoch (RayFront._revive). Without one the actor stays, failing
+        every call, as `baton up` in one process has nothing to restart it."""
+        logger.critical("%s: engine failed (%r); %s", self.role.name.lower(), exc,
+                        "exiting for a restart" if self.exit_on_failure else "no restart budget: serving nothing")
+        if self.exit_on_failure:
+            os._exit(EXIT_ENGINE_FAILED)
+
+    async def inject_fault(self, point: str, times: int = 1) -> None:
+        """Drills and the fault suite only: the engine's `point` fails its next `times` passes
+        (engine.faults; refused unless the worker's environment allows injection)."""
+        self._engine().faults.arm(point, times)
+
+    def _engine(self) -> Engine:
+        raise NotImplementedError
 
     def _is_idle(self) -> bool:
         raise NotImplementedError

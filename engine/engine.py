@@ -21,6 +21,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
+from engine.faults import FaultPoints
 from engine.loader import checkpoint_fingerprint, load_state_dict
 from engine.model import CausalLM
 from engine.outputs import ExportedKV, StepOutput, StepStats
@@ -93,6 +94,7 @@ class Engine:
         self.shared_prefixes: tuple[tuple[int, ...], ...] = cfg.shared_prefixes
         self.last_stats: StepStats | None = None
         self.num_preempted_total = 0  # requests preempted (recomputed later) since start
+        self.faults = FaultPoints()  # drills only: armed failures (engine.faults)
         logger.info(
             "engine ready: %s (%s, %s), %d pages x %d tokens, max_model_len %d",
             model_dir.name, self.dtype, self.device, num_pages, cfg.page_size, self.max_model_len,
@@ -186,6 +188,7 @@ class Engine:
         if self.prefix_cache is not None and self.prefix_cache.host is not None:
             self.prefix_cache.host.fence()  # promoted pages are in, evicted ones out (CUDA)
         masks = self.structured.start(sched.scheduled)  # filled while the forward runs
+        self.faults.hit("forward")  # drills only (engine.faults): a failed forward pass
         result = self.runner.execute(sched, masks)
         outputs = self._update(sched.scheduled, result)
         pages = self.pool.pages

@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # transformers is only the parity reference here: it must never reach for the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# engine.faults: the fault suite arms failures in engines, in this process and in Ray actors
+# (cluster.ray_runtime passes it on to them); production processes never have it.
+os.environ["BATON_FAULT_INJECTION"] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -62,6 +65,18 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     server = EtcdServer.launch(tmp_path_factory.mktemp("etcd"))
     yield server
     server.stop()
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """tests/faults runs right after tests/cluster: they share one local Ray, started once."""
+    def rank(item: pytest.Item) -> int:
+        return 1 if _suite(item.nodeid) == "faults" else 0
+
+    cluster_end = max((i for i, item in enumerate(items) if _suite(item.nodeid) == "cluster"), default=-1)
+    if cluster_end < 0:
+        return
+    head, tail = items[: cluster_end + 1], items[cluster_end + 1 :]
+    items[:] = head + sorted(tail, key=lambda item: -rank(item))  # stable: faults first, the rest as they were
 
 
 def _budgets() -> dict[str, float]:

@@ -97,9 +97,9 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> ray_runtime.RayInfo:
-    """One private loopback Ray shared by the cluster tests that need actors (its start costs
-    seconds); each test stops the actors it started. It is stopped when the run leaves
-    tests/cluster, so the suites after it do not share the machine with an idle Ray."""
+    """One private loopback Ray shared by the cluster and fault tests that need actors (its
+    start costs seconds); each test stops the actors it started. It is stopped when the run
+    leaves those suites, so the ones after them do not share the machine with an idle Ray."""
     pytest.importorskip("ray")
     if not _ray:
         info = ray_runtime.start_local()
@@ -108,12 +108,19 @@ def ray_cluster() -> ray_runtime.RayInfo:
     return _ray[0]
 
 
+RAY_SUITES = (HERE, HERE.parent / "faults")  # run one after the other (tests/conftest.py orders them)
+
+
+def stop_ray_when_leaving(nextitem: pytest.Item | None) -> None:
+    if _ray and (nextitem is None or not any(suite in nextitem.path.parents for suite in RAY_SUITES)):
+        ray_runtime.shutdown()
+        _ray.clear()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     yield  # the item's fixtures (servers, actors) are torn down first
-    if _ray and (nextitem is None or HERE not in nextitem.path.parents):
-        ray_runtime.shutdown()
-        _ray.clear()
+    stop_ray_when_leaving(nextitem)
 
 
 def kill_actor(actor: Any, timeout_s: float = 30.0) -> None:

@@ -1,0 +1,148 @@
+"""Faults 6 and 9 of issue 8 on a real local Ray.
+
+6. A decode worker stopped (SIGSTOP) for longer than the watchdog: its streams move to the
+   other decode worker and complete with the no-fault tokens; it is marked stalled and gets
+   no new work; after SIGCONT it answers again and is re-admitted, its pages back at baseline.
+9. An exception injected in a worker's forward pass (engine.faults): the actor exits on
+   purpose, its requests move (decode) or are re-dispatched (prefill) and complete, Ray
+   restarts it, and it rejoins membership under a new epoch and serves again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from cluster.ray_workers import DecodeHandle
+from cluster.worker_msgs import DecodeStats
+from tests.cluster.conftest import ServerHandle
+from tests.faults.conftest import (
+    WATCHDOG_S,
+    Streams,
+    counter,
+    front_of,
+    node,
+    proc_state,
+    prompts,
+    reference,
+    wait_for,
+)
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(180)
+
+MAX_TOKENS = 48
+
+
+def _pid(d: DecodeHandle) -> int:
+    place = ray.get(d.actor.place_of.remote(), timeout=30)
+    return int(place.pid)
+
+
+def _stats(d: DecodeHandle) -> DecodeStats:
+    stats: DecodeStats = ray.get(d.actor.stats.remote(), timeout=30)
+    return stats
+
+
+def _at_baseline(d: DecodeHandle) -> bool:
+    s = _stats(d)
+    return s.num_running == 0 and s.num_waiting == 0 and s.num_reserved_pages == 0 and (
+        s.num_used_pages == s.num_cached_pages)
+
+
+def test_a_stopped_decode_worker_is_passed_over_then_readmitted(recovering: ServerHandle, server: ServerHandle) -> None:
+    front = front_of(recovering)
+    texts = prompts(6, "stall")
+    want = reference(server, texts, MAX_TOKENS)
+    stalls_before = counter(front, "stalls", "decode")
+    streams = Streams(recovering, texts, MAX_TOKENS)
+    streams.wait_started()
+    victim = max(front.decodes, key=lambda d: d.num_active)
+    on_victim, pid = victim.num_active, _pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: proc_state(pid) == "T", "the decode process is stopped", 5)  # the fault happened
+        stopped_at = time.monotonic()
+        wait_for(lambda: victim.is_stalled, "the watchdog marks it stalled", WATCHDOG_S + 5)
+        assert time.monotonic() - stopped_at < WATCHDOG_S + 2.0
+        assert not victim.is_routable and node(front, victim.name).health == "stalled"
+        streams.join()
+        assert streams.errors == [], streams.errors[:2]
+        assert streams.got == want  # moved with prompt + emitted tokens: no gap, no repeat
+        assert on_victim > 0 and counter(front, "stalls", "decode") == stalls_before + 1
+        assert proc_state(pid) == "T"  # all of that while it was still stopped
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: victim.is_routable, "re-admitted once it answers again (and rejoined membership)", 30)
+    wait_for(lambda: _at_baseline(victim), "its pages are back at baseline: the moved requests were aborted", 15)
+    again = Streams(recovering, prompts(2, "after"), 8)
+    again.wait_started()
+    again.join()
+    assert again.errors == []
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_failed_forward_pass_restarts_the_worker_and_it_rejoins(
+    recovering: ServerHandle, server: ServerHandle, role: str
+) -> None:
+    front = front_of(recovering)
+    texts = prompts(4, f"boom-{role}", scale=4)  # long: a prefill worker computes them
+    want = reference(server, texts, MAX_TOKENS)
+    restarts = counter(front, "restarts", role)
+    if role == "decode":
+        streams = Streams(recovering, texts, MAX_TOKENS)
+        streams.wait_started()
+        handle: Any = max(front.decodes, key=lambda d: d.num_active)
+        assert handle.num_active > 0
+        epoch, pid = handle.epoch, _pid(handle)
+        _inject(handle.actor)  # its next step raises
+    else:
+        handle = front.prefills[0]
+        epoch, pid = handle.epoch, ray.get(handle.actor.ping.remote(), timeout=30)
+        ray.get(handle.actor.inject_fault.remote("forward"), timeout=30)  # the next prompt's step raises
+        streams = Streams(recovering, texts, MAX_TOKENS)
+        streams.wait_started()
+    failed_at = time.monotonic()
+    wait_for(lambda: not _alive(pid), "the worker's process exited", 15)  # the fault took effect
+    streams.join()
+    assert streams.errors == [], streams.errors[:2]
+    assert streams.got == want
+    assert max(streams.finished_at) - failed_at < 30
+    wait_for(lambda: counter(front, "restarts", role) == restarts + 1, "Ray restarted it and it rejoined", 90)
+    assert handle.is_routable and handle.epoch > epoch and node(front, handle.name).health in ("ok", "starting")
+    new_pid = _pid(handle) if role == "decode" else ray.get(handle.actor.ping.remote(), timeout=30)
+    assert new_pid != pid
+    again = Streams(recovering, prompts(3, f"after-{role}"), 8)  # it serves again
+    again.wait_started()
+    again.join()
+    assert again.errors == []
+
+
+def _inject(actor: Any) -> None:
+    """Arm the forward pass to fail; the actor may die before its answer leaves (the loop steps
+    between the call's return and the reply), which is the fault taking effect."""
+    try:
+        ray.get(actor.inject_fault.remote("forward"), timeout=30)
+    except ray.exceptions.ActorUnavailableError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_fault_injection_is_refused_without_permission(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.faults import ENV, FaultPoints
+
+    monkeypatch.delenv(ENV)
+    with pytest.raises(PermissionError, match=ENV):
+        FaultPoints().arm("forward")
