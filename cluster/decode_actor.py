@@ -120,6 +120,10 @@ class DecodeActor(KVPublisher, Registered):
 
     async def place(self, job: PrefillJob, sender_epoch: int | None) -> KVDestination | None:
         self._check_started()
+        # A constraint compiles here, off the step loop and before any page is reserved
+        # (ConstraintError reaches the gateway as this call's error: a 400 there).
+        if job.sampling.constraint is not None:
+            await asyncio.to_thread(self.worker.engine.prepare, job.sampling)
         if sender_epoch is not None and not self.worker.prefers_local(job):
             dest = self.worker.reserve(job, sender_epoch)
             if dest is not None:

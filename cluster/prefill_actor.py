@@ -161,6 +161,8 @@ class PrefillActor(KVPublisher, Registered):
     async def prefill(self, job: PrefillJob, dest: KVDestination) -> PrefillResult:
         if self._loop is None:
             self._loop = asyncio.create_task(self._run())
+        if job.sampling.constraint is not None:  # the first token is sampled under its mask
+            await asyncio.to_thread(self.worker.engine.prepare, job.sampling)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillDone] = loop.create_future()
         self._firsts[job.req_id] = future

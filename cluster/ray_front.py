@@ -242,7 +242,9 @@ class RayFront:
                     yield out
                 return
             except WorkerLost as exc:
-                if attempt == self.cfg.max_migrations:
+                # A constrained request's grammar state lives on the lost worker: a new one
+                # would start the grammar over mid-output, so it fails rather than moves.
+                if attempt == self.cfg.max_migrations or (emitted and sampling.constraint is not None):
                     raise
                 self.metrics.migrations.inc()
                 logger.warning("%s: %s; moving it with %d tokens emitted (attempt %d)", req_id, exc, emitted,
