@@ -35,6 +35,7 @@ from cluster.worker_membership import Registered
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.faults import TRANSFER as TRANSFER_FAULTS
 from kvcache.report import cache_report
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import GrpcSender
@@ -321,6 +322,9 @@ class PrefillActor(KVPublisher, Registered):
         start = time.perf_counter()
         try:
             source = feed.stream(first)
+            fault = next((p for p in TRANSFER_FAULTS if self.worker.engine.faults.take(p)), None)
+            if fault is not None:  # drills only (engine.faults)
+                source = self._faulty(source, fault)
             async with asyncio.timeout(None) as timer:  # the deadline, once the first token is out
                 feed.watch(timer)
                 sent = self._senders[transport].send(dest, self._paced(source) if self.chunk_pause_s else source,
@@ -342,6 +346,22 @@ class PrefillActor(KVPublisher, Registered):
         seconds = time.perf_counter() - start  # first chunk to ack: with the prefill it overlapped
         return TransferReport(dest.transfer_id, transport, accepted, len(dest.dest_page_ids),
                               feed.num_bytes if accepted else 0, seconds, error)
+
+    async def _faulty(self, chunks: AsyncIterator[WireChunk], fault: str) -> AsyncIterator[WireChunk]:
+        """The push as a damaged link or a wedged sender would make it (engine.faults)."""
+        held: WireChunk | None = None
+        async for chunk in chunks:
+            if fault == "transfer_corrupt" and held is None:
+                payload = bytearray(chunk.payload)
+                payload[len(payload) // 2] ^= 0x40  # after the checksum was computed
+                chunk = WireChunk(chunk.header, bytes(payload))
+            elif fault == "transfer_stall" and held is not None:
+                await asyncio.sleep(self.push_deadline_s + 1)  # the deadline passes first
+            if held is not None:
+                yield held
+            held = chunk
+        if held is not None and fault != "transfer_truncate":  # truncated: the last chunk never goes
+            yield held
 
     async def _paced(self, chunks: AsyncIterator[WireChunk]) -> AsyncIterator[WireChunk]:
         async for chunk in chunks:

@@ -189,6 +189,9 @@ class Registered:
         (engine.faults; refused unless the worker's environment allows injection)."""
         self._engine().faults.arm(point, times)
 
+    async def clear_faults(self) -> None:
+        self._engine().faults.clear()
+
     def _engine(self) -> Engine:
         raise NotImplementedError
 

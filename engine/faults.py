@@ -8,7 +8,10 @@ engine raises InjectedFault the next `times` times it is reached.
     faults.hit("forward")                  in the engine, where the fault belongs: raises when
                                            armed, costs one dict lookup when not
 
-Points: "forward" (Engine.step, in place of the model's forward pass).
+Points: "forward" (Engine.step, in place of the model's forward pass); and a prefill
+worker's next push (cluster.prefill_actor, the points of TRANSFER): "transfer_corrupt" (a
+payload byte flipped in flight), "transfer_truncate" (the stream ends before its last chunk),
+"transfer_stall" (the push stops sending past its deadline).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import os
 import threading
 
 ENV = "BATON_FAULT_INJECTION"
-POINTS = frozenset({"forward"})
+TRANSFER = ("transfer_corrupt", "transfer_truncate", "transfer_stall")
+POINTS = frozenset({"forward", *TRANSFER})
 
 
 class InjectedFault(RuntimeError):
@@ -44,15 +48,25 @@ class FaultPoints:
         with self._lock:
             self._armed[point] = times
 
+    def clear(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
     def hit(self, point: str) -> None:
+        """Raise InjectedFault when `point` is armed (a failure that is an exception)."""
+        if self.take(point):
+            raise InjectedFault(f"injected fault at {point!r}")
+
+    def take(self, point: str) -> bool:
+        """Whether `point` fails this time (one arm used): for faults that are not exceptions."""
         if not self._armed:
-            return
+            return False
         with self._lock:
             left = self._armed.get(point, 0)
             if not left:
-                return
+                return False
             if left == 1:
                 del self._armed[point]
             else:
                 self._armed[point] = left - 1
-        raise InjectedFault(f"injected fault at {point!r}")
+        return True
