@@ -28,6 +28,7 @@ from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import (
     ServerHandle,
+    make_server,
     make_shared_server,
     ray_cluster,
     server,
@@ -36,7 +37,7 @@ from tests.cluster.conftest import (
     tiny_engine_config,
 )
 
-__all__ = ["make_shared_server", "ray_cluster", "server", "tiny_engine_config"]  # fixtures, re-exported
+__all__ = ["make_server", "make_shared_server", "ray_cluster", "server", "tiny_engine_config"]  # fixtures, re-exported
 
 T = TypeVar("T")
 MODEL = "baton-tiny"
