@@ -1,0 +1,155 @@
+"""Fault 5 of issue 8: a client that goes away at every state of its request, streaming and
+unary, on a real local Ray (one prefill actor, one decode actor, pushes slowed so a transfer
+can be caught in flight):
+
+    queued        its prompt waits in the prefill worker's queue (the worker's loop held by
+                  the `stall` drill), no first token yet
+    transferring  its first token is out, its pages are still moving to the decode worker
+    decoding      tokens are streaming from the decode worker
+    finishing     the last token is out, the stream's end not yet read
+
+Each state is proven on the worker before the client leaves (the prefill worker holds the
+prompt; a transfer is in flight; the decode worker runs it). Within 5 s of the client leaving,
+every tier's pages are back at their baseline on both workers, nothing runs, and the gateway
+counted exactly one more `cancelled` request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from cluster.disagg_config import DisaggConfig
+from cluster.server import ServerConfig
+from cluster.worker_msgs import DecodeStats, PrefillStats
+from engine.engine_config import EngineConfig
+from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.test_ray_serving import metric
+from tests.faults.conftest import MODEL, front_of
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.timeout(120)
+
+# A long prompt's pages move in 2-page chunks 0.3 s apart: a push takes a few seconds.
+SLOW = DisaggConfig(num_prefill=1, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.3, transport="grpc")
+STATES = ["queued", "transferring", "decoding", "finishing"]
+
+
+@pytest.fixture(scope="module")
+def slow1(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
+    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=MODEL, disagg=SLOW)
+    handle = start_server(cfg, None)
+    yield handle
+    handle.stop()
+
+
+def _prefill(handle: ServerHandle) -> PrefillStats:
+    stats: PrefillStats = ray.get(front_of(handle).prefills[0].actor.stats.remote(), timeout=30)
+    return stats
+
+
+def _decode(handle: ServerHandle) -> DecodeStats:
+    stats: DecodeStats = ray.get(front_of(handle).decodes[0].actor.stats.remote(), timeout=30)
+    return stats
+
+
+def _at_baseline(handle: ServerHandle) -> bool:
+    p, d = _prefill(handle), _decode(handle)
+    return (p.num_running == 0 and p.num_pinned_pages == 0 and p.num_inflight_transfers == 0
+            and d.num_running == 0 and d.num_waiting == 0 and d.num_reserved_pages == 0
+            and d.num_open_reservations == 0 and d.num_used_pages == d.num_cached_pages
+            and d.num_free_pages_at_idle == d.num_pages)  # fmt: skip
+
+
+async def _until(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(check):
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        await asyncio.sleep(0.02)
+
+
+def _body(state: str, stream: bool) -> dict[str, Any]:
+    # Long and unique (uncached anywhere): a prefill worker computes it and pushes its pages.
+    prompt = f"# cancel {state} {'stream' if stream else 'unary'}\n" + "def fibonacci(n):\n    return n\n" * 12
+    max_tokens = 6 if state == "finishing" else 200
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "ignore_eos": True}
+
+
+async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
+    """Send the request, wait until it is in `state` (proven on the workers), then drop the
+    connection (the client goes away)."""
+    reached = asyncio.Event()
+    prefill = front_of(handle).prefills[0]
+
+    async def send(client: httpx.AsyncClient) -> None:
+        if not stream:
+            response = await client.post("/v1/completions", json=_body(state, stream))
+            raise AssertionError(f"the unary request ended before its client left: {response.status_code}")
+        async with client.stream("POST", "/v1/completions", json=_body(state, stream)) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if state == "finishing" and '"finish_reason":"length"' in line.replace(" ", ""):
+                    reached.set()  # the last token is out; [DONE] is not read
+                    await asyncio.sleep(3600)
+                if state == "transferring" and line.startswith("data:"):
+                    await asyncio.sleep(3600)  # hold the stream open at the first token
+                if state == "decoding" and line.startswith("data:"):
+                    continue
+            raise AssertionError(f"the stream ended before its client left: {response.status_code}")
+
+    conditions: dict[str, Callable[[], Awaitable[None]]] = {
+        "queued": lambda: _until(lambda: _prefill(handle).num_running == 1, "the prompt waits at the prefill worker"),
+        "transferring": lambda: _until(lambda: _prefill(handle).num_inflight_transfers == 1
+                                       and _decode(handle).num_open_reservations == 1, "a transfer in flight"),
+        "decoding": lambda: _until(lambda: _decode(handle).num_running == 1
+                                   and _prefill(handle).num_inflight_transfers == 0, "decoding on the decode worker"),
+        "finishing": reached.wait,
+    }  # fmt: skip
+    if state == "queued":
+        await asyncio.to_thread(ray.get, prefill.actor.stall.remote(30), timeout=30)  # no prefill step for now
+    async with httpx.AsyncClient(base_url=handle.url, timeout=60) as client:
+        task = asyncio.create_task(send(client))
+        waiting = asyncio.create_task(conditions[state]())
+        done, _ = await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()  # raises: the request ended before reaching its state
+        await waiting
+        task.cancel()  # the client goes away: its connection closes
+        await asyncio.gather(task, return_exceptions=True)
+    if state == "queued":
+        await asyncio.to_thread(ray.get, prefill.actor.stall.remote(0), timeout=30)
+
+
+CASES = [(state, stream) for state in STATES for stream in (True, False)
+         if not (state == "finishing" and not stream)]  # a unary answer is one write: nothing between
+
+
+@pytest.mark.parametrize(("state", "stream"), CASES, ids=[f"{s}-{'stream' if t else 'unary'}" for s, t in CASES])
+def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, state: str, stream: bool) -> None:
+    assert _at_baseline(slow1)
+    counts = {o: metric(slow1, "baton_requests_total", api="http", outcome=o) for o in OUTCOMES}
+    asyncio.run(_leave_at(slow1, state, stream))
+    left = time.monotonic()
+    while not _at_baseline(slow1):
+        assert time.monotonic() - left < 5.0, f"pages not back at baseline 5 s after the client left ({state})"
+        time.sleep(0.05)
+    # The request is counted once: cancelled, or (finishing: every token was out) ok.
+    expected = {"cancelled"} if state != "finishing" else {"cancelled", "ok"}
+    deadline = time.monotonic() + 5.0
+    while True:
+        now = {o: metric(slow1, "baton_requests_total", api="http", outcome=o) for o in OUTCOMES}
+        moved = {o: now[o] - counts[o] for o in OUTCOMES if now[o] != counts[o]}
+        if moved:
+            break
+        assert time.monotonic() < deadline, "the gateway did not count the request"
+        time.sleep(0.05)
+    assert len(moved) == 1 and set(moved) <= expected and sum(moved.values()) == 1, moved
+
+
+OUTCOMES = ("ok", "error", "cancelled", "deadline", "rejected")
