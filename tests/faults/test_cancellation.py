@@ -36,7 +36,8 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(120)
 
 # A long prompt's pages move in 2-page chunks 0.3 s apart: a push takes a few seconds.
-SLOW = DisaggConfig(num_prefill=1, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.3, transport="grpc")
+SLOW = DisaggConfig(num_prefill=1, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.3, transport="grpc",
+                    transfer_deadline_s=4.0)
 STATES = ["queued", "transferring", "decoding", "finishing"]
 
 
@@ -153,3 +154,38 @@ def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, sta
 
 
 OUTCOMES = ("ok", "error", "cancelled", "deadline", "rejected")
+
+
+def test_decode_killed_with_handoffs_pending_frees_the_prefill_side(slow1: ServerHandle) -> None:
+    """Fault 3 (runs last: it ends this module's decode worker): the decode actor dies while
+    two pushes are in flight to it. The prefill worker's pinned pages return to baseline
+    within the push lease (transfer deadline + grace) + 5 s, and the clients get an error,
+    not a hang."""
+    from cluster.prefill_actor import LEASE_GRACE_S
+    from tests.cluster.conftest import kill_actor
+
+    front = front_of(slow1)
+    assert _at_baseline(slow1)
+
+    async def main() -> list[BaseException | None]:
+        async with httpx.AsyncClient(base_url=slow1.url, timeout=60) as client:
+            async def one(i: int) -> None:
+                body = _body(f"handoff {i}", True)
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async for _ in response.aiter_lines():
+                        pass
+
+            tasks = [asyncio.create_task(one(i)) for i in range(2)]
+            await _until(lambda: _prefill(slow1).num_inflight_transfers == 2, "two pushes in flight")
+            assert _prefill(slow1).num_pinned_pages > 0
+            await asyncio.to_thread(kill_actor, front.decodes[0].actor)  # the fault happened: it is dead
+            killed = time.monotonic()
+            await _until(lambda: _prefill(slow1).num_pinned_pages == 0 and _prefill(slow1).num_inflight_transfers == 0,
+                         "the prefill side's pinned pages back at baseline",
+                         SLOW.transfer_deadline_s + LEASE_GRACE_S + 5)  # fmt: skip
+            assert time.monotonic() - killed < SLOW.transfer_deadline_s + LEASE_GRACE_S + 5
+            done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+            return list(done)
+
+    asyncio.run(main())  # both streams ended (an error event or a cut stream), none hung
+    assert not front.is_alive
