@@ -7,6 +7,12 @@ call (bidirectional streaming) on the worker's existing KV server:
     decode:  region = ShmRegion(num_slots, slot_bytes)
              start_kv_server(receiver, extra_handlers=[shm_handler(receiver, region)])
     prefill: ShmSender.send(dest, chunks, deadline_s)
+      sender -> ShmChunk(header)                             the open: the transfer's id,
+                                                             token, request and epoch, no
+                                                             pages (within OPEN_TIMEOUT_S)
+      server:   receiver.accept(header)                      a wrong token, epoch or request,
+                                                             or no open: ShmReply(ack=refused)
+                                                             and no slot is ever granted
       server -> ShmReply(region, slot_bytes, free_offsets)   up to slots_per_stream slots,
                                                              waiting while the region is full
       sender:   payload -> a granted slot                    one memcpy from the page tensor
@@ -21,7 +27,8 @@ call (bidirectional streaming) on the worker's existing KV server:
     region:  | slot 0 | slot 1 | ... | slot n-1 |            each slot_bytes long; a stream
              0        slot_bytes                             names only slots granted to it
 
-Every check of the gRPC path applies (transport.receive_push). A slot referenced by a stream
+Every check of the gRPC path applies (transport.receive_push). Slots go only to a stream that
+proved its transfer's token first, so connections without one hold nothing. A slot referenced by a stream
 that was not granted it, or a length that does not fit it, is refused before shm is read.
 Slots return to the region when the call ends however it ends (ack, refusal, deadline, the
 sender's death); the reservation follows receive_push's rules.
@@ -60,6 +67,7 @@ PUSH_SHM = f"/{SERVICE}/PushShm"
 REGION_DIR = "/dev/shm"
 _NAME = re.compile(r"baton-kv-[0-9a-f]{32}")
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in once
+OPEN_TIMEOUT_S = 5.0  # a stream's first message (its open) comes within this, or the call ends
 
 
 class ShmRegion:
@@ -165,6 +173,11 @@ def shm_handler(
 
     async def push_shm(requests: AsyncIterator[pb.ShmChunk | None], context: Any) -> None:
         async with asyncio.timeout(stream_timeout_s):
+            requests = aiter(requests)
+            refusal = await _open(requests, receiver)
+            if refusal is not None:  # no token, no slots
+                await context.write(pb.ShmReply(ack=pb.PushAck(error=refusal)))
+                return
             granted = await region.acquire(slots_per_stream)
             try:
                 await context.write(pb.ShmReply(
@@ -190,6 +203,22 @@ def shm_handler(
         response_serializer=pb.ShmReply.SerializeToString,
     )
     return grpc.method_handlers_generic_handler(SERVICE, {"PushShm": method})
+
+
+async def _open(requests: AsyncIterator[pb.ShmChunk | None], receiver: KVReceiver) -> str | None:
+    """Read the stream's open (its first message: a header without pages) and check its token,
+    epoch and request -> None, or why the stream gets no slots."""
+    try:
+        async with asyncio.timeout(OPEN_TIMEOUT_S):
+            msg = await anext(requests)
+    except (TimeoutError, StopAsyncIteration):
+        return "no open"
+    if msg is None:
+        return "malformed header"
+    header = msg.header
+    if header.dest_page_ids or header.payload_bytes or msg.length or not receiver.accept(header):
+        return "refused"  # no detail: the token may be a guess
+    return None
 
 
 def _parse_or_none(data: bytes) -> pb.ShmChunk | None:
@@ -237,7 +266,7 @@ class ShmSender:
         )(timeout=deadline_s)  # fmt: skip
         try:
             async with asyncio.timeout(deadline_s):  # making the chunks counts too, not just grpc
-                ack = await self._push(dest.address, call, chunks)
+                ack = await self._push(dest, call, chunks)
                 await call.done_writing()
                 await call.code()  # the server has handed the slots back when the call ends
         except TimeoutError:
@@ -252,10 +281,16 @@ class ShmSender:
             call.cancel()  # a no-op once done; ends the server's wait on any other exit
         return PushResult(ack.accepted, ack.pages_received, ack.error)
 
-    async def _push(self, address: str, call: Any, chunks: Chunks) -> pb.PushAck:
+    async def _push(self, dest: KVDestination, call: Any, chunks: Chunks) -> pb.PushAck:
+        opening = pb.PageChunkHeader(req_id=dest.req_id, transfer_id=dest.transfer_id, transfer_token=dest.token,
+                                     sender_epoch=dest.epoch)  # fmt: skip
+        await call.write(pb.ShmChunk(header=opening))  # the token first: slots come after it
         grant = await call.read()
         if grant is grpc.aio.EOF:
             raise TransferError("no shm grant")
+        if grant.HasField("ack"):  # refused at the open
+            return cast(pb.PushAck, grant.ack)
+        address = dest.address
         target = self._attach(address, grant)
         free, sent_last = deque(grant.free_offsets), False
         async for chunk in as_async(chunks):

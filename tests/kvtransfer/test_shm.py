@@ -134,7 +134,11 @@ class RawStream:
         self.call = self.channel.stream_stream(PUSH_SHM, request_serializer=bytes,
                                                response_deserializer=pb.ShmReply.FromString)(timeout=10)  # fmt: skip
 
-    async def grant(self) -> pb.ShmReply:
+    async def grant(self, dest: KVDestination) -> pb.ShmReply:
+        """Open the stream with dest's token (as ShmSender does), then read the slots granted."""
+        opening = pb.PageChunkHeader(req_id=dest.req_id, transfer_id=dest.transfer_id, transfer_token=dest.token,
+                                     sender_epoch=dest.epoch)  # fmt: skip
+        await self.call.write(pb.ShmChunk(header=opening).SerializeToString())
         grant: pb.ShmReply = await self.call.read()
         assert list(grant.free_offsets) and grant.slot_bytes == SLOT_BYTES
         return grant
@@ -152,7 +156,7 @@ async def test_bytes_corrupted_in_shm_fail_the_checksum_and_release(side: Side) 
     dest = decode.reserve(side.address, 10)
     chunks = build_chunks(dest, _prefill_pages(10), EPOCH, pages_per_chunk=5)
     raw = RawStream(side.address)
-    grant = await raw.grant()
+    grant = await raw.grant(dest)
     for chunk, offset in zip(chunks, grant.free_offsets, strict=True):
         slot = region.view(offset, len(chunk.payload))
         slot[:] = chunk.payload
@@ -187,7 +191,7 @@ async def test_offsets_and_lengths_outside_the_grant_are_refused_before_any_read
     dest = decode.reserve(side.address, 5)
     (chunk,) = build_chunks(dest, _prefill_pages(5), EPOCH, pages_per_chunk=5)
     raw = RawStream(side.address)
-    grant = await raw.grant()
+    grant = await raw.grant(dest)
     assert sorted(grant.free_offsets) == [0, SLOT_BYTES]  # slot 2 belongs to nobody here
     offset, length = grant.free_offsets[0], len(chunk.payload)
     if where == "longer than a slot":

@@ -229,14 +229,13 @@ async def test_kv_push_shm_refuses_the_canary(kv_server: tuple[DecodeWorker, str
     assert dest is not None
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.ShmReply.FromString)(timeout=10)
-        grant = await call.read()
-        assert grant.free_offsets  # the stream was granted slots, then sends the canary
-        await call.write(canary.payload)
+        await call.write(canary.payload)  # as the stream's open: refused before any slot is granted
         await call.done_writing()
         replies = []
         while (reply := await call.read()) is not grpc.aio.EOF:
             replies.append(reply)
-    assert replies and not replies[-1].ack.accepted and replies[-1].ack.error == "malformed header"
+    assert len(replies) == 1 and not replies[0].free_offsets  # no grant, only the refusal
+    assert not replies[-1].ack.accepted and replies[-1].ack.error == "malformed header"
     assert worker.book.get(dest.transfer_id) is not None
     await _good_push(worker, dest)
     assert not canary.fired

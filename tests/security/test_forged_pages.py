@@ -210,14 +210,9 @@ async def test_a_replay_after_completion_cannot_overwrite_the_pages(side: Side) 
     worker.cancel(dest)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvtransfer/shm.py grants a PushShm stream its slots before the stream has shown any token "
-    "(the first reply), and holds them until the stream ends or stream_timeout_s (60 s) passes: "
-    "two idle connections to the KV port take a 4-slot region (2 slots each), and every real shm "
-    "push waits out its deadline. Closing it needs the token proven before the grant (a protocol "
-    "change on both sides of the shm transport), so it is left for its owner"
-))  # fmt: skip
 async def test_tokenless_shm_streams_cannot_hold_every_slot(engine: Engine) -> None:
+    """Slots go only to a stream that proved its transfer's token (its open): connections that
+    send nothing, or open with a guessed token, hold no slot, and a real push gets through."""
     import grpc
 
     from kvtransfer.shm import PUSH_SHM
@@ -226,16 +221,26 @@ async def test_tokenless_shm_streams_cannot_hold_every_slot(engine: Engine) -> N
     region = ShmRegion(num_slots=4, slot_bytes=1 << 20)
     server, port = await start_kv_server(worker.receiver, "127.0.0.1:0", extra_handlers=[shm_handler(worker.receiver, region)])
     worker.address = f"127.0.0.1:{port}"
-    channels = [grpc.aio.insecure_channel(worker.address) for _ in range(2)]
+    channels = [grpc.aio.insecure_channel(worker.address) for _ in range(4)]
     sender = ShmSender()
     try:
-        for channel in channels:  # two streams that never send a chunk, let alone a token
-            call = channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.ShmReply.FromString)()
-            assert (await call.read()).free_offsets
+        calls = [channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.ShmReply.FromString)()
+                 for channel in channels]  # fmt: skip
+        victim = worker.reserve(PrefillJob("victim", PROMPT[:32], GREEDY), EPOCH)
+        assert victim is not None
+        guessed = pb.PageChunkHeader(req_id="victim", transfer_id=victim.transfer_id, transfer_token=b"\x00" * 16,
+                                     sender_epoch=EPOCH)  # fmt: skip
+        for call in calls[2:]:  # two open with a guessed token: refused, no grant
+            await call.write(pb.ShmChunk(header=guessed).SerializeToString())
+            reply = await call.read()
+            assert reply.HasField("ack") and reply.ack.error == "refused" and not reply.free_offsets
+        # two more say nothing at all; meanwhile every slot is still free
+        assert region.num_free == 4 and worker.book.refused_bad_token == 2
         dest = worker.reserve(PrefillJob("starved", PROMPT[:32], GREEDY), EPOCH)
         assert dest is not None
         result = await sender.send(dest, build_chunks(dest, _pages(worker, 2), EPOCH), 1.0)
         worker.cancel(dest)
+        worker.cancel(victim)
         assert result.accepted, result.error
     finally:
         await sender.close()
