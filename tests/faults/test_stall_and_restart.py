@@ -146,3 +146,28 @@ def test_fault_injection_is_refused_without_permission(monkeypatch: pytest.Monke
     monkeypatch.delenv(ENV)
     with pytest.raises(PermissionError, match=ENV):
         FaultPoints().arm("forward")
+
+
+def test_a_prefill_worker_killed_before_the_handoff_is_restarted(recovering: ServerHandle, server: ServerHandle) -> None:
+    """Fault 2, before the handoff: SIGKILL the prefill worker's process while it holds a
+    prompt (its loop held by the `stall` drill, so no first token and no page has moved):
+    the request completes by decode-local prefill with the no-fault tokens, the reservation's
+    pages return, and Ray restarts the worker, which rejoins."""
+    front = front_of(recovering)
+    prefill = front.prefills[0]
+    texts = prompts(1, "killed-before", scale=4)
+    want = reference(server, texts, MAX_TOKENS)
+    restarts = counter(front, "restarts", "prefill")
+    pid = ray.get(prefill.actor.ping.remote(), timeout=30)
+    ray.get(prefill.actor.stall.remote(30), timeout=30)
+    streams = Streams(recovering, texts, MAX_TOKENS)
+    wait_for(lambda: ray.get(prefill.actor.stats.remote(), timeout=30).num_running == 1, "the prompt is held there")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not _alive(pid), "the prefill process is gone", 10)  # the fault happened
+    streams.wait_started()
+    streams.join()
+    assert streams.errors == [] and streams.got == want
+    wait_for(lambda: counter(front, "restarts", "prefill") == restarts + 1, "Ray restarted it and it rejoined", 90)
+    assert prefill.is_routable and ray.get(prefill.actor.ping.remote(), timeout=30) != pid
+    for d in front.decodes:
+        wait_for(lambda d=d: _at_baseline(d), f"{d.name}'s pages back at baseline", 15)
