@@ -76,7 +76,7 @@ async def _until(check: Callable[[], bool], what: str, timeout_s: float = 20.0) 
 
 def _body(state: str, stream: bool) -> dict[str, Any]:
     # Long and unique (uncached anywhere): a prefill worker computes it and pushes its pages.
-    prompt = f"# cancel {state} {'stream' if stream else 'unary'}\n" + "def fibonacci(n):\n    return n\n" * 12
+    prompt = f"# cancel {state} {'stream' if stream else 'unary'}\n" + "def fibonacci(n):\n    return n\n" * 18
     max_tokens = 6 if state == "finishing" else 200
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
             "ignore_eos": True}
