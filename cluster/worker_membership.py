@@ -119,8 +119,12 @@ class Registered:
     drain_timeout_s: float = DRAIN_TIMEOUT_S
 
     async def join(self, cfg: MembershipConfig, registry_name: str, worker_id: str) -> int:
-        """Register this actor (its Ray actor name is its address) -> its epoch."""
+        """Register this actor (its Ray actor name is its address) -> its epoch. Joining again
+        while registered is a no-op (a gateway that took a blip for a death asks again)."""
         import ray
+
+        if self.member is not None and not self.draining:
+            return self.member.epoch
 
         ctx = ray.get_runtime_context()
         info = WorkerInfo(worker_id, self.role, ctx.get_actor_name() or "", ctx.get_node_id(),
