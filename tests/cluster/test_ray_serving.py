@@ -222,3 +222,30 @@ def test_the_ray_gateway_exports_the_metrics_table(pd: PD) -> None:
     from tests.cluster.test_metrics_catalog import catalog, check_exports
 
     check_exports(pd.url, catalog())
+
+
+def test_a_constrained_request_through_ray_actors_parses(pd: PD) -> None:
+    """Issue 11 across disaggregation: the prefill actor samples the first token under the
+    schema's mask and the decode actor continues the same grammar; the output validates.
+    A schema that cannot compile is refused with a 400 before any actor is asked."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"level": {"enum": ["low", "high"]}, "tags": {"type": "array",
+              "maxItems": 2, "items": {"enum": ["a", "b", "c"]}}}, "required": ["level", "tags"],
+              "additionalProperties": False}  # fmt: skip
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", timeout=60, max_retries=0)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    disaggregated = metric(pd, "baton_placements_total", route="disaggregated")
+    for seed in (1, 2):
+        got = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": LONG}], response_format=fmt, max_tokens=160,
+            temperature=1.0, seed=seed)  # a long prompt: a prefill actor computes it  # fmt: skip
+        assert got.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(got.choices[0].message.content or ""), schema)
+    assert metric(pd, "baton_placements_total", route="disaggregated") > disaggregated  # a prefill actor took one
+    bad: Any = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format=bad,
+                                       max_tokens=8)  # fmt: skip
