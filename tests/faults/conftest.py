@@ -53,12 +53,16 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     stop_ray_when_leaving(nextitem)
 
 
-@pytest.fixture(scope="module")
-def recovering(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
-    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=MODEL, disagg=RECOVERING)
-    handle = start_server(cfg, None)
+def disaggregated(engine: EngineConfig, disagg: DisaggConfig) -> Iterator[ServerHandle]:
+    """A gateway over Ray actors as `disagg` says, for a module-scoped fixture to yield from."""
+    handle = start_server(ServerConfig(engine=engine, grpc_port=None, served_model_name=MODEL, disagg=disagg), None)
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="module")
+def recovering(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
+    yield from disaggregated(tiny_engine_config, RECOVERING)
 
 
 def front_of(handle: ServerHandle) -> RayFront:

@@ -25,12 +25,11 @@ import httpx
 import pytest
 
 from cluster.disagg_config import DisaggConfig
-from cluster.server import ServerConfig
 from cluster.worker_msgs import DecodeStats, PrefillStats
 from engine.engine_config import EngineConfig
-from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.conftest import ServerHandle
 from tests.cluster.test_ray_serving import metric
-from tests.faults.conftest import MODEL, front_of
+from tests.faults.conftest import MODEL, disaggregated, front_of
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(120)
@@ -43,10 +42,7 @@ STATES = ["queued", "transferring", "decoding", "finishing"]
 
 @pytest.fixture(scope="module")
 def slow1(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
-    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=MODEL, disagg=SLOW)
-    handle = start_server(cfg, None)
-    yield handle
-    handle.stop()
+    yield from disaggregated(tiny_engine_config, SLOW)
 
 
 def _prefill(handle: ServerHandle) -> PrefillStats:

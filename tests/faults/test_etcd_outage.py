@@ -18,12 +18,11 @@ from typing import Any
 import pytest
 
 from cluster.disagg_config import DisaggConfig, MembershipConfig
-from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
-from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.conftest import ServerHandle
 from tests.cluster.test_ray_drain import Load
 from tests.etcd_server import EtcdServer, is_listening
-from tests.faults.conftest import MODEL, front_of, wait_for
+from tests.faults.conftest import disaggregated, front_of, wait_for
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(240)
@@ -34,11 +33,8 @@ OUTAGE_S = 30.0
 @pytest.fixture(scope="module")
 def leased(ray_cluster: Any, tiny_engine_config: EngineConfig, etcd: EtcdServer) -> Iterator[ServerHandle]:
     membership = MembershipConfig(backend="etcd", cluster="faults-etcd", lease_ttl_s=2, etcd_port=etcd.port)
-    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=MODEL,
-                       disagg=DisaggConfig(num_prefill=1, num_decode=2, transport="grpc", membership=membership))
-    handle = start_server(cfg, None)
-    yield handle
-    handle.stop()
+    yield from disaggregated(tiny_engine_config, DisaggConfig(num_prefill=1, num_decode=2, transport="grpc",
+                                                              membership=membership))  # fmt: skip
 
 
 def _stop(etcd: EtcdServer) -> None:
