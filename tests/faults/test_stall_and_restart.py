@@ -73,7 +73,7 @@ def test_a_stopped_decode_worker_is_passed_over_then_readmitted(recovering: Serv
         streams.join()
         assert streams.errors == [], streams.errors[:2]
         assert streams.got == want  # moved with prompt + emitted tokens: no gap, no repeat
-        assert on_victim > 0 and counter(front, "stalls", "decode") == stalls_before + 1
+        assert on_victim > 0 and counter(front, "stalls", "decode") >= stalls_before + 1
         assert proc_state(pid) == "T"  # all of that while it was still stopped
     finally:
         os.kill(pid, signal.SIGCONT)
