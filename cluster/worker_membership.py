@@ -209,8 +209,9 @@ class Registered:
         raise NotImplementedError
 
     async def leave(self) -> None:
-        if self.member is not None:
-            await self.member.close()
+        member, self.member = self.member, None  # a later join registers anew (a new epoch)
+        if member is not None:
+            await member.close()
 
     def _follow_epoch(self) -> None:
         epoch = self.member.epoch if self.member is not None else 0
