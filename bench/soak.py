@@ -24,7 +24,9 @@ Checks (the exit status is 1 when one fails):
     every worker's key;
   - runs of at least `slope_min_minutes`: the RSS and fd slopes (least squares over the samples
     after the first 20% of the run) within `max_rss_slope` MiB/min and `max_fd_slope` fds/min.
-A table on stderr, one JSON line on stdout (also out_dir/soak.json); logs in out_dir.
+A table on stderr, one JSON line on stdout (also out_dir/soak.json); logs in out_dir. Also
+reported, not checked: ERROR lines of baton's log, recovery counters, and the KV staging regions
+(/dev/shm/baton-kv-*) that appeared during the run and outlived baton.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -55,6 +57,7 @@ IDLE_GAUGES = ("baton_inflight_requests", "baton_queue_waiting_requests", "baton
 RECOVERY_COUNTERS = ("baton_request_migrations_total", "baton_redispatches_total", "baton_worker_restarts_total",
                      "baton_worker_stalls_total", "baton_kv_transfer_failures_total", "baton_membership_changes_total")  # fmt: skip
 CLUSTER = "soak"
+SHM = Path("/dev/shm")  # kvtransfer.shm's staging regions: baton-kv-<random>
 WARMUP_SHARE = 0.2
 
 
@@ -95,6 +98,7 @@ class SoakReport:
     recovery: dict[str, float]  # RECOVERY_COUNTERS at the end, each summed over its labels
     log_errors: list[str]  # distinct ERROR / Traceback lines of baton's log (timestamps cut)
     phases_s: dict[str, float]  # start (baton up until every node is ok), load, idle (until checked)
+    shm_left: list[str] = field(default_factory=list)  # KV staging regions new in /dev/shm, left after baton stopped
     problems: list[str] = field(default_factory=list)
 
 
@@ -299,10 +303,12 @@ def run(cfg: SoakConfig) -> SoakReport:
         config.write_text(cluster_yaml(cfg, etcd.port, port))
         server = BatonProcess([], cfg.out_dir / "baton.log", port=port)
         server.argv = [*baton_command(), "up", "--config", str(config)]  # host, ports: in the file
-        started = time.monotonic()
+        started, shm_before = time.monotonic(), set(SHM.glob("baton-kv-*"))
         with server:
             server.wait_ready(timeout_s=300)
-            return asyncio.run(drive(cfg, server, etcd, started))
+            result = asyncio.run(drive(cfg, server, etcd, started))
+        # a figure, not a check: on a shared machine another baton's regions could be new too
+        return replace(result, shm_left=sorted(p.name for p in set(SHM.glob("baton-kv-*")) - shm_before))
     finally:
         etcd.stop()
 
@@ -328,6 +334,7 @@ def print_table(r: SoakReport) -> None:
             f"pinned {n['pinned']}  running {n['running']}  waiting {n['waiting']}")
     out("recovery " + "  ".join(f"{k.removeprefix('baton_').removesuffix('_total')} {v:g}" for k, v in r.recovery.items()))
     out("\n".join(f"log     {line}" for line in r.log_errors) or "log     no ERROR or Traceback lines")
+    out(f"shm     {len(r.shm_left)} KV staging regions new in /dev/shm and left after baton stopped")
     out("\n".join(f"FAILED  {p}" for p in r.problems) if r.problems else "all invariants held")
 
 
