@@ -507,7 +507,7 @@ class RayFront:
     async def _prefill_call(self, prefill: PrefillHandle, ref: Any) -> PrefillResult:
         """The prefill's first token, bounded by the reservation; _Stalled as soon as the
         worker stalls or dies (the request moves on without waiting out the deadline)."""
-        call = asyncio.ensure_future(_ray_await(ref))
+        call = _abandonable(_ray_await(ref))
         trouble = asyncio.ensure_future(prefill.trouble.wait())
         try:
             done, _ = await asyncio.wait({call, trouble}, timeout=self.cfg.reservation_ttl_s,
@@ -539,7 +539,7 @@ class RayFront:
 
     async def _decode_call(self, decode: DecodeHandle, ref: Any, timeout_s: float | None = None) -> Any:
         """A call to `decode`, bounded; WorkerLost (the request moves) as soon as it stalls or dies."""
-        call = asyncio.ensure_future(_ray_await(ref))
+        call = _abandonable(_ray_await(ref))
         trouble = asyncio.ensure_future(decode.trouble.wait())
         try:
             done, _ = await asyncio.wait({call, trouble}, timeout=timeout_s or self.cfg.reservation_ttl_s,
@@ -577,7 +577,7 @@ class RayFront:
             await asyncio.sleep(HEALTH_PERIOD_S)
 
     async def _poll_prefill(self, p: PrefillHandle) -> None:
-        call = asyncio.ensure_future(_ray_await(p.actor.stats.remote()))
+        call = _abandonable(_ray_await(p.actor.stats.remote()))
         try:
             done, _ = await asyncio.wait({call}, timeout=self.cfg.watchdog_s)
             if not done:
@@ -784,6 +784,14 @@ class RayFront:
 
 async def _ray_await(ref: Any) -> Any:
     return await ref
+
+
+def _abandonable(coro: Any) -> asyncio.Future[Any]:
+    """A call the caller may stop waiting for (a stall, a cancel): its late failure is
+    retrieved here, not left as "Task exception was never retrieved"."""
+    call: asyncio.Future[Any] = asyncio.ensure_future(coro)
+    call.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return call
 
 
 def _continued(sampling: SamplingParams, emitted: int) -> SamplingParams:

@@ -168,6 +168,7 @@ class DecodeHandle:
         after = 0
         while True:
             call = asyncio.ensure_future(_answer(self.actor.next_batch.remote(after, self.poll_wait_s)))
+            call.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late failure is not "never retrieved"
             try:
                 done, _ = await asyncio.wait({call}, timeout=self.poll_wait_s + self.watchdog_s)
                 if not done:  # a stopped process, a wedged loop: its requests move now
