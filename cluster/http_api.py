@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster.admission import Ticket
 from cluster.constraint_fields import OutputSpec
@@ -105,8 +106,13 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
         return error_response(EdgeError(Kind.INTERNAL, "internal error"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Framework-level errors (unparseable body, unknown route, wrong method), OpenAI-shaped.
+        # A generation call whose body never arrived whole is still one call: counted cancelled
+        # when its client left mid-body, rejected when the body did not parse.
+        if request.url.path in GENERATION_ROUTES and exc.status_code == 400:
+            left = isinstance(exc.__cause__, ClientDisconnect)
+            frontend.metrics.requests.labels("http", "cancelled" if left else "rejected").inc()
         kind = {404: Kind.NOT_FOUND, 401: Kind.UNAUTHENTICATED}.get(exc.status_code, Kind.INVALID_ARGUMENT)
         message = "the request body is not valid JSON" if exc.status_code == 400 else str(exc.detail)
         return JSONResponse(error_body(EdgeError(kind, message)), status_code=exc.status_code)

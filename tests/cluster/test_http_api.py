@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -137,6 +141,39 @@ def test_body_over_the_limit_is_refused_before_parsing(server: ServerHandle) -> 
     big = json.dumps({"model": MODEL, "prompt": "a" * (9 << 20)})
     reply = _post(server, "/v1/completions", big)
     assert reply.status_code == 413 and "bytes" in reply.json()["error"]["message"]
+
+
+def _outcomes(server: ServerHandle) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    found = re.findall(r'^baton_requests_total\{api="http",outcome="(\w+)"\} (\S+)$', text, re.M)
+    return {outcome: float(value) for outcome, value in found}
+
+
+def _moved(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+
+
+def test_a_call_whose_body_never_arrives_whole_is_counted_once(server: ServerHandle) -> None:
+    """requests_total == ok + error + cancelled + deadline + rejected holds for every call a
+    client starts: one whose client leaves mid-body counts cancelled, one whose body does not
+    decode counts rejected (and gets an OpenAI-shaped 400)."""
+    host, port = urlsplit(server.url).hostname, urlsplit(server.url).port
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 50}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    before = _outcomes(server)
+    for cut in (0, len(body) // 2, len(body) - 1):
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body[:cut])
+    deadline = time.monotonic() + 10
+    while _moved(before, _outcomes(server)) != {"cancelled": 3.0}:
+        assert time.monotonic() < deadline, _moved(before, _outcomes(server))
+        time.sleep(0.05)
+
+    before = _outcomes(server)
+    reply = _post(server, "/v1/completions", b'{"model": "\xff\xfe"}')
+    assert reply.status_code == 400 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert _moved(before, _outcomes(server)) == {"rejected": 1.0}
+    assert server.wait_idle()
 
 
 # -- health, metrics, auth -------------------------------------------------------------------------
