@@ -491,12 +491,15 @@ async def _collect(
             choices[index].add(out)
 
     task = asyncio.create_task(run())
-    # A non-streaming client that hangs up must not keep its requests running.
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.5)
-        if not task.done() and await request.is_disconnected():
+    try:
+        # A non-streaming client that hangs up must not keep its requests running.
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                raise EdgeError(Kind.CANCELLED, "client disconnected")
+    finally:  # left early (the client, or this handler cancelled): abort the choices
+        if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            raise EdgeError(Kind.CANCELLED, "client disconnected")
     task.result()
     return renderer.body(choices, prompts)
