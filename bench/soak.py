@@ -25,8 +25,9 @@ Checks (the exit status is 1 when one fails):
   - runs of at least `slope_min_minutes`: the RSS and fd slopes (least squares over the samples
     after the first 20% of the run) within `max_rss_slope` MiB/min and `max_fd_slope` fds/min.
 A table on stderr, one JSON line on stdout (also out_dir/soak.json); logs in out_dir. Also
-reported, not checked: ERROR lines of baton's log, recovery counters, and the KV staging regions
-(/dev/shm/baton-kv-*) that appeared during the run and outlived baton.
+reported, not checked: ERROR lines of baton's log and recovery counters. Checked after baton
+stopped: no KV staging region (/dev/shm/baton-kv-*) new since the start is left by a dead owner
+(a SIGKILLed decode worker's is removed by its restart, kvtransfer.shm.sweep_orphans).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.server_proc import BatonProcess, baton_command, free_port
 from bench.soak_faults import EtcdChild, FaultEvent, FaultPlan, inject, nodes, wait_rejoined
 from bench.soak_load import MODEL, LoadConfig, load
+from kvtransfer.shm import orphans
 
 OUTCOMES = ("ok", "error", "cancelled", "deadline", "rejected")  # cluster.frontend, cluster.http_api
 CLIENT_OUTCOMES = ("ok", "cancelled", "timeout", "invalid", "not-400", "refused", "error")
@@ -57,7 +59,7 @@ IDLE_GAUGES = ("baton_inflight_requests", "baton_queue_waiting_requests", "baton
 RECOVERY_COUNTERS = ("baton_request_migrations_total", "baton_redispatches_total", "baton_worker_restarts_total",
                      "baton_worker_stalls_total", "baton_kv_transfer_failures_total", "baton_membership_changes_total")  # fmt: skip
 CLUSTER = "soak"
-SHM = Path("/dev/shm")  # kvtransfer.shm's staging regions: baton-kv-<random>
+SHM = Path("/dev/shm")  # kvtransfer.shm's staging regions: baton-kv-<pid namespace>-<pid>-<random>
 WARMUP_SHARE = 0.2
 
 
@@ -98,7 +100,7 @@ class SoakReport:
     recovery: dict[str, float]  # RECOVERY_COUNTERS at the end, each summed over its labels
     log_errors: list[str]  # distinct ERROR / Traceback lines of baton's log (timestamps cut)
     phases_s: dict[str, float]  # start (baton up until every node is ok), load, idle (until checked)
-    shm_left: list[str] = field(default_factory=list)  # KV staging regions new in /dev/shm, left after baton stopped
+    shm_left: list[str] = field(default_factory=list)  # KV staging regions new in /dev/shm, left by a dead owner
     problems: list[str] = field(default_factory=list)
 
 
@@ -303,12 +305,14 @@ def run(cfg: SoakConfig) -> SoakReport:
         config.write_text(cluster_yaml(cfg, etcd.port, port))
         server = BatonProcess([], cfg.out_dir / "baton.log", port=port)
         server.argv = [*baton_command(), "up", "--config", str(config)]  # host, ports: in the file
-        started, shm_before = time.monotonic(), set(SHM.glob("baton-kv-*"))
+        started, shm_before = time.monotonic(), {p.name for p in SHM.glob("baton-kv-*")}
         with server:
             server.wait_ready(timeout_s=300)
             result = asyncio.run(drive(cfg, server, etcd, started))
-        # a figure, not a check: on a shared machine another baton's regions could be new too
-        return replace(result, shm_left=sorted(p.name for p in set(SHM.glob("baton-kv-*")) - shm_before))
+        # only those of dead owners: on a shared machine another baton's regions could be new too
+        left = sorted(set(orphans(str(SHM))) - shm_before)
+        problems = [f"/dev/shm: {name} outlived its owner" for name in left]
+        return replace(result, shm_left=left, problems=result.problems + problems)
     finally:
         etcd.stop()
 
@@ -334,7 +338,7 @@ def print_table(r: SoakReport) -> None:
             f"pinned {n['pinned']}  running {n['running']}  waiting {n['waiting']}")
     out("recovery " + "  ".join(f"{k.removeprefix('baton_').removesuffix('_total')} {v:g}" for k, v in r.recovery.items()))
     out("\n".join(f"log     {line}" for line in r.log_errors) or "log     no ERROR or Traceback lines")
-    out(f"shm     {len(r.shm_left)} KV staging regions new in /dev/shm and left after baton stopped")
+    out(f"shm     {len(r.shm_left)} KV staging regions new in /dev/shm and left by a dead owner")
     out("\n".join(f"FAILED  {p}" for p in r.problems) if r.problems else "all invariants held")
 
 

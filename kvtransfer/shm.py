@@ -1,7 +1,10 @@
 """The same-host transport: page bytes through a shared-memory region, headers over gRPC.
 
-The decode worker owns one staging region: a file under /dev/shm (mode 0600, a random name,
-unlinked on close) cut into fixed slots. A transfer is one `/baton.v1.KVTransfer/PushShm`
+The decode worker owns one staging region: a file under /dev/shm (mode 0600, unlinked on
+close) cut into fixed slots. Its name, baton-kv-<pid namespace>-<pid>-<random>, says which
+process owns it, so a region whose owner died without closing it (SIGKILL, OOM) is unlinked by
+the next region made in the same pid namespace (`sweep_orphans`): a restarted decode worker
+removes its predecessor's. A transfer is one `/baton.v1.KVTransfer/PushShm`
 call (bidirectional streaming) on the worker's existing KV server:
 
     decode:  region = ShmRegion(num_slots, slot_bytes)
@@ -65,9 +68,64 @@ logger = logging.getLogger(__name__)
 
 PUSH_SHM = f"/{SERVICE}/PushShm"
 REGION_DIR = "/dev/shm"
-_NAME = re.compile(r"baton-kv-[0-9a-f]{32}")
+_NAME = re.compile(r"baton-kv-(\d{1,20})-(\d{1,10})-[0-9a-f]{32}")  # pid namespace, owner pid, random
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in once
 OPEN_TIMEOUT_S = 5.0  # a stream's first message (its open) comes within this, or the call ends
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no procfs: a namespace of its own, so no other process's region is swept
+        return 0
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def orphans(directory: str = REGION_DIR) -> list[str]:
+    """The regions whose owner process is gone: made in this pid namespace (a pid from another
+    is meaningless here), owned by this user, and their pid no longer running."""
+    namespace, found = _pid_namespace(), list[str]()
+    if not namespace:
+        return found
+    try:
+        entries = os.scandir(directory)
+    except OSError:
+        return found
+    with entries:
+        for entry in entries:
+            name = _NAME.fullmatch(entry.name)
+            if name is None or int(name.group(1)) != namespace or _is_alive(int(name.group(2))):
+                continue
+            try:
+                if entry.stat(follow_symlinks=False).st_uid == os.getuid():
+                    found.append(entry.name)
+            except OSError:  # gone meanwhile
+                continue
+    return found
+
+
+def sweep_orphans(directory: str = REGION_DIR) -> list[str]:
+    """Unlink the regions whose owner is gone (`orphans`); a sender that still maps one keeps
+    its mapping (unlink removes only the name). Returns their names."""
+    removed: list[str] = []
+    for name in orphans(directory):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:  # raced with another sweeper
+            continue
+        removed.append(name)
+    if removed:
+        logger.info("removed %d shm region(s) left by dead processes: %s", len(removed), ", ".join(removed))
+    return removed
 
 
 class ShmRegion:
@@ -78,7 +136,8 @@ class ShmRegion:
     ) -> None:
         if num_slots <= 0 or slot_bytes <= 0:
             raise ValueError("an shm region needs at least one non-empty slot")
-        self.name = f"baton-kv-{secrets.token_hex(16)}"
+        sweep_orphans(directory)
+        self.name = f"baton-kv-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(16)}"
         self.path = os.path.join(directory, self.name)
         self.slot_bytes = slot_bytes
         self.size = num_slots * slot_bytes

@@ -317,3 +317,32 @@ def test_the_region_is_private_and_unlinked_on_close(tmp_path: Path) -> None:
     with ShmRegion(num_slots=1, slot_bytes=4096, directory=str(tmp_path)) as scoped:
         assert stat.S_IMODE(os.stat(scoped.path).st_mode) == 0o600
     assert list(tmp_path.iterdir()) == []
+
+
+_DYING_OWNER = """
+import os, signal, sys
+from kvtransfer.shm import ShmRegion
+region = ShmRegion(num_slots=1, slot_bytes=4096, directory=sys.argv[1])
+print(region.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_region_whose_owner_was_killed_is_swept_by_the_next_one(tmp_path: Path) -> None:
+    """A decode worker SIGKILLed never closes its region; the next region made in its pid
+    namespace (the restarted worker's) unlinks it, and leaves a live owner's alone."""
+    dead = subprocess.run([sys.executable, "-c", _DYING_OWNER, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60, check=False)  # fmt: skip
+    assert dead.returncode == -signal.SIGKILL  # the owner died without closing its region
+    orphan = tmp_path / dead.stdout.decode().strip()
+    assert orphan.exists() and orphan.name.startswith("baton-kv-")
+    alive = ShmRegion(num_slots=1, slot_bytes=4096, directory=str(tmp_path))  # this process: alive
+    assert not orphan.exists()
+    foreign = tmp_path / orphan.name.replace("baton-kv-", "baton-kv-1", 1)  # another pid namespace
+    foreign.write_bytes(b"")
+    unrelated = tmp_path / "baton-kv-notours"
+    unrelated.write_bytes(b"")
+    with ShmRegion(num_slots=1, slot_bytes=4096, directory=str(tmp_path)) as second:
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, second.name, foreign.name,
+                                                                      unrelated.name])  # fmt: skip
+    alive.close()

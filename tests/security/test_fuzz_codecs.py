@@ -226,7 +226,7 @@ def test_shm_slot_references_stay_inside_one_slot() -> None:
 
 
 @FUZZ
-@given(region=st.text(max_size=60) | st.sampled_from(["../../etc/passwd", "baton-kv-" + "0" * 32, "/dev/shm/x"]),
+@given(region=st.text(max_size=60) | st.sampled_from(["../../etc/passwd", "baton-kv-4026531836-1-" + "0" * 32, "/dev/shm/x"]),
        region_bytes=st.integers(0, 2**64 - 1), slot_bytes=st.integers(0, 2**64 - 1))  # fmt: skip
 def test_a_hostile_shm_grant_is_refused_before_anything_is_opened(
     tmp_path_factory: pytest.TempPathFactory, region: str, region_bytes: int, slot_bytes: int
