@@ -34,6 +34,7 @@ from cluster.cpu import available_cores, core_for, pin_thread
 from cluster.disagg_config import DisaggConfig
 from cluster.frontend import Frontend
 from cluster.http_api import HttpConfig, create_app
+from cluster.metrics import watch_loop_lag
 from cluster.pd import PDFront
 from cluster.tenants import ApiKeys
 from cluster.tracing import TracingConfig, configure
@@ -85,12 +86,14 @@ class Running:
     http: uvicorn.Server
     grpc: Any | None
     planner: asyncio.Task[Any] | None = None
+    loop_lag: asyncio.Task[None] | None = None
 
     async def stop(self) -> None:
         self.frontend.draining = True
-        if self.planner is not None:
-            self.planner.cancel()
-            await asyncio.gather(self.planner, return_exceptions=True)
+        for task in (self.planner, self.loop_lag):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.grpc is not None:
             await self.grpc.stop(grace=2.0)
         await self.front.stop()
@@ -132,7 +135,8 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
         if ray_front is None:
             raise ConfigError("planner", "the planner resizes Ray worker pools: run disaggregated on Ray")
         planner = asyncio.create_task(_plan(cfg.planner, cfg.planner_period_s, frontend, ray_front), name="baton-planner")
-    return Running(engine, front, frontend, http, grpc_server, planner)
+    loop_lag = asyncio.create_task(watch_loop_lag(frontend.metrics), name="baton-loop-lag")
+    return Running(engine, front, frontend, http, grpc_server, planner, loop_lag)
 
 
 async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, front: RayFront) -> None:

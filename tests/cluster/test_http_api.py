@@ -191,6 +191,24 @@ def test_health_and_metrics(server: ServerHandle) -> None:
         assert "/v1/completions" in spec["paths"] and "/v1/chat/completions" in spec["paths"]
 
 
+def test_a_blocked_event_loop_shows_in_the_loop_lag_histogram(server: ServerHandle) -> None:
+    def slow_and_count() -> tuple[float, float]:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        slow = re.search(r'^baton_event_loop_lag_seconds_bucket\{le="0.25"\} (\S+)$', text, re.M)
+        count = re.search(r"^baton_event_loop_lag_seconds_count (\S+)$", text, re.M)
+        assert slow is not None and count is not None, "no loop lag histogram on /metrics"
+        return float(count.group(1)) - float(slow.group(1)), float(count.group(1))
+
+    late, count = slow_and_count()
+    time.sleep(0.3)
+    assert slow_and_count()[1] > count  # sampled while the loop is free
+    server.loop.call_soon_threadsafe(time.sleep, 0.4)  # a blocking call on the gateway's loop
+    deadline = time.monotonic() + 5
+    while slow_and_count()[0] == late:
+        assert time.monotonic() < deadline, "the 0.4 s block was not observed"
+        time.sleep(0.05)
+
+
 def test_api_keys_guard_every_route_but_health(make_server: Any, tmp_path: Any) -> None:
     keys = tmp_path / "keys"
     keys.write_text("k" * 24 + " acme priority=1 rps=1000\n" + "o" * 24 + " ops role=operator\n")
