@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -102,6 +103,7 @@ class SoakReport:
     phases_s: dict[str, float]  # start (baton up until every node is ok), load, idle (until checked)
     shm_left: list[str] = field(default_factory=list)  # KV staging regions new in /dev/shm, left by a dead owner
     problems: list[str] = field(default_factory=list)
+    loop_lag: dict[str, float] = field(default_factory=dict)  # the gateway's, whole run: samples, over_<bound>s
 
 
 def cluster_yaml(cfg: SoakConfig, etcd_port: int, http_port: int) -> str:
@@ -131,6 +133,21 @@ def metric_sums(text: str) -> tuple[dict[str, int], dict[str, float]]:
             elif s.name in IDLE_GAUGES or s.name in RECOVERY_COUNTERS:
                 gauges[s.name] = gauges.get(s.name, 0.0) + s.value
     return outcomes, gauges
+
+
+LAG_BOUNDS = ("0.025", "0.1", "1.0")
+
+
+def loop_lag(text: str) -> dict[str, float]:
+    """The gateway's event-loop lag histogram: how many 0.1 s timer samples, and how many woke
+    later than each of LAG_BOUNDS seconds."""
+    buckets: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "baton_event_loop_lag_seconds_bucket":
+                buckets[s.labels["le"]] = s.value
+    total = buckets.get("+Inf", 0.0)
+    return {"samples": total, **{f"over_{b}s": total - buckets.get(b, total) for b in LAG_BOUNDS}}
 
 
 def count_problems(client: Counter[str], server: dict[str, int]) -> list[str]:
@@ -262,12 +279,14 @@ async def drive(cfg: SoakConfig, server: BatonProcess, etcd: EtcdChild, started:
         phases["load"] = time.monotonic() - start
         await settle_counts(client, tally["sent"])
         idle = await wait_idle(client, baseline, cfg.idle_timeout_s)
-        server_counts, _ = metric_sums((await client.get("/metrics")).text)  # after the idle wait too
+        final = (await client.get("/metrics")).text  # after the idle wait too
+        server_counts, _ = metric_sums(final)
     phases["idle"] = time.monotonic() - start - phases["load"]
     members = etcd.count_keys(f"/{CLUSTER}/workers/")
     if members != cfg.prefill + cfg.decode:
         idle.problems.append(f"at idle: etcd holds {members} worker keys, not {cfg.prefill + cfg.decode}")
-    return report(cfg, tally, server_counts, events, samples, idle, log_errors(server.log_path), phases)
+    result = report(cfg, tally, server_counts, events, samples, idle, log_errors(server.log_path), phases)
+    return replace(result, loop_lag=loop_lag(final))
 
 
 def report(cfg: SoakConfig, tally: Counter[str], server_counts: dict[str, int], events: list[FaultEvent],
@@ -338,6 +357,9 @@ def print_table(r: SoakReport) -> None:
             f"pinned {n['pinned']}  running {n['running']}  waiting {n['waiting']}")
     out("recovery " + "  ".join(f"{k.removeprefix('baton_').removesuffix('_total')} {v:g}" for k, v in r.recovery.items()))
     out("\n".join(f"log     {line}" for line in r.log_errors) or "log     no ERROR or Traceback lines")
+    lag = r.loop_lag
+    out(f"loop    {lag.get('samples', 0):g} lag samples of the gateway's event loop; late by over "
+        + ", ".join(f"{b} s: {lag.get(f'over_{b}s', 0):g}" for b in LAG_BOUNDS))
     out(f"shm     {len(r.shm_left)} KV staging regions new in /dev/shm and left by a dead owner")
     out("\n".join(f"FAILED  {p}" for p in r.problems) if r.problems else "all invariants held")
 
@@ -349,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--" + f.name.removesuffix("_s").replace("_", "-")
         ap.add_argument(flag, dest=f.name, type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
     cfg = SoakConfig(**vars(ap.parse_args(argv)))
+    if not 0 <= cfg.etcd_restart_at <= 0.9:
+        ap.error("--etcd-restart-at is a share of the run, from 0 to 0.9")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C: etcd and baton are stopped
     result = run(cfg)
     print_table(result)
     line = json.dumps(asdict(result))
