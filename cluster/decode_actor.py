@@ -124,6 +124,8 @@ class DecodeActor(KVPublisher, Registered):
         # (ConstraintError reaches the gateway as this call's error: a 400 there).
         if job.sampling.constraint is not None:
             await asyncio.to_thread(self.worker.engine.prepare, job.sampling)
+        if self.worker.was_aborted(job.req_id):  # its abort came first: the caller is gone
+            return None
         if sender_epoch is not None and not self.worker.prefers_local(job):
             dest = self.worker.reserve(job, sender_epoch)
             if dest is not None:

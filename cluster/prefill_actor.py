@@ -129,6 +129,9 @@ class PrefillActor(KVPublisher, Registered):
         self.stream_limit_s = reservation_ttl_s + push_deadline_s
         self.chunk_pause_s = chunk_pause_s
         self._firsts: dict[str, asyncio.Future[PrefillDone]] = {}
+        # req_id -> when aborted: a prefill call that arrives after its abort (Ray does not
+        # order an async actor's calls) computes nothing; kept for stream_limit_s
+        self._aborted: dict[str, float] = {}
         self._pushes: dict[str, _Push] = {}  # transfer_id -> its push, until reported or expired
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -164,6 +167,8 @@ class PrefillActor(KVPublisher, Registered):
             self._loop = asyncio.create_task(self._run())
         if job.sampling.constraint is not None:  # the first token is sampled under its mask
             await asyncio.to_thread(self.worker.engine.prepare, job.sampling)
+        if job.req_id in self._aborted:  # its abort came first: the caller is gone
+            raise RuntimeError(f"{job.req_id} was aborted before its prefill")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[PrefillDone] = loop.create_future()
         self._firsts[job.req_id] = future
@@ -202,6 +207,11 @@ class PrefillActor(KVPublisher, Registered):
         return report
 
     async def abort(self, req_id: str) -> None:
+        now = time.monotonic()
+        while self._aborted and next(iter(self._aborted.values())) + self.stream_limit_s <= now:
+            del self._aborted[next(iter(self._aborted))]
+        self._aborted.pop(req_id, None)
+        self._aborted[req_id] = now
         self.worker.abort(req_id)
         future = self._firsts.pop(req_id, None)
         if future is not None and not future.done():

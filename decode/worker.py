@@ -79,6 +79,9 @@ class DecodeWorker:
         self.receiver = _Receiver(PoolReceiver(engine.pool, self.book), self)
         self.completed_at: dict[str, float] = {}  # transfer_id -> when its last page arrived
         self._dests: dict[str, KVDestination] = {}  # req_id -> its reservation, until it ends
+        # req_id -> when it was aborted: a placement that arrives after its abort (Ray does not
+        # order an async actor's calls; a constraint compiles between them) takes nothing
+        self._aborted: dict[str, float] = {}
         self.num_lease_expired = 0
         self.num_reserved_pages = 0  # held by reservations (open or complete, not admitted)
 
@@ -106,7 +109,13 @@ class DecodeWorker:
 
     # -- reservations -------------------------------------------------------------------------
 
+    def was_aborted(self, req_id: str) -> bool:
+        """Its caller gave it up (abort came first): place it nowhere, start nothing."""
+        return req_id in self._aborted
+
     def reserve(self, job: PrefillJob, sender_epoch: int) -> KVDestination | None:
+        if self.was_aborted(job.req_id):
+            raise RuntimeError(f"{job.req_id} was aborted: nothing is reserved for it")
         if (old := self._dests.get(job.req_id)) is not None:
             self.cancel(old)  # a new placement of the request supersedes the one before
         pages = self.engine.reserve_pages(len(job.prompt_ids))
@@ -144,10 +153,15 @@ class DecodeWorker:
         )
 
     def start_local(self, job: PrefillJob) -> None:
+        if self.was_aborted(job.req_id):
+            raise RuntimeError(f"{job.req_id} was aborted: it is not started")
         self.engine.add_request(job.req_id, job.prompt_ids, job.sampling, job.priority, job.cache_salt)
 
     def abort(self, req_id: str) -> None:
-        """Stop `req_id` wherever it is: running, or still waiting on its pages."""
+        """Stop `req_id` wherever it is: running, still waiting on its pages, or not yet
+        placed (its placement, arriving later, is refused: `was_aborted`)."""
+        self._aborted.pop(req_id, None)
+        self._aborted[req_id] = self.clock()  # oldest first: expire() trims from the front
         dest = self._dests.get(req_id)
         if dest is not None:
             self.cancel(dest)
@@ -160,6 +174,10 @@ class DecodeWorker:
         admission lease; how many ended."""
         n = len(self.book.expire())
         now = self.clock()
+        # an abort outlives any placement of its request still in flight: those come within
+        # the reservation TTL (the gateway's bound on a place call)
+        while self._aborted and next(iter(self._aborted.values())) + self.reservation_ttl_s <= now:
+            del self._aborted[next(iter(self._aborted))]
         stale = [t for t, at in self.completed_at.items() if at + self.admit_lease_s <= now]
         for transfer_id in stale:
             res = self.book.completed.pop(transfer_id, None)

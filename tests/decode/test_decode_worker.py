@@ -97,6 +97,7 @@ def test_every_end_of_a_reservation_returns_its_pages(worker: DecodeWorker, cloc
     worker.abort(job.req_id)
     assert _whole(worker)
 
+    job = PrefillJob("r2", PROMPT, GREEDY)  # an aborted id is never placed again
     open_dest = worker.reserve(job, 1)
     assert open_dest is not None
     clock.now += 5.0
@@ -124,3 +125,21 @@ def test_an_admitted_transfer_is_the_requests(worker: DecodeWorker, clock: Clock
     assert worker.expire() == 0  # no lease on pages a request owns
     worker.abort("a")  # and aborting the request frees them
     assert _whole(worker)
+
+
+def test_a_placement_arriving_after_its_abort_takes_nothing(worker: DecodeWorker, clock: Clock) -> None:
+    """Ray does not order an async actor's calls: the gateway's abort of a request it gave up
+    can run before that request's place. The late placement must reserve nothing and start
+    nothing (else its pages stay held until the reservation TTL)."""
+    job = PrefillJob("late", PROMPT, GREEDY)
+    worker.abort("late")  # nothing of it here yet
+    assert worker.was_aborted("late")
+    with pytest.raises(RuntimeError, match="aborted"):
+        worker.reserve(job, 1)
+    with pytest.raises(RuntimeError, match="aborted"):
+        worker.start_local(job)
+    assert _whole(worker) and not worker.engine.has_unfinished()
+    clock.now += 5.0  # past the reservation TTL: no placement of it can still be in flight
+    worker.expire()
+    assert not worker.was_aborted("late")
+    assert worker.reserve(job, 1) is not None  # (an id is never reused; this shows the mark went)
