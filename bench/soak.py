@@ -48,8 +48,9 @@ from typing import Any, NamedTuple
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.etcd_proc import EtcdServer
 from bench.server_proc import BatonProcess, baton_command, free_port
-from bench.soak_faults import EtcdChild, FaultEvent, FaultPlan, inject, nodes, wait_rejoined
+from bench.soak_faults import FaultEvent, FaultPlan, inject, nodes, wait_rejoined
 from bench.soak_load import MODEL, LoadConfig, load
 from kvtransfer.shm import orphans
 
@@ -256,7 +257,7 @@ async def sample(pid: int, every_s: float, start: float, stop_at: float, out: li
         await asyncio.sleep(min(every_s, max(0.0, stop_at - time.monotonic())))
 
 
-async def drive(cfg: SoakConfig, server: BatonProcess, etcd: EtcdChild, started: float) -> SoakReport:
+async def drive(cfg: SoakConfig, server: BatonProcess, etcd: EtcdServer, started: float) -> SoakReport:
     duration = cfg.minutes * 60
     plan = FaultPlan(duration, cfg.kill_every_s, cfg.etcd_restart_at, cfg.etcd_down_s, cfg.recover_timeout_s, cfg.seed,
                      f"/{CLUSTER}/workers/", cfg.prefill + cfg.decode)  # fmt: skip
@@ -316,8 +317,7 @@ def run(cfg: SoakConfig) -> SoakReport:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("etcd-data", "disk"):  # a fresh cluster each run
         shutil.rmtree(cfg.out_dir / stale, ignore_errors=True)
-    etcd = EtcdChild(cfg.out_dir / "etcd-data")
-    etcd.start()
+    etcd = EtcdServer.launch(cfg.out_dir, "soak")
     try:
         port = free_port()
         config = cfg.out_dir / "cluster.yaml"

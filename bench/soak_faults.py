@@ -1,7 +1,7 @@
 """The soak's faults (bench.soak): an etcd child it can restart, and SIGKILLs of actor
 processes, each verified to have happened and followed until the cluster recovered.
 
-    etcd = EtcdChild(data_dir); etcd.start()       loopback, free ports, by its own PID
+    etcd = EtcdServer.launch(out_dir, "soak")       loopback, free ports, by its own PID (bench.etcd_proc)
     events = await inject(url, plan, baton_pid, etcd, start)
         every plan.kill_every_s: SIGKILL one process titled ray::DecodeActor / ray::PrefillActor
         (alternating) found among the descendants of `baton_pid` (the baton child this run
@@ -15,16 +15,11 @@ processes, each verified to have happened and followed until the cluster recover
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
 import os
 import random
-import shutil
 import signal
-import subprocess
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench.server_proc import free_port
+from bench.etcd_proc import EtcdServer
 
 ACTORS = {"decode": "DecodeActor", "prefill": "PrefillActor"}  # Ray titles their processes ray::<class>
 
@@ -64,66 +59,6 @@ def fault_schedule(plan: FaultPlan) -> list[tuple[float, str]]:
     times = [plan.kill_every_s * k for k in range(1, int(plan.duration_s / plan.kill_every_s) + 1)]
     kills = [(t, ("decode", "prefill")[i % 2]) for i, t in enumerate(times) if t <= 0.9 * plan.duration_s]
     return sorted([*kills, (plan.etcd_restart_at * plan.duration_s, "etcd")])
-
-
-class EtcdChild:
-    """One etcd on loopback that this run starts, stops and starts again (same dir and port)."""
-
-    def __init__(self, data_dir: Path) -> None:
-        binary = shutil.which("etcd")
-        if binary is None:
-            raise RuntimeError("etcd is not on PATH (Debian/Ubuntu: the etcd-server package)")
-        self.binary, self.data_dir = binary, data_dir
-        self.port, self.peer_port = free_port(), free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 15.0) -> None:
-        peer, client = f"http://127.0.0.1:{self.peer_port}", f"http://127.0.0.1:{self.port}"
-        args = [self.binary, "--name", "soak", "--data-dir", str(self.data_dir),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"soak={peer}", "--heartbeat-interval", "50", "--election-timeout", "500",
-                "--logger", "zap", "--log-level", "warn"]  # fmt: skip
-        with open(self.data_dir.parent / "etcd.log", "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if self.is_healthy():
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"etcd did not come up within {timeout_s} s (see {self.data_dir.parent / 'etcd.log'})")
-
-    def is_healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as resp:
-                return b'"true"' in resp.read()
-        except OSError:
-            return False
-
-    def count_keys(self, prefix: str) -> int | None:
-        """Keys under `prefix` (etcd's JSON gateway, /v3/kv/range); None if etcd does not answer."""
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        body = {"key": _b64(prefix), "range_end": _b64(end), "count_only": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v3/kv/range", json.dumps(body).encode(), method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=2) as resp:
-                return int(json.load(resp).get("count", 0))
-        except OSError:
-            return None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)  # our own child, by its PID
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 def _stat(pid: int) -> list[str]:
@@ -194,7 +129,7 @@ async def kill_worker(client: httpx.AsyncClient, baton_pid: int, role: str, at_s
     return FaultEvent(at_s, f"kill-{role}", pid, took_effect, await wait_rejoined(client, before, plan.recover_timeout_s))
 
 
-async def restart_etcd(client: httpx.AsyncClient, etcd: EtcdChild, at_s: float, plan: FaultPlan) -> FaultEvent:
+async def restart_etcd(client: httpx.AsyncClient, etcd: EtcdServer, at_s: float, plan: FaultPlan) -> FaultEvent:
     pid = etcd.proc.pid if etcd.proc is not None else None
     await asyncio.to_thread(etcd.stop)
     took_effect = etcd.proc is not None and etcd.proc.poll() is not None and not etcd.is_healthy()
@@ -208,7 +143,7 @@ async def restart_etcd(client: httpx.AsyncClient, etcd: EtcdChild, at_s: float, 
     return FaultEvent(at_s, "etcd-restart", pid, took_effect, recovered)
 
 
-async def inject(url: str, plan: FaultPlan, baton_pid: int, etcd: EtcdChild, start: float) -> list[FaultEvent]:
+async def inject(url: str, plan: FaultPlan, baton_pid: int, etcd: EtcdServer, start: float) -> list[FaultEvent]:
     rng, events = random.Random(plan.seed + 1), []
     async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
         for at, what in fault_schedule(plan):

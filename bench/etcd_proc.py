@@ -1,0 +1,137 @@
+"""A real etcd on loopback, for the tests and the soak (bench.soak restarts it under load).
+
+    server = EtcdServer.launch(tmp_dir)   etcd on 127.0.0.1 (free ports, its own data dir)
+    server.stop() / server.start()        by its own PID; the same data dir and port
+    server.count_keys(prefix)             how many keys under prefix (the JSON gateway)
+
+etcd comes from the Debian package `etcd-server` (ENV-NOTES.md); .ci/run installs it. A
+missing binary is EtcdMissing, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.server_proc import free_port
+
+INSTALL_HINT = (
+    "etcd is not on PATH: the membership tests run a real etcd server on loopback. "
+    "Install it with `sudo apt-get install -y etcd-server` (Debian/Ubuntu; .ci/run does this "
+    "in CI) or put an etcd 3.4+ binary on PATH."
+)
+
+
+class EtcdMissing(RuntimeError):
+    pass
+
+
+def is_listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class EtcdServer:
+    """One etcd on loopback, started and stopped by its own PID (restartable: the same data dir
+    and ports)."""
+
+    def __init__(self, binary: str, data_dir: Path, port: int, peer_port: int, name: str = "baton") -> None:
+        self.binary = binary
+        self.name = name
+        self.data_dir = data_dir
+        self.port = port
+        self.peer_port = peer_port
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def launch(cls, tmp_dir: Path, name: str = "baton") -> EtcdServer:
+        """etcd with its data in tmp_dir/etcd-data (log: tmp_dir/etcd-data.log), free ports."""
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise EtcdMissing(INSTALL_HINT)
+        server = cls(binary, tmp_dir / "etcd-data", free_port(), free_port(), name)
+        server.start()
+        return server
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "etcd is already running"
+        peer, client = f"http://127.0.0.1:{self.peer_port}", f"http://127.0.0.1:{self.port}"
+        args = [
+            self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            # a fast election (startup ~0.2 s) and a minimum lease TTL of 1 s
+            "--heartbeat-interval", "50", "--election-timeout", "500",
+            "--logger", "zap", "--log-level", "warn",
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.is_healthy():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd not healthy within {timeout_s} s:\n{self.log_tail()}")
+
+    def is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as resp:
+                return b'"true"' in resp.read()
+        except OSError:
+            return False
+
+    def count_keys(self, prefix: str) -> int | None:
+        """Keys under `prefix` (etcd's JSON gateway, /v3/kv/range); None if etcd does not answer."""
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        body = {"key": _b64(prefix), "range_end": _b64(end), "count_only": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v3/kv/range", json.dumps(body).encode(),
+                                     method="POST")  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                return int(json.load(resp).get("count", 0))
+        except OSError:
+            return None
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM to our own etcd (by PID), SIGKILL if it lingers -> its exit status."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout_s)
+        return self.proc.returncode
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
