@@ -37,45 +37,11 @@ from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from tests.cluster.conftest import ServerHandle, free_port, start_server
+from tests.engine.test_structured import ORDER, PERSON
 
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = "baton-tiny"
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.(com|org)$"},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "address"],
-    "additionalProperties": False,
-}
-ORDER = {
-    "type": "object",
-    "properties": {
-        "status": {"enum": ["new", "paid", "shipped"]},
-        "items": {
-            "type": "array", "minItems": 1, "maxItems": 3,
-            "items": {
-                "type": "object",
-                "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
-                               "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-                "required": ["sku", "qty"],
-                "additionalProperties": False,
-            },
-        },
-        "gift": {"type": "boolean"},
-    },
-    "required": ["status", "items"],
-    "additionalProperties": False,
-}  # fmt: skip
 TAGS = {
     "type": "object",
     "properties": {
