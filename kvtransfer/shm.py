@@ -93,7 +93,8 @@ def _is_alive(pid: int) -> bool:
 def orphans(directory: str = REGION_DIR) -> list[str]:
     """The regions whose owner process is gone: made in this pid namespace (a pid from another
     is meaningless here), owned by this user, and their pid no longer running."""
-    namespace, found = _pid_namespace(), list[str]()
+    namespace = _pid_namespace()
+    found: list[str] = []
     if not namespace:
         return found
     try:
