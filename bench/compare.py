@@ -1,0 +1,274 @@
+"""Side by side with the peers (issue 10): one workload x concurrency grid against baton and
+every running peer, in one run, as ratios.
+
+    python -m bench.compare --target baton=http://127.0.0.1:8000 \\
+        --target vllm=http://127.0.0.1:8001 --target llama=http://127.0.0.1:8002 \\
+        --grid random:1,8,32 --grid rag:1,8,32 --grid multiturn:1,8,32 \\
+        --cell-cap 300 --out compare.json --plot compare.png
+
+Each cell (a workload at one concurrency) is run against every target before the next cell
+starts, and the order of the targets turns by one from cell to cell: drift of the machine
+(thermal, a noisy neighbour) falls on every target alike rather than on whoever runs last.
+Every target of a cell gets the same prompts (the seed is the cell's, not the target's), over
+its own fresh connections (one per request: llama-server's HTTP library races keep-alive
+reuse), with BENCHMARKS.md's request counts and at most --cell-cap seconds.
+
+The first target is the baseline (baton). The ratio table gives, per cell and peer,
+baseline / peer for output tokens/s (above 1: baton is faster) and for TTFT and ITL at p50
+and p99 (below 1: baton is faster). On stderr: the absolute figures, then the ratios; on
+stdout one JSON object; --out writes it to a file, --plot a PNG of the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.client import ClientConfig, StreamClient, list_models
+from bench.prompts import PromptMode, PromptRenderer
+from bench.report import SLO, RunSummary, summarize, to_json
+from bench.runner import RunPlan, default_num_requests, execute
+from bench.serving import SLO_BY_MODEL
+from bench.workloads import WORKLOADS, make_workload
+
+logger = logging.getLogger(__name__)
+
+# (field of RunSummary, column, higher is better)
+FIGURES: tuple[tuple[str, str, bool], ...] = (
+    ("output_tok_s", "tok/s", True),
+    ("ttft_p50_ms", "TTFT p50", False),
+    ("ttft_p99_ms", "TTFT p99", False),
+    ("itl_p50_ms", "ITL p50", False),
+    ("itl_p99_ms", "ITL p99", False),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str
+    url: str
+    model: str | None = None  # None: the first the server lists
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    workload: str
+    concurrency: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload}-c{self.concurrency}"
+
+
+def parse_target(text: str) -> Target:
+    """NAME=URL or NAME=URL,MODEL."""
+    name, sep, rest = text.partition("=")
+    url, _, model = rest.partition(",")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise ValueError(f"--target {text!r}: expected NAME=http://HOST:PORT[,MODEL]")
+    return Target(name, url.rstrip("/"), model or None)
+
+
+def parse_cells(specs: Sequence[str]) -> list[Cell]:
+    """WORKLOAD:C1,C2,... each, in the order given."""
+    cells = []
+    for spec in specs:
+        workload, sep, levels = spec.partition(":")
+        if workload not in WORKLOADS:
+            raise ValueError(f"--grid {spec!r}: unknown workload {workload!r} (one of {', '.join(sorted(WORKLOADS))})")
+        try:
+            concurrencies = [int(c) for c in levels.split(",")] if sep else []
+        except ValueError:
+            concurrencies = []
+        if not concurrencies or min(concurrencies) < 1:
+            raise ValueError(f"--grid {spec!r}: expected {workload}:1,8,32 (concurrency levels >= 1)")
+        cells += [Cell(workload, c) for c in concurrencies]
+    return cells
+
+
+def turn(targets: Sequence[Target], index: int) -> list[Target]:
+    """The targets in the order cell `index` runs them: each target leads in turn."""
+    k = index % len(targets) if targets else 0
+    return [*targets[k:], *targets[:k]]
+
+
+def ratio(base: float | None, peer: float | None) -> float | None:
+    if base is None or peer is None or peer <= 0 or base < 0:
+        return None
+    return base / peer
+
+
+def ratios(base: RunSummary, peer: RunSummary) -> dict[str, float | None]:
+    """baseline / peer for each of FIGURES; None where either side has no figure (nothing finished)."""
+    out: dict[str, float | None] = {}
+    for field_name, column, _ in FIGURES:
+        a, b = getattr(base, field_name), getattr(peer, field_name)
+        out[column] = ratio(a, b) if (base.num_ok and peer.num_ok) else None
+    return out
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def ratio_table(cells: Sequence[Cell], results: dict[tuple[str, str], RunSummary], baseline: str,
+                peers: Sequence[str]) -> str:  # fmt: skip
+    """Markdown: a row per cell and peer, baseline / peer for each figure."""
+    head = ["cell", "peer", *(column for _, column, _ in FIGURES)]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell in cells:
+        base = results.get((cell.label, baseline))
+        for peer in peers:
+            other = results.get((cell.label, peer))
+            found = ratios(base, other) if base is not None and other is not None else {}
+            values = [_fmt_ratio(found.get(column)) for _, column, _ in FIGURES]
+            rows.append("| " + " | ".join([cell.label, peer, *values]) + " |")
+    return "\n".join(rows)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def absolute_table(cells: Sequence[Cell], results: dict[tuple[str, str], RunSummary], names: Sequence[str]) -> str:
+    """Markdown: each target's own figures per cell (ok/sent, tok/s, TTFT and ITL in ms)."""
+    head = ["cell", "target", "ok/sent", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cell in cells:
+        for name in names:
+            s = results.get((cell.label, name))
+            if s is None:
+                continue
+            rows.append("| " + " | ".join([
+                cell.label, name, f"{s.num_ok}/{s.num_sent}", _fmt(s.output_tok_s, ".1f"),
+                _fmt(s.ttft_p50_ms, ".0f"), _fmt(s.ttft_p99_ms, ".0f"), _fmt(s.itl_p50_ms, ".1f"),
+                _fmt(s.itl_p99_ms, ".1f"),
+            ]) + " |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def report(cells: Sequence[Cell], targets: Sequence[Target], results: dict[tuple[str, str], RunSummary],
+           models: dict[str, str]) -> dict[str, Any]:  # fmt: skip
+    """The JSON document: targets, every run's summary, and the ratios against the baseline."""
+    baseline, peers = targets[0].name, [t.name for t in targets[1:]]
+    doc_ratios = []
+    for cell in cells:
+        base = results.get((cell.label, baseline))
+        for peer in peers:
+            other = results.get((cell.label, peer))
+            if base is not None and other is not None:
+                doc_ratios.append({"cell": cell.label, "peer": peer, **ratios(base, other)})
+    return {
+        "baseline": baseline,
+        "targets": [{"name": t.name, "url": t.url, "model": models.get(t.name)} for t in targets],
+        "runs": [{"target": name, **to_json(s)} for (_, name), s in results.items()],
+        "ratios": doc_ratios,
+    }
+
+
+def plot_ratios(doc: dict[str, Any], path: str | Path) -> None:
+    """Bars of baseline / peer per cell: throughput (higher is better for the baseline) and
+    TTFT/ITL p50 (lower is better), one bar per peer."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    cells = list(dict.fromkeys(r["cell"] for r in doc["ratios"]))
+    peers = list(dict.fromkeys(r["peer"] for r in doc["ratios"]))
+    fig = Figure(figsize=(max(8.0, 1.2 * len(cells) + 4), 9))
+    axes = fig.subplots(3, 1, sharex=True)
+    x = np.arange(len(cells))
+    width = 0.8 / max(1, len(peers))
+    by_key = {(r["cell"], r["peer"]): r for r in doc["ratios"]}
+    for ax, column, better in zip(axes, ("tok/s", "TTFT p50", "ITL p50"), ("higher", "lower", "lower"), strict=True):
+        for i, peer in enumerate(peers):
+            values = [by_key.get((c, peer), {}).get(column) for c in cells]
+            ax.bar(x + i * width, [v if v is not None else 0.0 for v in values], width, label=peer)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{doc['baseline']} / peer")
+        ax.set_title(f"{column}: {doc['baseline']} / peer ({better} is better for {doc['baseline']})")
+        ax.legend(fontsize="small")
+    axes[-1].set_xticks(x + width * (len(peers) - 1) / 2, cells, rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+async def _model_of(target: Target) -> str:
+    if target.model:
+        return target.model
+    models = await list_models(target.url)
+    if not models:
+        raise RuntimeError(f"{target.name}: {target.url}/v1/models lists no model; give NAME=URL,MODEL")
+    return models[0]
+
+
+async def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
+    targets: list[Target] = args.target
+    cells: list[Cell] = args.cells
+    models = {t.name: await _model_of(t) for t in targets}
+    renderer = PromptRenderer(PromptMode.TOKENS, args.vocab_size, None)
+    results: dict[tuple[str, str], RunSummary] = {}
+    for index, cell in enumerate(cells):
+        workload = make_workload(cell.workload, [])
+        n = args.requests or default_num_requests(workload, cell.concurrency, None)
+        plan = RunPlan(label=cell.label, seed=f"{args.seed}/{cell.label}", concurrency=cell.concurrency, rate=None,
+                       num_requests=n, time_cap_s=args.cell_cap, request_timeout_s=args.request_timeout,
+                       progress=False)  # fmt: skip
+        for target in turn(targets, index):
+            model = models[target.name]
+            client = StreamClient(ClientConfig(target.url, model, None, True))
+            async with contextlib.aclosing(client):
+                run = await execute(plan, workload, client, renderer)
+            summary = summarize(run, SLO_BY_MODEL.get(model, SLO()))
+            results[(cell.label, target.name)] = summary
+            logger.info("%s on %s: %d/%d ok, %.1f tok/s", cell.label, target.name, summary.num_ok, summary.num_sent,
+                        summary.output_tok_s)  # fmt: skip
+    doc = report(cells, targets, results, models)
+    names = [t.name for t in targets]
+    print(absolute_table(cells, results, names), file=sys.stderr)
+    print(file=sys.stderr)
+    print(ratio_table(cells, results, names[0], names[1:]), file=sys.stderr)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--target", action="append", required=True, type=parse_target,
+                    help="NAME=URL[,MODEL]; the first is the baseline (baton)")  # fmt: skip
+    ap.add_argument("--grid", action="append", required=True, help="WORKLOAD:C1,C2,... (repeat for more workloads)")
+    ap.add_argument("--cell-cap", type=float, default=300.0, help="seconds per target per cell")
+    ap.add_argument("--requests", type=int, help="requests per cell (default: BENCHMARKS.md's 12/32/64 at c=1/8/32)")
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--seed", default="0")
+    ap.add_argument("--vocab-size", type=int, default=16384, help="prompt token ids are drawn from [100, N)")
+    ap.add_argument("--out", type=Path, help="write the JSON document here too")
+    ap.add_argument("--plot", type=Path, help="write a PNG of the ratios")
+    args = ap.parse_args(argv)
+    try:
+        args.cells = parse_cells(args.grid)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if len({t.name for t in args.target}) != len(args.target):
+        ap.error("--target names must differ")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    doc = asyncio.run(run_comparison(args))
+    line = json.dumps(doc)
+    if args.out:
+        args.out.write_text(line + "\n")
+    if args.plot and doc["ratios"]:
+        plot_ratios(doc, args.plot)
+    print(line, flush=True)
+    return 0 if all(r["num_ok"] for r in doc["runs"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

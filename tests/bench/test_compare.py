@@ -1,0 +1,137 @@
+"""bench.compare (issue 10): parsing the targets and the grid, the order the targets run in,
+the ratios and their tables, the JSON document and the PNG; then one small comparison end to
+end over real HTTP against a real baton server (two targets naming it, so the ratios are of a
+server against itself)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.compare import (
+    Cell,
+    Target,
+    absolute_table,
+    main,
+    parse_cells,
+    parse_target,
+    plot_ratios,
+    ratio_table,
+    ratios,
+    report,
+    turn,
+)
+from bench.report import RunSummary
+from cluster.server import ServerConfig
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from tests.cluster.conftest import ServerHandle, start_server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def summary(label: str = "random-c1", *, tok_s: float = 100.0, ttft: float | None = 50.0, itl: float | None = 10.0,
+            ok: int = 12, sent: int = 12) -> RunSummary:  # fmt: skip
+    return RunSummary(
+        label=label, workload=label.split("-")[0], concurrency=1, rate=None, duration_s=10.0, num_sent=sent,
+        num_ok=ok, num_failed=sent - ok, num_short=0, errors={}, ttft_p50_ms=ttft,
+        ttft_p90_ms=None if ttft is None else ttft * 1.5, ttft_p99_ms=None if ttft is None else ttft * 2,
+        itl_p50_ms=itl, itl_p99_ms=None if itl is None else itl * 3, tpot_p50_ms=itl, e2e_p50_ms=1000.0,
+        output_tok_s=tok_s, request_s=1.2, goodput_req_s=1.2, goodput_share=1.0, slo_ttft_s=2.0, slo_itl_s=0.2,
+        prompt_tokens=3000, output_tokens=1536, cached_tokens=None, prefix_hit_rate=None, ideal_hit_rate=None,
+        hit_vs_ideal=None, by_tag={},
+    )  # fmt: skip
+
+
+def test_targets_and_the_grid_parse_or_say_what_is_wrong() -> None:
+    assert parse_target("baton=http://127.0.0.1:8000/") == Target("baton", "http://127.0.0.1:8000")
+    assert parse_target("vllm=http://127.0.0.1:8001,tiny") == Target("vllm", "http://127.0.0.1:8001", "tiny")
+    for bad in ("http://127.0.0.1:8000", "=http://x", "llama=127.0.0.1:8002"):
+        with pytest.raises(ValueError, match="NAME=http"):
+            parse_target(bad)
+    assert parse_cells(["random:1,8", "rag:32"]) == [Cell("random", 1), Cell("random", 8), Cell("rag", 32)]
+    assert Cell("rag", 32).label == "rag-c32"
+    with pytest.raises(ValueError, match="unknown workload 'chat'"):
+        parse_cells(["chat:1"])
+    for bad in ("rag", "rag:", "rag:0", "rag:a,b"):
+        with pytest.raises(ValueError, match="concurrency levels"):
+            parse_cells([bad])
+
+
+def test_every_target_leads_in_turn() -> None:
+    targets = [Target(n, f"http://127.0.0.1:{p}") for n, p in (("baton", 1), ("vllm", 2), ("llama", 3))]
+    orders = [[t.name for t in turn(targets, i)] for i in range(4)]
+    assert orders == [["baton", "vllm", "llama"], ["vllm", "llama", "baton"], ["llama", "baton", "vllm"],
+                      ["baton", "vllm", "llama"]]  # fmt: skip
+    assert all(sorted(o) == sorted(orders[0]) for o in orders)  # each cell runs every target once
+
+
+def test_ratios_are_baseline_over_peer_and_absent_without_a_figure() -> None:
+    faster = summary(tok_s=300.0, ttft=20.0, itl=5.0)
+    slower = summary(tok_s=100.0, ttft=80.0, itl=10.0)
+    got = ratios(faster, slower)
+    assert got == {"tok/s": 3.0, "TTFT p50": 0.25, "TTFT p99": 0.25, "ITL p50": 0.5, "ITL p99": 0.5}
+    assert ratios(slower, faster)["tok/s"] == pytest.approx(1 / 3)
+    nothing = summary(tok_s=0.0, ttft=None, itl=None, ok=0)  # a peer that finished no request
+    assert set(ratios(faster, nothing).values()) == {None}
+    assert set(ratios(nothing, faster).values()) == {None}
+    assert ratios(faster, summary(itl=None))["ITL p50"] is None  # one-token outputs: no ITL
+
+
+def test_tables_and_the_document_carry_every_cell_and_peer(tmp_path: Path) -> None:
+    cells = [Cell("random", 1), Cell("rag", 32)]
+    targets = [Target("baton", "http://127.0.0.1:1"), Target("vllm", "http://127.0.0.1:2"),
+               Target("llama", "http://127.0.0.1:3")]  # fmt: skip
+    results = {
+        ("random-c1", "baton"): summary(tok_s=200.0), ("random-c1", "vllm"): summary(tok_s=100.0),
+        ("random-c1", "llama"): summary(tok_s=400.0), ("rag-c32", "baton"): summary("rag-c32", tok_s=50.0),
+        ("rag-c32", "vllm"): summary("rag-c32", tok_s=25.0),  # llama never ran rag: its cell is absent
+    }  # fmt: skip
+    ratio_rows = ratio_table(cells, results, "baton", ["vllm", "llama"]).splitlines()
+    assert ratio_rows[0] == "| cell | peer | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |"
+    assert ratio_rows[2] == "| random-c1 | vllm | 2.00× | 1.00× | 1.00× | 1.00× | 1.00× |"
+    assert ratio_rows[3].startswith("| random-c1 | llama | 0.50× |")
+    assert ratio_rows[5] == "| rag-c32 | llama | – | – | – | – | – |"
+    absolute = absolute_table(cells, results, ["baton", "vllm", "llama"]).splitlines()
+    assert absolute[2] == "| random-c1 | baton | 12/12 | 200.0 | 50 | 100 | 10.0 | 30.0 |"
+    assert len(absolute) == 2 + 5  # no row for the cell that did not run
+
+    doc = report(cells, targets, results, {"baton": "baton-tiny", "vllm": "baton-tiny", "llama": "baton-tiny"})
+    assert doc["baseline"] == "baton" and [t["name"] for t in doc["targets"]] == ["baton", "vllm", "llama"]
+    assert len(doc["runs"]) == 5 and {r["target"] for r in doc["runs"]} == {"baton", "vllm", "llama"}
+    assert [(r["cell"], r["peer"], r["tok/s"]) for r in doc["ratios"]] == [
+        ("random-c1", "vllm", 2.0), ("random-c1", "llama", 0.5), ("rag-c32", "vllm", 2.0)]  # fmt: skip
+    json.dumps(doc)  # the document is plain JSON
+    png = tmp_path / "ratios.png"
+    plot_ratios(doc, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def baton(tiny_model_dir: Path) -> Iterator[ServerHandle]:
+    engine_cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=1024)
+    handle = start_server(ServerConfig(engine=engine_cfg, served_model_name="baton-tiny"), Engine(engine_cfg))
+    yield handle
+    handle.stop()
+
+
+def test_a_small_comparison_end_to_end(baton: ServerHandle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    code = main(["--target", f"baton={baton.url}", "--target", f"again={baton.url},baton-tiny",
+                 "--grid", "random:1,2", "--requests", "3", "--cell-cap", "60", "--out", str(out),
+                 "--plot", str(png)])  # fmt: skip
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc == json.loads(capsys.readouterr().out)
+    runs = {(r["label"], r["target"]): r for r in doc["runs"]}
+    assert set(runs) == {(c, t) for c in ("random-c1", "random-c2") for t in ("baton", "again")}
+    assert all(r["num_ok"] == r["num_sent"] == 3 and r["output_tok_s"] > 0 for r in runs.values())
+    # the same prompts went to both targets of a cell
+    for cell in ("random-c1", "random-c2"):
+        assert runs[(cell, "baton")]["prompt_tokens"] == runs[(cell, "again")]["prompt_tokens"]
+    assert [(r["cell"], r["peer"]) for r in doc["ratios"]] == [("random-c1", "again"), ("random-c2", "again")]
+    assert all(r["tok/s"] is not None and r["tok/s"] > 0 for r in doc["ratios"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
