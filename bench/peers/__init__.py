@@ -1,0 +1,1 @@
+"""Other servers that bench compares baton with, as runnable peers."""
