@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if len({t.name for t in args.target}) != len(args.target):
         ap.error("--target names must differ")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     doc = asyncio.run(run_comparison(args))
     line = json.dumps(doc)
     if args.out:
