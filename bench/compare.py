@@ -9,7 +9,8 @@ every running peer, in one run, as ratios.
 Each cell (a workload at one concurrency) is run against every target before the next cell
 starts, and the order of the targets turns by one from cell to cell: drift of the machine
 (thermal, a noisy neighbour) falls on every target alike rather than on whoever runs last.
-Every target of a cell gets the same prompts (the seed is the cell's, not the target's), over
+A cell that fails on one target (a refusal, a server gone) is reported under "failures" and
+the comparison goes on. Every target of a cell gets the same prompts (the seed is the cell's, not the target's), over
 its own fresh connections (one per request: llama-server's HTTP library races keep-alive
 reuse), with BENCHMARKS.md's request counts and at most --cell-cap seconds.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import ClientConfig, StreamClient, list_models
-from bench.prompts import PromptMode, PromptRenderer
+from bench.prompts import PromptMode, PromptRenderer, load_tokenizer
 from bench.report import SLO, RunSummary, summarize, to_json
 from bench.runner import RunPlan, default_num_requests, execute
 from bench.serving import SLO_BY_MODEL
@@ -214,8 +215,9 @@ async def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
     targets: list[Target] = args.target
     cells: list[Cell] = args.cells
     models = {t.name: await _model_of(t) for t in targets}
-    renderer = PromptRenderer(PromptMode.TOKENS, args.vocab_size, None)
+    renderer = PromptRenderer(PromptMode.TOKENS, args.vocab_size, load_tokenizer(args.tokenizer) if args.tokenizer else None)
     results: dict[tuple[str, str], RunSummary] = {}
+    failures: list[dict[str, str]] = []
     for index, cell in enumerate(cells):
         workload = make_workload(cell.workload, [])
         n = args.requests or default_num_requests(workload, cell.concurrency, None)
@@ -225,13 +227,18 @@ async def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
         for target in turn(targets, index):
             model = models[target.name]
             client = StreamClient(ClientConfig(target.url, model, None, True))
-            async with contextlib.aclosing(client):
-                run = await execute(plan, workload, client, renderer)
+            try:
+                async with contextlib.aclosing(client):
+                    run = await execute(plan, workload, client, renderer)
+            except Exception as exc:  # this cell of this target is lost, not the comparison
+                logger.error("%s on %s failed: %s", cell.label, target.name, exc)
+                failures.append({"cell": cell.label, "target": target.name, "error": str(exc)})
+                continue
             summary = summarize(run, SLO_BY_MODEL.get(model, SLO()))
             results[(cell.label, target.name)] = summary
             logger.info("%s on %s: %d/%d ok, %.1f tok/s", cell.label, target.name, summary.num_ok, summary.num_sent,
                         summary.output_tok_s)  # fmt: skip
-    doc = report(cells, targets, results, models)
+    doc = {**report(cells, targets, results, models), "failures": failures}
     names = [t.name for t in targets]
     print(absolute_table(cells, results, names), file=sys.stderr)
     print(file=sys.stderr)
@@ -250,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--seed", default="0")
     ap.add_argument("--vocab-size", type=int, default=16384, help="prompt token ids are drawn from [100, N)")
+    ap.add_argument("--tokenizer", help="the model's tokenizer.json (or its directory): re-encodes the outputs of "
+                    "servers that return no token ids (llama-server, vLLM) for multi-turn histories")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the JSON document here too")
     ap.add_argument("--plot", type=Path, help="write a PNG of the ratios")
     args = ap.parse_args(argv)
@@ -268,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and doc["ratios"]:
         plot_ratios(doc, args.plot)
     print(line, flush=True)
-    return 0 if all(r["num_ok"] for r in doc["runs"]) else 1
+    return 0 if all(r["num_ok"] for r in doc["runs"]) and not doc["failures"] else 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from bench.report import RunSummary
 from cluster.server import ServerConfig
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.conftest import ServerHandle, free_port, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,18 +120,23 @@ def baton(tiny_model_dir: Path) -> Iterator[ServerHandle]:
 
 def test_a_small_comparison_end_to_end(baton: ServerHandle, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    gone = f"http://127.0.0.1:{free_port()}"  # a peer that is not running: its cells fail, the rest go on
     code = main(["--target", f"baton={baton.url}", "--target", f"again={baton.url},baton-tiny",
-                 "--grid", "random:1,2", "--requests", "3", "--cell-cap", "60", "--out", str(out),
-                 "--plot", str(png)])  # fmt: skip
-    assert code == 0
+                 "--target", f"gone={gone},baton-tiny", "--grid", "random:1,2", "--requests", "3",
+                 "--cell-cap", "60", "--out", str(out), "--plot", str(png)])  # fmt: skip
+    assert code == 1  # not every target finished its requests
     doc = json.loads(out.read_text())
     assert doc == json.loads(capsys.readouterr().out)
     runs = {(r["label"], r["target"]): r for r in doc["runs"]}
-    assert set(runs) == {(c, t) for c in ("random-c1", "random-c2") for t in ("baton", "again")}
-    assert all(r["num_ok"] == r["num_sent"] == 3 and r["output_tok_s"] > 0 for r in runs.values())
+    assert set(runs) == {(c, t) for c in ("random-c1", "random-c2") for t in ("baton", "again", "gone")}
+    ran = [r for (_, t), r in runs.items() if t != "gone"]
+    assert all(r["num_ok"] == r["num_sent"] == 3 and r["output_tok_s"] > 0 for r in ran)
+    assert all(runs[(c, "gone")]["num_ok"] == 0 for c in ("random-c1", "random-c2"))
     # the same prompts went to both targets of a cell
     for cell in ("random-c1", "random-c2"):
         assert runs[(cell, "baton")]["prompt_tokens"] == runs[(cell, "again")]["prompt_tokens"]
-    assert [(r["cell"], r["peer"]) for r in doc["ratios"]] == [("random-c1", "again"), ("random-c2", "again")]
-    assert all(r["tok/s"] is not None and r["tok/s"] > 0 for r in doc["ratios"])
+    by_peer = {(r["cell"], r["peer"]): r for r in doc["ratios"]}
+    assert set(by_peer) == {(c, p) for c in ("random-c1", "random-c2") for p in ("again", "gone")}
+    assert all(by_peer[(c, "again")]["tok/s"] > 0 for c in ("random-c1", "random-c2"))
+    assert all(by_peer[(c, "gone")]["tok/s"] is None for c in ("random-c1", "random-c2"))
     assert png.read_bytes()[:4] == b"\x89PNG"
