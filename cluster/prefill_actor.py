@@ -42,7 +42,7 @@ from kvtransfer.grpc_transport import GrpcSender
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmSender
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination, KVSender
-from prefill.worker import PrefillDone, PrefillJob, PrefillWorker
+from prefill.worker import AbortedIds, PrefillDone, PrefillJob, PrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,7 @@ class PrefillActor(KVPublisher, Registered):
         self.stream_limit_s = reservation_ttl_s + push_deadline_s
         self.chunk_pause_s = chunk_pause_s
         self._firsts: dict[str, asyncio.Future[PrefillDone]] = {}
-        # req_id -> when aborted: a prefill call that arrives after its abort (Ray does not
-        # order an async actor's calls) computes nothing; kept for stream_limit_s
-        self._aborted: dict[str, float] = {}
+        self._aborted = AbortedIds(self.stream_limit_s)  # a prefill arriving after its abort computes nothing
         self._pushes: dict[str, _Push] = {}  # transfer_id -> its push, until reported or expired
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -207,11 +205,7 @@ class PrefillActor(KVPublisher, Registered):
         return report
 
     async def abort(self, req_id: str) -> None:
-        now = time.monotonic()
-        while self._aborted and next(iter(self._aborted.values())) + self.stream_limit_s <= now:
-            del self._aborted[next(iter(self._aborted))]
-        self._aborted.pop(req_id, None)
-        self._aborted[req_id] = now
+        self._aborted.add(req_id)
         self.worker.abort(req_id)
         future = self._firsts.pop(req_id, None)
         if future is not None and not future.done():

@@ -29,7 +29,7 @@ from engine.outputs import StepOutput
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import TransferError
 from kvtransfer.transport import KVDestination, PoolReceiver, Reservation, ReservationBook
-from prefill.worker import PrefillJob
+from prefill.worker import AbortedIds, PrefillJob
 
 
 class _Receiver:
@@ -79,9 +79,9 @@ class DecodeWorker:
         self.receiver = _Receiver(PoolReceiver(engine.pool, self.book), self)
         self.completed_at: dict[str, float] = {}  # transfer_id -> when its last page arrived
         self._dests: dict[str, KVDestination] = {}  # req_id -> its reservation, until it ends
-        # req_id -> when it was aborted: a placement that arrives after its abort (Ray does not
-        # order an async actor's calls; a constraint compiles between them) takes nothing
-        self._aborted: dict[str, float] = {}
+        # a placement that arrives after its abort (Ray does not order an async actor's calls;
+        # a constraint compiles between them) takes nothing; it comes within the reservation TTL
+        self._aborted = AbortedIds(reservation_ttl_s, clock)
         self.num_lease_expired = 0
         self.num_reserved_pages = 0  # held by reservations (open or complete, not admitted)
 
@@ -160,8 +160,7 @@ class DecodeWorker:
     def abort(self, req_id: str) -> None:
         """Stop `req_id` wherever it is: running, still waiting on its pages, or not yet
         placed (its placement, arriving later, is refused: `was_aborted`)."""
-        self._aborted.pop(req_id, None)
-        self._aborted[req_id] = self.clock()  # oldest first: expire() trims from the front
+        self._aborted.add(req_id)
         dest = self._dests.get(req_id)
         if dest is not None:
             self.cancel(dest)
@@ -174,10 +173,7 @@ class DecodeWorker:
         admission lease; how many ended."""
         n = len(self.book.expire())
         now = self.clock()
-        # an abort outlives any placement of its request still in flight: those come within
-        # the reservation TTL (the gateway's bound on a place call)
-        while self._aborted and next(iter(self._aborted.values())) + self.reservation_ttl_s <= now:
-            del self._aborted[next(iter(self._aborted))]
+        self._aborted.expire()
         stale = [t for t, at in self.completed_at.items() if at + self.admit_lease_s <= now]
         for transfer_id in stale:
             res = self.book.completed.pop(transfer_id, None)

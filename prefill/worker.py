@@ -21,6 +21,8 @@ A plain class: cluster/ wraps it in a Ray actor; tests drive it directly.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +33,29 @@ from engine.request import FinishReason, Request
 from engine.sampling import SamplingParams
 from kvtransfer.codec import ChunkMeta, WireChunk, encode_chunk
 from kvtransfer.transport import KVDestination
+
+
+class AbortedIds:
+    """Request ids the gateway aborted, each kept `ttl_s`: a call for one that Ray delivers
+    after its abort (an async actor's calls are not ordered) is refused, not started."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._at: dict[str, float] = {}  # oldest first
+
+    def add(self, req_id: str) -> None:
+        self.expire()
+        self._at.pop(req_id, None)
+        self._at[req_id] = self.clock()
+
+    def expire(self) -> None:
+        now = self.clock()
+        while self._at and next(iter(self._at.values())) + self.ttl_s <= now:
+            del self._at[next(iter(self._at))]
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._at
 
 
 @dataclass(frozen=True, slots=True)
