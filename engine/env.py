@@ -20,3 +20,12 @@ def num_threads() -> int | None:
     """Torch intra-op threads for one engine (BATON_NUM_THREADS); None keeps torch's default."""
     raw = os.environ.get("BATON_NUM_THREADS")
     return int(raw) if raw else None
+
+
+def cpu_linear() -> str:
+    """Which matmul the CPU float32 path uses (BATON_CPU_LINEAR): "auto" (oneDNN where torch
+    has it and it agrees with F.linear on a probe, else F.linear), "onednn" or "torch"."""
+    raw = os.environ.get("BATON_CPU_LINEAR", "auto").strip().lower()
+    if raw not in ("auto", "onednn", "torch"):
+        raise ValueError(f"BATON_CPU_LINEAR must be auto, onednn or torch, not {raw!r}")
+    return raw

@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
 
-Plain tensors and `F.linear`, no framework: the weights are a dict loaded from safetensors,
-with q/k/v and gate/up fused at load time so each layer runs four matmuls. Numerics follow
+Plain tensors and one linear (engine.linear: oneDNN's on CPU float32, else `F.linear`), no
+framework: the weights are a dict loaded from safetensors, with q/k/v and gate/up fused at load
+time so each layer runs four matmuls. Numerics follow
 Hugging Face's modeling code (RMSNorm in float32, RoPE tables in float32) so greedy tokens
 match `transformers` under the parity contract.
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttnMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
+from engine.linear import select_linear
 from engine.rope import RotaryEmbedding, apply_rotary
 from kvcache.pool import DevicePool
 
@@ -55,6 +57,7 @@ class CausalLM:
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.linear = select_linear(device, self.embed.dtype)  # oneDNN's on CPU float32 (engine.linear)
         # CUDA with Triton: the elementwise work runs in engine.triton_ops' fused kernels
         # (same roundings); the engine turns it on with the triton attention backend.
         self.fused = False
@@ -96,7 +99,7 @@ class CausalLM:
         for idx, layer in enumerate(self.layers):
             residual = h
             x = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            qkv = self.linear(x, layer.qkv, layer.qkv_bias)  # [T, q + 2 kv]
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -104,11 +107,11 @@ class CausalLM:
             k_cache, v_cache = pool.layer(idx)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta)  # [T, heads, head_dim]
-            h = residual + F.linear(attn.reshape(-1, self.q_size), layer.o)
+            h = residual + self.linear(attn.reshape(-1, self.q_size), layer.o)
             residual = h
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = residual + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = self.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = residual + self.linear(F.silu(gate) * up, layer.down)
         return rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
     def _forward_fused(
@@ -139,4 +142,4 @@ class CausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()  # [N, vocab]
+        return self.linear(hidden, self.lm_head).float()  # [N, vocab]
