@@ -127,14 +127,22 @@ def convert(model_dir: Path, pre_tokenizer: str = "gpt-2") -> Path:
     return out
 
 
+def server_args(binary: Path, gguf: Path, name: str, port: int, slots: int = 32, ctx: int = 98304,
+                threads: int = 2) -> list[str]:  # fmt: skip
+    """Parallel slots sharing `ctx` (each gets ctx // slots), per-slot KV, continuous batching."""
+    if slots < 1 or ctx < slots:
+        raise ValueError(f"need slots >= 1 and ctx >= slots, got slots={slots} ctx={ctx}")
+    return [str(binary), "-m", str(gguf), "-a", name, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+            "-tb", str(threads), "-np", str(slots), "-c", str(ctx), "--no-kv-unified", "--cont-batching"]  # fmt: skip
+
+
 def start(model_dir: Path, name: str, port: int, slots: int = 32, ctx: int = 98304, threads: int = 2,
           timeout_s: float = 300.0) -> dict[str, object]:  # fmt: skip
     binary = build()
     model = convert(model_dir)
     url = f"http://127.0.0.1:{port}"
     log = home() / f"server-{port}.log"
-    args = [str(binary), "-m", str(model), "-a", name, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-            "-tb", str(threads), "-np", str(slots), "-c", str(ctx), "--no-kv-unified", "--cont-batching"]  # fmt: skip
+    args = server_args(binary, model, name, port, slots, ctx, threads)
     with open(log, "ab") as sink:
         proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
