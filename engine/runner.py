@@ -14,6 +14,7 @@ A request "catches up" when its computed tokens reach num_tokens; only those are
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -82,8 +83,8 @@ class ModelRunner:
         """The forward pass alone: logits [S, vocab] of the requests that caught up."""
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
-        if self.decode_backend == "torch":  # longest first: rows of similar length form groups
-            decodes.sort(key=lambda s: -s.request.num_computed_tokens)
+        if self.decode_backend == "torch":
+            decodes = order_decodes(decodes)
         ordered = prefills + decodes
         sample_idx: list[int] = []
         sampled: list[tuple[Request, int]] = []
@@ -156,8 +157,11 @@ class ModelRunner:
         seq_lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
         runs: tuple[DecodeRun, ...] = ()
         if self.decode_backend == "torch" and decodes:  # once per step, not once per layer
-            groups = decode_groups([-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes])
-            runs = decode_runs(page_table, seq_lens, self.page_size, self.model.dtype, groups)
+            keys = prefix_keys(decodes)
+            widths = [-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes]
+            groups = decode_groups(widths, keys)
+            cascade = [keys[first] >= 0 and end - first > 1 for first, end, _ in groups]
+            runs = decode_runs(page_table, seq_lens, self.page_size, self.model.dtype, groups, cascade)
         return AttnMetadata(
             slot_mapping=slots,
             prefills=tuple(seqs),
@@ -184,3 +188,20 @@ class ModelRunner:
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)
+
+
+def prefix_keys(decodes: Sequence[ScheduledRequest]) -> list[int]:
+    """Per decode row, its first page id when another row starts with the same page (the two
+    may share a cached prefix: engine.attention's cascade), else -1."""
+    firsts = [request.page_ids[0] for request, _ in decodes]
+    counts = Counter(firsts)
+    return [page if counts[page] > 1 else -1 for page in firsts]
+
+
+def order_decodes(decodes: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The torch path's row order: rows that start with a page another row starts with come
+    first, together by that page; the rest after them; longest first within each (so rows of
+    similar length and shared prefix form one run: engine.attention.decode_groups)."""
+    keys = prefix_keys(decodes)
+    order = sorted(range(len(decodes)), key=lambda i: (keys[i] < 0, keys[i], -decodes[i].request.num_computed_tokens))
+    return [decodes[i] for i in order]

@@ -89,3 +89,82 @@ def test_decode_groups_attend_like_one_padded_batch() -> None:
     torch.testing.assert_close(
         paged_attention(q, k_cache, v_cache, grouped), paged_attention(q, k_cache, v_cache, one), rtol=1e-5, atol=1e-5
     )
+
+
+def _shared_prefix_batch(
+    gen: torch.Generator, shared: int, own_lens: list[int], num_pages: int = 96
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Decode rows whose first `shared` pages are the same page ids (a cached prefix), then
+    pages of their own; returns K/V pools, the padded page table, lengths and the shared ids."""
+    k_cache = torch.randn(num_pages, PAGE, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(num_pages, PAGE, KV_HEADS, DIM, generator=gen)
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    prefix = [perm.pop() for _ in range(shared)]
+    rows, lens = [], []
+    for own in own_lens:
+        n = shared * PAGE + own
+        rows.append(prefix + [perm.pop() for _ in range(-(-own // PAGE))])
+        lens.append(n)
+    width = max(len(r) for r in rows)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    return k_cache, v_cache, table, torch.tensor(lens), prefix
+
+
+def test_rows_sharing_a_prefix_attend_in_cascade_like_a_padded_batch() -> None:
+    from engine.attention import MIN_SHARED_PAGES, decode_groups, decode_runs
+
+    gen = torch.Generator().manual_seed(5)
+    own_lens = [9, 7, 4, 1, 1]  # a row whose only own key is the one it just wrote, too
+    k_cache, v_cache, table, lens, prefix = _shared_prefix_batch(gen, MIN_SHARED_PAGES + 2, own_lens)
+    q = torch.randn(len(own_lens), HEADS, DIM, generator=gen)
+    slots = torch.zeros(len(own_lens), dtype=torch.int64)
+    groups = decode_groups([len(r) for r in table.tolist()])
+    assert len(groups) == 1
+    runs = decode_runs(table, lens, PAGE, q.dtype, groups, cascade=[True])
+    assert runs[0].prefix_pages is not None and runs[0].prefix_pages.tolist() == prefix
+    assert runs[0].bias.shape[-1] == 3 * PAGE  # only the keys after the prefix are padded
+    plain = AttnMetadata(slots, (), 0, table, lens, DIM**-0.5)
+    cascade = AttnMetadata(slots, (), 0, table, lens, DIM**-0.5, decode_runs=runs)
+    got = paged_attention(q, k_cache, v_cache, cascade)
+    torch.testing.assert_close(got, paged_attention(q, k_cache, v_cache, plain), rtol=1e-5, atol=1e-5)
+    for row, n in enumerate(lens.tolist()):  # and against the contiguous reference, row by row
+        ids = table[row, : -(-n // PAGE)]
+        k = k_cache.index_select(0, ids).flatten(0, 1)[:n]
+        v = v_cache.index_select(0, ids).flatten(0, 1)[:n]
+        torch.testing.assert_close(got[row : row + 1], _reference(q[row : row + 1], k, v, DIM**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_cascade_needs_enough_shared_full_pages_and_float32() -> None:
+    from engine.attention import MIN_SHARED_PAGES, decode_runs, shared_pages
+
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache, table, lens, _ = _shared_prefix_batch(gen, MIN_SHARED_PAGES - 1, [5, 6])
+    assert decode_runs(table, lens, PAGE, torch.float32, cascade=[True])[0].prefix_pages is None
+    _, _, table, lens, _ = _shared_prefix_batch(gen, MIN_SHARED_PAGES + 1, [5, 6])
+    assert shared_pages(table, lens, PAGE) == MIN_SHARED_PAGES + 1
+    assert decode_runs(table, lens, PAGE, torch.bfloat16, cascade=[True])[0].prefix_pages is None
+    assert decode_runs(table, lens, PAGE, torch.float32, cascade=[False])[0].prefix_pages is None
+    assert shared_pages(table[:1], lens[:1], PAGE) == 0  # one row shares nothing
+    # A row whose last key sits in the last common page keeps that page as its own.
+    lens = torch.tensor([(MIN_SHARED_PAGES + 1) * PAGE, 40])
+    assert shared_pages(table, lens, PAGE) == MIN_SHARED_PAGES
+
+
+def test_the_runner_puts_rows_of_one_prefix_together_and_the_rest_longest_first() -> None:
+    from engine.attention import decode_groups
+    from engine.runner import order_decodes, prefix_keys
+    from engine.scheduler import ScheduledRequest
+
+    class Req:
+        def __init__(self, pages: list[int], computed: int) -> None:
+            self.page_ids, self.num_computed_tokens = pages, computed
+
+    made = [Req([7, 1], 5), Req([3, 4], 30), Req([9, 2], 6), Req([3, 5], 20), Req([9, 6], 7), Req([8], 2)]
+    rows = [ScheduledRequest(r, 1) for r in made]  # type: ignore[arg-type]
+    ordered = order_decodes(rows)  # type: ignore[arg-type]
+    assert [r.page_ids[0] for r, _ in ordered] == [3, 3, 9, 9, 7, 8]
+    assert [r.num_computed_tokens for r, _ in ordered] == [30, 20, 7, 6, 5, 2]
+    keys = prefix_keys(ordered)  # type: ignore[arg-type]
+    assert keys == [3, 3, 9, 9, -1, -1]
+    widths = [-(-(r.num_computed_tokens + 1) // PAGE) for r, _ in ordered]
+    assert decode_groups(widths, keys) == ((0, 2, 8), (2, 4, 2), (4, 6, 2))

@@ -126,3 +126,36 @@ def test_an_operator_shared_prefix_is_shared_across_tenants(tiny_model_dir: Path
     off, _ = _run(_engine(tiny_model_dir, cache=False), [a])
     on, _ = _run(engine, [a], salts=["initech"])
     assert on == off
+
+
+def test_concurrent_rows_of_one_cached_prefix_decode_in_cascade_with_the_same_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode rows that share cached pages attend in cascade (engine.attention); their greedy
+    tokens are the ones each prompt gets alone with no cache."""
+    import engine.attention as attention
+
+    rng = np.random.default_rng(11)
+    system = rng.integers(4, 16_384, size=150).tolist()  # 9 full pages + 6 tokens
+    prompts = [system + rng.integers(4, 16_384, size=n).tolist() for n in (3, 9, 17, 30)]
+    alone, _ = _run(_engine(tiny_model_dir, cache=False), prompts)
+
+    cascades: list[int] = []
+    real = attention._decode_cascade
+
+    def counted(*args: object, **kwargs: object) -> object:
+        cascades.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "_decode_cascade", counted)
+    engine = _engine(tiny_model_dir, cache=True)
+    _run(engine, [system + [5]])  # caches the system prompt's full pages
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"c{i}", prompt, GREEDY)
+    together: dict[str, list[int]] = {f"c{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for step in engine.step():
+            together[step.req_id].extend(step.token_ids)
+        engine.check_integrity()
+    assert [together[f"c{i}"] for i in range(len(prompts))] == alone
+    assert cascades, "no decode step attended in cascade"
