@@ -90,8 +90,10 @@ def _has_penalties(params: SamplingParams) -> bool:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing to report or reweigh: its token is the argmax, unless that argmax
+    is one of its blocked ids (min_tokens holding EOS back), which __call__ checks."""
     p = row.params
-    return p.is_greedy and not row.blocked_ids and p.logprobs is None and not _has_penalties(p)
+    return p.is_greedy and p.logprobs is None and not _has_penalties(p)
 
 
 def _splitmix64(x: int) -> int:
@@ -300,8 +302,13 @@ class Sampler:
         if mask is not None:
             _apply_mask(logits, mask)
         if all(_is_plain_greedy(r) for r in rows):
-            # argmax is exact in any float dtype, so no cast is needed.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            # argmax is exact in any float dtype, so no cast is needed. Blocking ids only lowers
+            # them, so an argmax that is not blocked is the blocked argmax too (ties included:
+            # argmax takes the first maximum); the benchmark's min_tokens rows then skip the
+            # copy and fill of every row's logits (~12% of a baton-tiny decode step at c=8).
+            argmax: list[int] = logits.argmax(dim=-1).tolist()
+            if not any(token in row.blocked_ids for token, row in zip(argmax, rows, strict=True)):
+                return SamplerOutput(argmax, [None] * len(rows))
         raw = logits.float()
         work = self._processed(raw, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)

@@ -78,6 +78,32 @@ def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:
     assert [out.token_ids[i] for i in (0, 2, 3, 5)] == [argmax[i] for i in (0, 2, 3, 5)]
 
 
+def test_greedy_rows_with_blocked_ids_take_the_best_unblocked_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """min_tokens blocks EOS on greedy rows: the argmax when it is not blocked (no copy of the
+    logits), the best unblocked token when it is, and a tie with a blocked id is not a win."""
+    copies: list[int] = []
+    real = sampler_mod._apply_blocked
+
+    def counted(*args: object) -> None:
+        copies.append(1)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampler_mod, "_apply_blocked", counted)
+    logits = randn(3, V, seed=4)
+    best = logits.argmax(-1).tolist()
+    second = logits.topk(2).indices[:, 1].tolist()
+    rows = [row(GREEDY, blocked=(second[0],)), row(GREEDY, blocked=(V + 3,)), row(GREEDY)]
+    assert Sampler(V)(logits, rows).token_ids == best
+    assert not copies  # no row's argmax was blocked: the fast path
+    rows[1] = row(GREEDY, blocked=(best[1],))
+    assert Sampler(V)(logits, rows).token_ids == [best[0], second[1], best[2]]
+    assert copies
+    tied = logits.clone()
+    tied[2, 0] = tied[2, 1] = tied[2].max() + 1.0  # ids 0 and 1 tie; argmax takes 0, which is blocked
+    out = Sampler(V)(tied, [row(GREEDY), row(GREEDY), row(GREEDY, blocked=(0,))]).token_ids
+    assert out[2] == 1
+
+
 def test_blocked_ids_are_never_sampled() -> None:
     logits = randn(1, V, seed=2)
     top = logits[0].topk(3).indices.tolist()
