@@ -5,6 +5,7 @@ every running peer, in one run, as ratios.
         --target vllm=http://127.0.0.1:8001 --target llama=http://127.0.0.1:8002 \\
         --grid random:1,8,32 --grid rag:1,8,32 --grid multiturn:1,8,32 \\
         --cell-cap 300 --out compare.json --plot compare.png
+    python -m bench.compare tables compare.json     # the tables again from a saved document
 
 Each cell (a workload at one concurrency) is run against every target before the next cell
 starts, and the order of the targets turns by one from cell to cell: drift of the machine
@@ -16,8 +17,10 @@ reuse), with BENCHMARKS.md's request counts and at most --cell-cap seconds.
 
 The first target is the baseline (baton). The ratio table gives, per cell and peer,
 baseline / peer for output tokens/s (above 1: baton is faster) and for TTFT and ITL at p50
-and p99 (below 1: baton is faster). On stderr: the absolute figures, then the ratios; on
-stdout one JSON object; --out writes it to a file, --plot a PNG of the ratios.
+and p99 and TPOT p50 (below 1: baton is faster); a third table sets baton against the best
+peer on each figure (BENCHMARKS.md's P1 and P3 are read there). On stderr: the absolute
+figures, the ratios, the best-peer table; on stdout one JSON object; --out writes it to a file,
+--plot a PNG of the ratios.
 """
 
 from __future__ import annotations
@@ -49,7 +52,12 @@ FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("ttft_p99_ms", "TTFT p99", False),
     ("itl_p50_ms", "ITL p50", False),
     ("itl_p99_ms", "ITL p99", False),
+    ("tpot_p50_ms", "TPOT p50", False),
 )
+# A time figure below this (ms) is no measurement: an ITL p50 of ~0 means the server sends
+# tokens in bursts (several SSE events arrive in one read, as vLLM does under load), so its
+# ratio is left out ("–") and TPOT p50 ((e2e - TTFT) / (tokens - 1), burst-proof) speaks for it.
+MIN_TIME_MS = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +115,57 @@ def ratio(base: float | None, peer: float | None) -> float | None:
     return base / peer
 
 
+def _figure(summary: RunSummary, field_name: str, higher_better: bool) -> float | None:
+    """A run's figure, or None where it is no measurement (nothing finished, a ~0 time)."""
+    value: float | None = getattr(summary, field_name)
+    if not summary.num_ok or value is None or (not higher_better and value < MIN_TIME_MS):
+        return None
+    return value
+
+
 def ratios(base: RunSummary, peer: RunSummary) -> dict[str, float | None]:
-    """baseline / peer for each of FIGURES; None where either side has no figure (nothing finished)."""
-    out: dict[str, float | None] = {}
-    for field_name, column, _ in FIGURES:
-        a, b = getattr(base, field_name), getattr(peer, field_name)
-        out[column] = ratio(a, b) if (base.num_ok and peer.num_ok) else None
+    """baseline / peer for each of FIGURES; None where either side has no figure (nothing
+    finished, or a time below MIN_TIME_MS)."""
+    return {
+        column: ratio(_figure(base, field_name, higher), _figure(peer, field_name, higher))
+        for field_name, column, higher in FIGURES
+    }
+
+
+def versus_best(cells: Sequence[Cell], results: dict[tuple[str, str], RunSummary], baseline: str,
+                peers: Sequence[str]) -> list[dict[str, Any]]:  # fmt: skip
+    """Per cell and figure, the baseline against the best peer on that figure (the most tok/s,
+    the least time): BENCHMARKS.md's P1 and P3 are read here. {cell, figure, peer, ratio}."""
+    out: list[dict[str, Any]] = []
+    for cell in cells:
+        base = results.get((cell.label, baseline))
+        if base is None:
+            continue
+        for field_name, column, higher in FIGURES:
+            found = [(v, p) for p in peers if (r := results.get((cell.label, p))) is not None
+                     and (v := _figure(r, field_name, higher)) is not None]  # fmt: skip
+            if not found:
+                continue
+            value, peer = max(found) if higher else min(found)
+            out.append({"cell": cell.label, "figure": column, "peer": peer,
+                        "ratio": ratio(_figure(base, field_name, higher), value)})  # fmt: skip
     return out
+
+
+def best_table(best: Sequence[dict[str, Any]]) -> str:
+    """Markdown: a row per cell, baseline / best peer on each figure, naming that peer."""
+    head = ["cell", *(column for _, column, _ in FIGURES)]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by_cell: dict[str, dict[str, dict[str, Any]]] = {}
+    for entry in best:
+        by_cell.setdefault(entry["cell"], {})[entry["figure"]] = entry
+    for cell, figures in by_cell.items():
+        values = []
+        for _, column, _ in FIGURES:
+            e = figures.get(column)
+            values.append("–" if e is None else f"{_fmt_ratio(e['ratio'])} ({e['peer']})")
+        rows.append("| " + " | ".join([cell, *values]) + " |")
+    return "\n".join(rows)
 
 
 def _fmt_ratio(value: float | None) -> str:
@@ -141,7 +193,7 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def absolute_table(cells: Sequence[Cell], results: dict[tuple[str, str], RunSummary], names: Sequence[str]) -> str:
     """Markdown: each target's own figures per cell (ok/sent, tok/s, TTFT and ITL in ms)."""
-    head = ["cell", "target", "ok/sent", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    head = ["cell", "target", "ok/sent", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in cells:
         for name in names:
@@ -151,15 +203,18 @@ def absolute_table(cells: Sequence[Cell], results: dict[tuple[str, str], RunSumm
             rows.append("| " + " | ".join([
                 cell.label, name, f"{s.num_ok}/{s.num_sent}", _fmt(s.output_tok_s, ".1f"),
                 _fmt(s.ttft_p50_ms, ".0f"), _fmt(s.ttft_p99_ms, ".0f"), _fmt(s.itl_p50_ms, ".1f"),
-                _fmt(s.itl_p99_ms, ".1f"),
+                _fmt(s.itl_p99_ms, ".1f"), _fmt(s.tpot_p50_ms, ".1f"),
             ]) + " |")  # fmt: skip
     return "\n".join(rows)
 
 
 def report(cells: Sequence[Cell], targets: Sequence[Target], results: dict[tuple[str, str], RunSummary],
-           models: dict[str, str]) -> dict[str, Any]:  # fmt: skip
-    """The JSON document: targets, every run's summary, and the ratios against the baseline."""
+           models: dict[str, str], floors: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+    """The JSON document: targets, every run's summary, the ratios against the baseline, and
+    the baseline against the best peer that is not a floor (a one-request-at-a-time server's
+    single stream has the least ITL and is nobody's pick for serving)."""
     baseline, peers = targets[0].name, [t.name for t in targets[1:]]
+    contenders = [p for p in peers if p not in floors]
     doc_ratios = []
     for cell in cells:
         base = results.get((cell.label, baseline))
@@ -172,6 +227,8 @@ def report(cells: Sequence[Cell], targets: Sequence[Target], results: dict[tuple
         "targets": [{"name": t.name, "url": t.url, "model": models.get(t.name)} for t in targets],
         "runs": [{"target": name, **to_json(s)} for (_, name), s in results.items()],
         "ratios": doc_ratios,
+        "floors": list(floors),
+        "versus_best": versus_best(cells, results, baseline, contenders),
     }
 
 
@@ -238,20 +295,47 @@ async def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             results[(cell.label, target.name)] = summary
             logger.info("%s on %s: %d/%d ok, %.1f tok/s", cell.label, target.name, summary.num_ok, summary.num_sent,
                         summary.output_tok_s)  # fmt: skip
-    doc = {**report(cells, targets, results, models), "failures": failures}
+    doc = {**report(cells, targets, results, models, floors=args.floor or ()), "failures": failures}
     names = [t.name for t in targets]
     print(absolute_table(cells, results, names), file=sys.stderr)
     print(file=sys.stderr)
     print(ratio_table(cells, results, names[0], names[1:]), file=sys.stderr)
+    print(file=sys.stderr)
+    print(best_table(doc["versus_best"]), file=sys.stderr)
     return doc
 
 
+def tables_of(doc: dict[str, Any]) -> str:
+    """The three tables again from a saved document (--out), e.g. after a change to them."""
+    names = [t["name"] for t in doc["targets"]]
+    results: dict[tuple[str, str], RunSummary] = {}
+    for run in doc["runs"]:
+        fields = {k: v for k, v in run.items() if k != "target"}
+        summary = RunSummary(**fields)
+        results[(summary.label, run["target"])] = summary
+    labels = list(dict.fromkeys(label for label, _ in results))
+    cells = [Cell(label.rsplit("-c", 1)[0], int(label.rsplit("-c", 1)[1])) for label in labels]
+    best = versus_best(cells, results, names[0], [n for n in names[1:] if n not in doc.get("floors", ())])
+    return "\n\n".join([absolute_table(cells, results, names), ratio_table(cells, results, names[0], names[1:]),
+                        best_table(best)])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["tables"]:  # python -m bench.compare tables DOC.json
+        if len(argv) != 2:
+            print("usage: python -m bench.compare tables DOC.json", file=sys.stderr)
+            return 2
+        print(tables_of(json.loads(Path(argv[1]).read_text())))
+        return 0
     ap = argparse.ArgumentParser(prog="bench.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--target", action="append", required=True, type=parse_target,
                     help="NAME=URL[,MODEL]; the first is the baseline (baton)")  # fmt: skip
     ap.add_argument("--grid", action="append", required=True, help="WORKLOAD:C1,C2,... (repeat for more workloads)")
+    ap.add_argument("--floor", action="append", help="a target that is a floor (the transformers server): "
+                    "in the ratio tables, but not a contender for the best-peer table")  # fmt: skip
     ap.add_argument("--cell-cap", type=float, default=300.0, help="seconds per target per cell")
     ap.add_argument("--requests", type=int, help="requests per cell (default: BENCHMARKS.md's 12/32/64 at c=1/8/32)")
     ap.add_argument("--request-timeout", type=float, default=600.0)
@@ -268,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     if len({t.name for t in args.target}) != len(args.target):
         ap.error("--target names must differ")
+    unknown = set(args.floor or ()) - {t.name for t in args.target[1:]}
+    if unknown:
+        ap.error(f"--floor {', '.join(sorted(unknown))}: not a peer's --target name")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     doc = asyncio.run(run_comparison(args))

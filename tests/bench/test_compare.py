@@ -5,6 +5,7 @@ server against itself)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from bench.compare import (
     Cell,
     Target,
     absolute_table,
+    best_table,
     main,
     parse_cells,
     parse_target,
@@ -23,6 +25,7 @@ from bench.compare import (
     ratios,
     report,
     turn,
+    versus_best,
 )
 from bench.report import RunSummary
 from cluster.server import ServerConfig
@@ -73,12 +76,16 @@ def test_ratios_are_baseline_over_peer_and_absent_without_a_figure() -> None:
     faster = summary(tok_s=300.0, ttft=20.0, itl=5.0)
     slower = summary(tok_s=100.0, ttft=80.0, itl=10.0)
     got = ratios(faster, slower)
-    assert got == {"tok/s": 3.0, "TTFT p50": 0.25, "TTFT p99": 0.25, "ITL p50": 0.5, "ITL p99": 0.5}
+    assert got == {"tok/s": 3.0, "TTFT p50": 0.25, "TTFT p99": 0.25, "ITL p50": 0.5, "ITL p99": 0.5, "TPOT p50": 0.5}
     assert ratios(slower, faster)["tok/s"] == pytest.approx(1 / 3)
     nothing = summary(tok_s=0.0, ttft=None, itl=None, ok=0)  # a peer that finished no request
     assert set(ratios(faster, nothing).values()) == {None}
     assert set(ratios(nothing, faster).values()) == {None}
     assert ratios(faster, summary(itl=None))["ITL p50"] is None  # one-token outputs: no ITL
+    # A peer that sends tokens in bursts has an ITL p50 of ~0: no ratio, where TPOT still has one.
+    bursty = summary(itl=0.0)
+    assert ratios(faster, bursty)["ITL p50"] is None and ratios(bursty, faster)["ITL p50"] is None
+    assert ratios(faster, dataclasses.replace(summary(), itl_p50_ms=0.0))["TPOT p50"] == 0.5
 
 
 def test_tables_and_the_document_carry_every_cell_and_peer(tmp_path: Path) -> None:
@@ -91,12 +98,12 @@ def test_tables_and_the_document_carry_every_cell_and_peer(tmp_path: Path) -> No
         ("rag-c32", "vllm"): summary("rag-c32", tok_s=25.0),  # llama never ran rag: its cell is absent
     }  # fmt: skip
     ratio_rows = ratio_table(cells, results, "baton", ["vllm", "llama"]).splitlines()
-    assert ratio_rows[0] == "| cell | peer | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |"
-    assert ratio_rows[2] == "| random-c1 | vllm | 2.00× | 1.00× | 1.00× | 1.00× | 1.00× |"
+    assert ratio_rows[0] == "| cell | peer | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 |"
+    assert ratio_rows[2] == "| random-c1 | vllm | 2.00× | 1.00× | 1.00× | 1.00× | 1.00× | 1.00× |"
     assert ratio_rows[3].startswith("| random-c1 | llama | 0.50× |")
-    assert ratio_rows[5] == "| rag-c32 | llama | – | – | – | – | – |"
+    assert ratio_rows[5] == "| rag-c32 | llama | – | – | – | – | – | – |"
     absolute = absolute_table(cells, results, ["baton", "vllm", "llama"]).splitlines()
-    assert absolute[2] == "| random-c1 | baton | 12/12 | 200.0 | 50 | 100 | 10.0 | 30.0 |"
+    assert absolute[2] == "| random-c1 | baton | 12/12 | 200.0 | 50 | 100 | 10.0 | 30.0 | 10.0 |"
     assert len(absolute) == 2 + 5  # no row for the cell that did not run
 
     doc = report(cells, targets, results, {"baton": "baton-tiny", "vllm": "baton-tiny", "llama": "baton-tiny"})
@@ -104,6 +111,8 @@ def test_tables_and_the_document_carry_every_cell_and_peer(tmp_path: Path) -> No
     assert len(doc["runs"]) == 5 and {r["target"] for r in doc["runs"]} == {"baton", "vllm", "llama"}
     assert [(r["cell"], r["peer"], r["tok/s"]) for r in doc["ratios"]] == [
         ("random-c1", "vllm", 2.0), ("random-c1", "llama", 0.5), ("rag-c32", "vllm", 2.0)]  # fmt: skip
+    assert [(b["cell"], b["figure"], b["peer"], b["ratio"]) for b in doc["versus_best"] if b["figure"] == "tok/s"] == [
+        ("random-c1", "tok/s", "llama", 0.5), ("rag-c32", "tok/s", "vllm", 2.0)]  # fmt: skip
     json.dumps(doc)  # the document is plain JSON
     png = tmp_path / "ratios.png"
     plot_ratios(doc, png)
@@ -123,10 +132,14 @@ def test_a_small_comparison_end_to_end(baton: ServerHandle, tmp_path: Path, caps
     gone = f"http://127.0.0.1:{free_port()}"  # a peer that is not running: its cells fail, the rest go on
     code = main(["--target", f"baton={baton.url}", "--target", f"again={baton.url},baton-tiny",
                  "--target", f"gone={gone},baton-tiny", "--grid", "random:1,2", "--requests", "3",
-                 "--cell-cap", "60", "--out", str(out), "--plot", str(png)])  # fmt: skip
+                 "--cell-cap", "60", "--floor", "gone", "--out", str(out), "--plot", str(png)])  # fmt: skip
     assert code == 1  # not every target finished its requests
     doc = json.loads(out.read_text())
     assert doc == json.loads(capsys.readouterr().out)
+    assert main(["tables", str(out)]) == 0  # the saved document renders its tables again
+    tables = capsys.readouterr().out.split("\n\n")
+    assert len(tables) == 3 and "| random-c2 | again |" in tables[1]
+    assert tables[2].splitlines()[2].startswith("| random-c1 |") and "(gone)" not in tables[2]
     runs = {(r["label"], r["target"]): r for r in doc["runs"]}
     assert set(runs) == {(c, t) for c in ("random-c1", "random-c2") for t in ("baton", "again", "gone")}
     ran = [r for (_, t), r in runs.items() if t != "gone"]
@@ -140,3 +153,28 @@ def test_a_small_comparison_end_to_end(baton: ServerHandle, tmp_path: Path, caps
     assert all(by_peer[(c, "again")]["tok/s"] > 0 for c in ("random-c1", "random-c2"))
     assert all(by_peer[(c, "gone")]["tok/s"] is None for c in ("random-c1", "random-c2"))
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_baton_is_set_against_the_best_peer_on_each_figure() -> None:
+    """P1 and P3 read: the most tok/s and the least time among the peers, whoever has them;
+    a bursty peer's ~0 ITL does not count as the best ITL."""
+    cells = [Cell("rag", 8)]
+    results = {
+        ("rag-c8", "baton"): summary("rag-c8", tok_s=300.0, ttft=40.0, itl=8.0),
+        ("rag-c8", "vllm"): summary("rag-c8", tok_s=400.0, ttft=100.0, itl=0.0),
+        ("rag-c8", "llama"): summary("rag-c8", tok_s=200.0, ttft=50.0, itl=4.0),
+        ("rag-c8", "floor"): summary("rag-c8", tok_s=0.0, ttft=None, itl=None, ok=0),
+    }  # fmt: skip
+    best = {b["figure"]: (b["peer"], b["ratio"]) for b in versus_best(cells, results, "baton", ["vllm", "llama", "floor"])}
+    assert best["tok/s"] == ("vllm", 0.75)
+    assert best["TTFT p50"] == ("llama", 0.8) and best["TTFT p99"] == ("llama", 0.8)
+    assert best["ITL p50"] == ("llama", 2.0)
+    assert best["TPOT p50"] == ("llama", 2.0)
+    targets = [Target(n, f"http://127.0.0.1:{i + 1}") for i, n in enumerate(("baton", "vllm", "llama", "floor"))]
+    results[("rag-c8", "floor")] = summary("rag-c8", tok_s=50.0, ttft=9000.0, itl=1.0)  # one at a time
+    doc = report(cells, targets, results, {}, floors=["floor"])
+    assert doc["floors"] == ["floor"] and {b["peer"] for b in doc["versus_best"]} == {"vllm", "llama"}
+    assert any(r["peer"] == "floor" for r in doc["ratios"])  # still in the ratio table
+    table = best_table(doc["versus_best"]).splitlines()
+    assert table[0] == "| cell | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 |"
+    assert table[2].startswith("| rag-c8 | 0.75× (vllm) | 0.80× (llama) | 0.80× (llama) | 2.00× (llama) |")
