@@ -13,7 +13,10 @@ starts, and the order of the targets turns by one from cell to cell: drift of th
 A cell that fails on one target (a refusal, a server gone) is reported under "failures" and
 the comparison goes on. Every target of a cell gets the same prompts (the seed is the cell's, not the target's), over
 its own fresh connections (one per request: llama-server's HTTP library races keep-alive
-reuse), with BENCHMARKS.md's request counts and at most --cell-cap seconds.
+reuse), with BENCHMARKS.md's request counts and at most --cell-cap seconds. The prompts are
+new to every server on every run (a fresh --seed unless one is given, recorded in the
+document): a rerun with the seed of an earlier run against servers that stayed up is served
+from their prefix caches, and a server restarted in between is not.
 
 The first target is the baseline (baton). The ratio table gives, per cell and peer,
 baseline / peer for output tokens/s (above 1: baton is faster) and for TTFT and ITL at p50
@@ -31,6 +34,7 @@ import contextlib
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,7 +299,8 @@ async def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
             results[(cell.label, target.name)] = summary
             logger.info("%s on %s: %d/%d ok, %.1f tok/s", cell.label, target.name, summary.num_ok, summary.num_sent,
                         summary.output_tok_s)  # fmt: skip
-    doc = {**report(cells, targets, results, models, floors=args.floor or ()), "failures": failures}
+    doc = {**report(cells, targets, results, models, floors=args.floor or ()), "seed": args.seed,
+           "failures": failures}  # fmt: skip
     names = [t.name for t in targets]
     print(absolute_table(cells, results, names), file=sys.stderr)
     print(file=sys.stderr)
@@ -339,13 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cell-cap", type=float, default=300.0, help="seconds per target per cell")
     ap.add_argument("--requests", type=int, help="requests per cell (default: BENCHMARKS.md's 12/32/64 at c=1/8/32)")
     ap.add_argument("--request-timeout", type=float, default=600.0)
-    ap.add_argument("--seed", default="0")
+    ap.add_argument("--seed", help="prompt seed (default: a new one per run, recorded in the document): a server "
+                    "that saw the same prompts before serves them from its prefix cache")  # fmt: skip
     ap.add_argument("--vocab-size", type=int, default=16384, help="prompt token ids are drawn from [100, N)")
     ap.add_argument("--tokenizer", help="the model's tokenizer.json (or its directory): re-encodes the outputs of "
                     "servers that return no token ids (llama-server, vLLM) for multi-turn histories")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the JSON document here too")
     ap.add_argument("--plot", type=Path, help="write a PNG of the ratios")
     args = ap.parse_args(argv)
+    if args.seed is None:
+        args.seed = f"{int(time.time())}"
     try:
         args.cells = parse_cells(args.grid)
     except ValueError as exc:

@@ -136,6 +136,7 @@ def test_a_small_comparison_end_to_end(baton: ServerHandle, tmp_path: Path, caps
     assert code == 1  # not every target finished its requests
     doc = json.loads(out.read_text())
     assert doc == json.loads(capsys.readouterr().out)
+    assert doc["seed"].isdigit()  # a fresh seed, recorded
     assert main(["tables", str(out)]) == 0  # the saved document renders its tables again
     tables = capsys.readouterr().out.split("\n\n")
     assert len(tables) == 3 and "| random-c2 | again |" in tables[1]
