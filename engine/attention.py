@@ -18,8 +18,8 @@ Decode is the hot path: one query per sequence. Two backends, chosen per call:
   cache hands every request the same page ids) attend in cascade: the shared pages are
   gathered once and read by all their rows' queries in one matmul, each row's own pages
   after them as before, and the two softmaxes merged under one running max. Without it
-  32 rows of a 2k-token shared prefix gathered 32 copies of it per layer (~39 ms a layer
-  for baton-tiny; cascade ~4 ms).
+  32 rows of a 2k-token shared prefix gathered 32 copies of it per layer (~36 ms a layer
+  for baton-tiny's shapes; cascade ~2 ms).
 - `triton` (CUDA): engine.triton_attention reads K/V straight from the pages through the page
   table, one program per (sequence, KV head), online softmax; no gather, no mask tensor.
 
@@ -46,8 +46,8 @@ class PrefillSeq:
     page_ids: torch.Tensor  # [ceil(context_len / page_size)] int64
 
 
-# Cascade only pays once the shared pages outweigh its extra launches: measured on baton-tiny,
-# 2 rows x 4 pages is about even.
+# Cascade only pays once the shared pages outweigh its extra launches (a dozen small ops per
+# layer); below this many shared pages a run attends the plain way.
 MIN_SHARED_PAGES = 4
 
 

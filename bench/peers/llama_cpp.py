@@ -29,10 +29,9 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
-import urllib.request
 from pathlib import Path
 
+from bench.peers.launch import launch
 from engine.env import cache_dir
 
 VERSION = "0.3.36"  # llama-cpp-python's source distribution (it vendors llama.cpp)
@@ -143,22 +142,7 @@ def start(model_dir: Path, name: str, port: int, slots: int = 32, ctx: int = 983
     url = f"http://127.0.0.1:{port}"
     log = home() / f"server-{port}.log"
     args = server_args(binary, model, name, port, slots, ctx, threads)
-    with open(log, "ab") as sink:
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"llama-server did not answer within {timeout_s:.0f} s; see {log}")
-        time.sleep(0.5)
+    proc = launch("llama-server", args, url, log, timeout_s)
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False)
     return {"peer": "llama-server", "pid": proc.pid, "url": url, "model": name, "gguf": str(model), "log": str(log),
             "versions": {"llama-cpp-python": VERSION, "llama-server": (version.stdout + version.stderr).strip()},

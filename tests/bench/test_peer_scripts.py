@@ -145,3 +145,46 @@ def test_a_venv_where_vllm_does_not_import_is_reported_with_its_error(cache: Pat
     py.chmod(0o755)
     with pytest.raises(RuntimeError, match="No module named 'vllm'"):
         vllm_cpu.versions()
+
+
+_SERVER = """
+import http.server, sys, time
+time.sleep(float(sys.argv[2]))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.end_headers()
+        self.wfile.write(b'{"data": []}')
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_launch_waits_until_the_server_answers(tmp_path: Path) -> None:
+    from bench.peers.launch import launch
+    from tests.cluster.conftest import free_port
+
+    port = free_port()
+    proc = launch("peer", [sys.executable, "-c", _SERVER, str(port), "0.5"], f"http://127.0.0.1:{port}",
+                  tmp_path / "peer.log", timeout_s=30, poll_s=0.1)  # fmt: skip
+    try:
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_launch_reports_a_server_that_exits_or_never_answers(tmp_path: Path) -> None:
+    from bench.peers.launch import launch
+    from tests.cluster.conftest import free_port
+
+    log = tmp_path / "peer.log"
+    with pytest.raises(RuntimeError, match=r"peer exited with 3; see .*peer\.log"):
+        launch("peer", [sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"], "http://127.0.0.1:9",
+               log, timeout_s=30, poll_s=0.1)  # fmt: skip
+    assert "bad flag" in log.read_text()
+    port = free_port()
+    with pytest.raises(RuntimeError, match="did not answer within 1 s"):
+        launch("peer", [sys.executable, "-c", _SERVER, str(port), "60"], f"http://127.0.0.1:{port}", log,
+               timeout_s=1, poll_s=0.1)  # fmt: skip
