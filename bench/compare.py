@@ -318,8 +318,12 @@ def tables_of(doc: dict[str, Any]) -> str:
         fields = {k: v for k, v in run.items() if k != "target"}
         summary = RunSummary(**fields)
         results[(summary.label, run["target"])] = summary
-    labels = list(dict.fromkeys(label for label, _ in results))
-    cells = [Cell(label.rsplit("-c", 1)[0], int(label.rsplit("-c", 1)[1])) for label in labels]
+    cells: list[Cell] = []
+    for summary in results.values():
+        if summary.concurrency is None:  # every cell of a comparison is closed-loop
+            raise ValueError(f"run {summary.label} has no concurrency: not a bench.compare document")
+        if (cell := Cell(summary.workload, summary.concurrency)) not in cells:
+            cells.append(cell)
     best = versus_best(cells, results, names[0], [n for n in names[1:] if n not in doc.get("floors", ())])
     return "\n\n".join([absolute_table(cells, results, names), ratio_table(cells, results, names[0], names[1:]),
                         best_table(best)])  # fmt: skip

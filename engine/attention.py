@@ -87,14 +87,16 @@ def decode_groups(
 
 def shared_pages(table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> int:
     """Leading page ids that every row of `table` has in common, counting only pages that lie
-    wholly before each row's last key (so every row keeps at least one key of its own)."""
+    wholly before each row's last key (so every row keeps at least one key of its own); 0
+    when that is fewer than MIN_SHARED_PAGES or there is one row."""
     if table.shape[0] < 2:
         return 0
     limit = min(int((seq_lens.min() - 1) // page_size), table.shape[1])
     if limit < MIN_SHARED_PAGES:
         return 0
     same = (table[:, :limit] == table[:1, :limit]).all(0)
-    return int(same.cumprod(0).sum())
+    shared = int(same.cumprod(0).sum())
+    return shared if shared >= MIN_SHARED_PAGES else 0
 
 
 def decode_runs(
@@ -117,8 +119,6 @@ def decode_runs(
         shared = 0
         if i < len(cascade) and cascade[i] and dtype == torch.float32:
             shared = shared_pages(rows, lens, page_size)
-        if shared < MIN_SHARED_PAGES:
-            shared = 0
         key_pos = torch.arange(shared * page_size, width * page_size, device=table.device)
         bias = torch.zeros(end - first, 1, 1, key_pos.numel(), dtype=dtype, device=table.device)
         bias.masked_fill_((key_pos[None, :] >= lens[:, None]).view(bias.shape), float("-inf"))

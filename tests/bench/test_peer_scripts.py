@@ -129,13 +129,14 @@ def test_vllm_setup_is_not_redone_once_its_import_check_passed(cache: Path, monk
     py = vllm_cpu.python()
     py.parent.mkdir(parents=True)
     py.write_text("")
-    vllm_cpu._ready_marker().write_text("{}")
+    vllm_cpu._ready_marker().write_text('{"vllm": "0.32.0"}')
 
     def no_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("nothing should run")
 
     monkeypatch.setattr(subprocess, "run", no_run)
     assert vllm_cpu.setup() == py
+    assert vllm_cpu.recorded_versions() == {"vllm": "0.32.0"}  # read back, vLLM not imported again
 
 
 def test_a_venv_where_vllm_does_not_import_is_reported_with_its_error(cache: Path) -> None:

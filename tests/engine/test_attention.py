@@ -161,10 +161,9 @@ def test_the_runner_puts_rows_of_one_prefix_together_and_the_rest_longest_first(
 
     made = [Req([7, 1], 5), Req([3, 4], 30), Req([9, 2], 6), Req([3, 5], 20), Req([9, 6], 7), Req([8], 2)]
     rows = [ScheduledRequest(r, 1) for r in made]  # type: ignore[arg-type]
-    ordered = order_decodes(rows)  # type: ignore[arg-type]
+    ordered, keys = order_decodes(rows)  # type: ignore[arg-type]
     assert [r.page_ids[0] for r, _ in ordered] == [3, 3, 9, 9, 7, 8]
     assert [r.num_computed_tokens for r, _ in ordered] == [30, 20, 7, 6, 5, 2]
-    keys = prefix_keys(ordered)  # type: ignore[arg-type]
-    assert keys == [3, 3, 9, 9, -1, -1]
+    assert keys == prefix_keys(ordered) == [3, 3, 9, 9, -1, -1]  # type: ignore[arg-type]
     widths = [-(-(r.num_computed_tokens + 1) // PAGE) for r, _ in ordered]
     assert decode_groups(widths, keys) == ((0, 2, 8), (2, 4, 2), (4, 6, 2))
