@@ -18,11 +18,13 @@ still reports what it finished); a stage that fails records its error and the ne
     host      (e) host-tier (pinned, side stream) copy GB/s each way, per page and in bulk
     graphs    (f) CUDA-graph replay vs eager decode step, and Triton vs torch decode attention
     kernels   each kernel of a decode layer timed alone at batch 64: where the step's time goes
+              (and the Triton decode kernel at each split-KV partition, batch 1/16/64)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -381,6 +383,8 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
         s = row(f"attention_{backend}", lambda meta=meta: paged_attention(q, k_cache, v_cache, meta), kv_bytes)
         if backend == engine.runner.decode_backend:
             per_layer += s
+    if engine.runner.decode_backend == "triton":
+        result["attention_partitions"] = _time_partitions(plan, engine, ctx, reps)
     if model.fused:
         from engine.triton_ops import add_rms_norm, rope_and_cache, silu_mul
 
@@ -397,6 +401,33 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
     head = row("lm_head", lambda: F.linear(x, model.lm_head), model.lm_head.numel() * model.lm_head.element_size())
     result["sum_of_kernels_per_step_ms"] = round((per_layer * cfg.num_layers + head) * 1e3, 3)
     return result
+
+
+def _time_partitions(plan: Plan, engine: Engine, ctx: int, reps: int) -> dict[str, Any]:
+    """The Triton decode kernel per split-KV partition (0: no split) at a few batch sizes, in
+    a table as wide as the graphs' (the model's context), with decode_partition's choice
+    marked: the figures that set its rule (engine.triton_attention)."""
+    from engine.triton_attention import decode_partition, paged_decode
+
+    model, pool = engine.model, engine.pool
+    cfg, lay = model.cfg, pool.layout
+    dev, dtype = model.device, model.dtype
+    gen = torch.Generator(device=dev).manual_seed(1)
+    k_cache, v_cache = pool.layer(0)
+    width = -(-engine.max_model_len // lay.page_size)
+    out: dict[str, Any] = {"context": ctx, "table_keys": width * lay.page_size}
+    for batch in plan.batches[:3]:
+        table = torch.randint(0, pool.num_pages, (batch, width), device=dev, generator=gen)
+        lens = torch.full((batch,), ctx, dtype=torch.int64, device=dev)
+        q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, generator=gen).to(dtype)
+        kv_bytes = batch * ctx * lay.num_kv_heads * lay.head_dim * 2 * pool.kv.element_size()
+        cells: dict[str, Any] = {"chosen": decode_partition(batch, lay.num_kv_heads, width * lay.page_size)}
+        for part in (0, 64, 128, 256, 512):
+            call = functools.partial(paged_decode, q, k_cache, v_cache, table, lens, model.scale, partition=part)
+            s = timed(call, reps)
+            cells[str(part)] = {"us": round(s * 1e6, 1), "gbs": round(kv_bytes / s / 1e9, 1)}
+        out[f"batch_{batch}"] = cells
+    return out
 
 
 # -- (c) prefill ----------------------------------------------------------------------------

@@ -36,3 +36,18 @@ def test_cuda_engine_decodes_through_triton_and_cuda_graphs(tiny_model_dir: Path
     assert gpu.runner.graphs is not None and gpu.runner.graphs.num_graphs == len(gpu.runner.graphs.sizes)
     gpu.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=8, temperature=0.0))
     assert gpu.runner.graphs.num_replays > 0
+
+
+def test_split_kv_decode_matches_the_whole_context_kernel_in_bf16() -> None:
+    from engine.triton_attention import paged_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k = torch.randn(64, 16, 4, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(64, 16, 4, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    table = torch.randint(0, 64, (5, 40), device="cuda", generator=gen)
+    lens = torch.tensor([1, 64, 65, 300, 640], device="cuda")
+    q = torch.randn(5, 32, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    whole = paged_decode(q, k, v, table, lens, 0.125, partition=0)
+    for part in (64, 128, 256):
+        split = paged_decode(q, k, v, table, lens, 0.125, partition=part)
+        torch.testing.assert_close(split, whole, rtol=2e-2, atol=2e-2)
