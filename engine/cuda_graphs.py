@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine.attention import AttnMetadata
@@ -70,6 +71,7 @@ class DecodeGraphs:
         self._width = 4 * b + b * w
         pin = device.type == "cuda"
         self._staging = torch.zeros(self._width, dtype=torch.int64, pin_memory=pin)
+        self._host = self._staging.numpy()  # the same memory, written without torch dispatch
         self._inputs = torch.zeros(self._width, dtype=torch.int64, device=device)
         self.ids, self.positions, self.slots, self.lens = self._inputs[: 4 * b].view(4, b)
         self.table = self._inputs[4 * b :].view(b, w)
@@ -114,25 +116,27 @@ class DecodeGraphs:
     ) -> None:
         n, b, w = len(ids), self.max_batch, self.max_pages
         scratch = self.pool.scratch_page
-        host = self._staging
-        cols = host[: 4 * b].view(4, b)
-        cols[0, :n] = torch.as_tensor(ids, dtype=torch.int64)
-        cols[1, :n] = torch.as_tensor(positions, dtype=torch.int64)
-        cols[2, :n] = torch.as_tensor(slots, dtype=torch.int64)
-        cols[3, :n] = torch.as_tensor([p + 1 for p in positions], dtype=torch.int64)
+        # Filled through numpy views of the staging buffer: a torch op per row (as_tensor and a
+        # slice assignment) cost ~0.56 ms a step at batch 64 on CPU, numpy's ~0.06 ms.
+        cols = self._host[: 4 * b].reshape(4, b)
+        cols[0, :n] = ids
+        cols[1, :n] = positions
+        cols[2, :n] = slots
+        np.add(cols[1, :n], 1, out=cols[3, :n])
         cols[0:2, n:bucket] = 0
         cols[2, n:bucket] = scratch * self.page_size
         cols[3, n:bucket] = 1
-        table = host[4 * b :].view(b, w)
-        table[:bucket].fill_(scratch)
+        table = self._host[4 * b :].reshape(b, w)
+        table[:bucket] = scratch
         for row, pages in enumerate(tables):
             if len(pages) > w:
                 raise ValueError(f"a sequence of {len(pages)} pages is past the graphs' {w}")
-            table[row, : len(pages)] = torch.as_tensor(pages, dtype=torch.int64)
+            table[row, : len(pages)] = pages
+        host = self._staging
         # Two copies per step (the columns, the bucket's table rows). The previous step's copies
         # have finished before the staging buffer is rewritten: its logits were read.
         self._inputs[: 4 * b].copy_(host[: 4 * b], non_blocking=True)
-        self.table[:bucket].copy_(table[:bucket], non_blocking=True)
+        self.table[:bucket].copy_(host[4 * b :].view(b, w)[:bucket], non_blocking=True)
 
     def _forward(self, bucket: int) -> None:
         meta = AttnMetadata(

@@ -98,7 +98,9 @@ class ModelRunner:
 
         start = time.perf_counter()
         if self.graphs is not None and not prefills and self.graphs.fits(len(decodes)):
-            logits = self._graph_step(decodes)[self._tensor(sample_idx)]
+            logits = self._graph_step(decodes)
+            if len(sample_idx) < len(decodes):  # a 1-token prompt chunk that samples nothing yet
+                logits = logits[self._tensor(sample_idx)]
         else:
             input_ids, positions, slots = self._flat_inputs(ordered)
             meta = self._metadata(prefills, decodes, slots, keys)
