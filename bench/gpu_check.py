@@ -518,6 +518,19 @@ def stage_nccl(plan: Plan, engine: Engine) -> dict[str, Any]:
         book.completed.pop(dest.transfer_id)
         dst_pool.pages.free(pages)
     best = min(times)
+    # where a 64-page chunk's time goes besides NCCL: its digest (each side computes one) and
+    # the store into the reserved pages
+    from kvtransfer.nccl import device_digest
+
+    chunk = kv[:64].contiguous()
+    result["chunk_digest_ms"] = round(timed(lambda: device_digest(chunk), 5) * 1e3, 3)
+    pages = dst_pool.pages.allocate(chunk.shape[0])
+    assert pages is not None
+    dest = book.reserve("self", "req-parts", pages, 1, 30.0)
+    header = next(nccl_chunks(dest, chunk, 1, pages_per_chunk=64))[0]
+    store = receiver.receiver.store
+    book.mark = lambda header: 0  # type: ignore[method-assign]  # the store alone, repeatedly
+    result["chunk_store_ms"] = round(timed(lambda: store(header, chunk), 5) * 1e3, 3)
     result.update(transport_gbs=round(nbytes / best / 1e9, 1), transport_fraction_of_copy=round(copy_s / best, 3),
                   note="one GPU: a functional check; the 80% bandwidth target applies between two GPUs")  # fmt: skip
     channel.close()

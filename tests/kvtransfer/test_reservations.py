@@ -58,7 +58,8 @@ def test_unreserved_or_repeated_pages_are_refused() -> None:
     assert not book.check(_header(dest, [5], layer_end=2**32 - 1))
     book.mark(_header(dest, [5], layer_end=2))
     assert not book.check(_header(dest, [5], layer_start=1, layer_end=3))  # overlaps layer 1
-    assert book.refused_bad_page == 3
+    assert not book.check(_header(dest, [6, 6]))  # one page twice in a chunk
+    assert book.refused_bad_page == 4
 
 
 def test_complete_only_when_every_layer_of_every_page_arrived() -> None:
