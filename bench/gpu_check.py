@@ -11,7 +11,8 @@ still reports what it finished); a stage that fails records its error and the ne
               baton-tiny and a ~1 B-parameter random Llama, through the CUDA path (Triton decode
               kernel, CUDA graphs); plus bf16 agreement, reported only
     decode    (b) decode tokens/s at batch 1/16/64/128 on the ~1 B model in bf16, engine steps
-              and graph replay alone, against the HBM roofline (weights + KV read per step)
+              (async scheduling, and each step read back before the next) and graph replay
+              alone, against the HBM roofline (weights + KV read per step)
     prefill   (c) prefill TFLOP/s at 2k and 8k tokens
     nccl      (d) the NCCL transport end to end: send-to-self on one GPU through the same header
               checks, digests and reservation book as between two; GB/s vs a device copy
@@ -251,7 +252,7 @@ def _kv_bytes_per_token(engine: Engine) -> int:
 
 def _fill_batch(engine: Engine, batch: int, context: int, steps: int, tag: str) -> None:
     rng = np.random.default_rng(batch)
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", rng.integers(4, 16_000, size=context).tolist(), params)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
@@ -280,7 +281,17 @@ def stage_decode(plan: Plan, engine: Engine, ceilings: dict[str, Any]) -> dict[s
         step_s = (time.perf_counter() - t0) / plan.decode_steps
         ctx = plan.decode_context + plan.decode_steps // 2
         bytes_per_step = weights + batch * ctx * per_token_kv
-        row: dict[str, Any] = {"engine_step_ms": round(step_s * 1e3, 3), "engine_tok_s": round(batch / step_s, 1)}
+        row: dict[str, Any] = {"engine_step_ms": round(step_s * 1e3, 3), "engine_tok_s": round(batch / step_s, 1),
+                               "async_scheduling": engine.async_scheduling}  # fmt: skip
+        if engine.async_scheduling:  # the same steps read back before the next is launched
+            engine.async_scheduling = False
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(plan.decode_steps // 2):
+                engine.step()
+            sync()
+            row["engine_step_ms_sync"] = round((time.perf_counter() - t0) / (plan.decode_steps // 2) * 1e3, 3)
+            engine.async_scheduling = True
         graphs = engine.runner.graphs
         if graphs is not None:
             from engine.cuda_graphs import bucket_for
@@ -605,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(EngineConfig(model=str(big), device=plan.device, max_model_len=plan.decode_context + 160,
                                      max_num_seqs=max(plan.batches), max_num_batched_tokens=8192,
                                      max_prefill_chunk=8192, kv_memory_bytes=(24 << 30) if not plan.cpu else (256 << 20),
-                                     enable_prefix_cache=False))  # fmt: skip
+                                     enable_prefix_cache=False,
+                                     # on with CUDA graphs; on CPU too, so the dry run runs it
+                                     async_scheduling=True if plan.cpu else None))  # fmt: skip
         report.data["decode_engine_ready_s"] = round(time.perf_counter() - t0, 1)
     except Exception as err:  # noqa: BLE001
         report.data["decode_engine_error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-2000:]}"

@@ -4,7 +4,7 @@ A decode-only step of `n` sequences runs the graph of the smallest bucket >= n. 
 owns every buffer a graph reads or writes, so a replay only refreshes their contents:
 
     staging (pinned host, int64)  --one copy-->  inputs (device, int64), viewed as
-        ids [B] | positions [B] | slots [B] | lens [B] | table [B, max_pages]
+        ids [B] | positions [B] | slots [B] | lens [B] | carried [B] | table [B, max_pages]
     graph[bucket]: model.forward(ids[:b], positions[:b], meta(table[:b], lens[:b])) -> logits[:b]
 
 Rows n..b-1 of a bucket are padding: token 0 at position 0, length 1, every page the pool's
@@ -68,16 +68,19 @@ class DecodeGraphs:
         self.max_pages = -(-max_model_len // ps)
         device = model.device
         b, w = self.max_batch, self.max_pages
-        self._width = 4 * b + b * w
+        self._width = 5 * b + b * w
         pin = device.type == "cuda"
-        self._staging = torch.zeros(self._width, dtype=torch.int64, pin_memory=pin)
-        self._host = self._staging.numpy()  # the same memory, written without torch dispatch
+        # Two staging buffers, used in turn: with async scheduling the engine stages step k+1
+        # while step k (and its copy out of the other buffer) may still be queued.
+        self._stagings = [torch.zeros(self._width, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self._inputs = torch.zeros(self._width, dtype=torch.int64, device=device)
-        self.ids, self.positions, self.slots, self.lens = self._inputs[: 4 * b].view(4, b)
-        self.table = self._inputs[4 * b :].view(b, w)
+        self.ids, self.positions, self.slots, self.lens, self.carried = self._inputs[: 5 * b].view(5, b)
+        self.table = self._inputs[5 * b :].view(b, w)
         self.logits = torch.zeros(b, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
+        self.num_carried_steps = 0  # steps whose input tokens came from the device (async)
         if capture:
             self._capture_all()
 
@@ -90,14 +93,22 @@ class DecodeGraphs:
         positions: Sequence[int],
         slots: Sequence[int],
         tables: Sequence[Sequence[int]],
+        carried: tuple[torch.Tensor, Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """Logits [n, vocab] of one decode step of n = len(ids) sequences (a view: read it
-        before the next call)."""
+        before the next call). `carried` = (tokens on the device, one index per row or -1):
+        rows with an index take their input token from `tokens` (engine async scheduling)."""
         n = len(ids)
         bucket = bucket_for(n, self.sizes)
         if bucket is None:
             raise ValueError(f"batch of {n} is past the largest graph ({self.max_batch})")
-        self._stage(ids, positions, slots, tables, bucket)
+        self._stage(ids, positions, slots, tables, bucket, carried[1] if carried is not None else None)
+        if carried is not None:
+            # On the device, after the staged copy and before the replay: no host wait.
+            src = self.carried[:n]
+            take = carried[0].index_select(0, src.clamp(min=0))
+            self.ids[:n] = torch.where(src >= 0, take, self.ids[:n])
+            self.num_carried_steps += 1
         graph = self._graphs.get(bucket)
         if graph is not None:
             graph.replay()
@@ -113,30 +124,35 @@ class DecodeGraphs:
         slots: Sequence[int],
         tables: Sequence[Sequence[int]],
         bucket: int,
+        carried: Sequence[int] | None = None,
     ) -> None:
         n, b, w = len(ids), self.max_batch, self.max_pages
         scratch = self.pool.scratch_page
+        host = self._stagings[self._turn]
+        self._turn ^= 1
         # Filled through numpy views of the staging buffer: a torch op per row (as_tensor and a
         # slice assignment) cost ~0.56 ms a step at batch 64 on CPU, numpy's ~0.06 ms.
-        cols = self._host[: 4 * b].reshape(4, b)
+        view = host.numpy()
+        cols = view[: 5 * b].reshape(5, b)
         cols[0, :n] = ids
         cols[1, :n] = positions
         cols[2, :n] = slots
         np.add(cols[1, :n], 1, out=cols[3, :n])
+        cols[4, :n] = carried if carried is not None else -1
         cols[0:2, n:bucket] = 0
         cols[2, n:bucket] = scratch * self.page_size
         cols[3, n:bucket] = 1
-        table = self._host[4 * b :].reshape(b, w)
+        cols[4, n:bucket] = -1
+        table = view[5 * b :].reshape(b, w)
         table[:bucket] = scratch
         for row, pages in enumerate(tables):
             if len(pages) > w:
                 raise ValueError(f"a sequence of {len(pages)} pages is past the graphs' {w}")
             table[row, : len(pages)] = pages
-        host = self._staging
-        # Two copies per step (the columns, the bucket's table rows). The previous step's copies
-        # have finished before the staging buffer is rewritten: its logits were read.
-        self._inputs[: 4 * b].copy_(host[: 4 * b], non_blocking=True)
-        self.table[:bucket].copy_(host[4 * b :].view(b, w)[:bucket], non_blocking=True)
+        # Two copies per step (the columns, the bucket's table rows). The copies out of this
+        # buffer two steps ago have finished: the engine has read that step's tokens since.
+        self._inputs[: 5 * b].copy_(host[: 5 * b], non_blocking=True)
+        self.table[:bucket].copy_(host[5 * b :].view(b, w)[:bucket], non_blocking=True)
 
     def _forward(self, bucket: int) -> None:
         meta = AttnMetadata(

@@ -26,11 +26,11 @@ from engine.loader import checkpoint_fingerprint, load_state_dict
 from engine.model import CausalLM
 from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.request import FinishReason, Request, RequestStatus
-from engine.runner import ModelRunner, RunResult
-from engine.sampler import Sampler
+from engine.runner import PENDING, Carry, ForwardResult, ModelRunner, RunResult
+from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, deferrable
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.structured import GrammarMatcher, StructuredOutputs
+from engine.structured import GrammarMatcher, MaskJob, StructuredOutputs
 from engine.textstate import TextState
 from engine.tokenizer import Tokenizer
 from kvcache.hashing import model_fingerprint
@@ -39,6 +39,31 @@ from kvcache.radix import PrefixCache
 from kvcache.tiers import build_tiers
 
 logger = logging.getLogger(__name__)
+
+
+class _InFlight:
+    """A step sampled on the device and not read back (async scheduling): its tokens, the
+    PENDING slot each request holds for its token, and each request's row in `tokens`."""
+
+    def __init__(self, tokens: torch.Tensor, pending: list[tuple[Request, int]], rows: dict[Request, int]) -> None:
+        self.tokens = tokens
+        self.pending = pending
+        self.rows = rows
+        self.resolved = False
+        self._host = tokens.to("cpu", non_blocking=True)  # pinned, when tokens are on a GPU
+        self._event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def carry(self) -> Carry:
+        return Carry(self.tokens, self.rows)
+
+    def read(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 class Engine:
@@ -88,6 +113,9 @@ class Engine:
             self.tokenizer.to_json, mc.vocab_size, self.eos_ids, cfg.structured, self.device
         )
         self.runner = ModelRunner(self.model, self.pool, sampler, self.eos_ids, backend, graphs)
+        use_async = cfg.async_scheduling
+        self.async_scheduling = graphs is not None if use_async is None else use_async
+        self._inflight: _InFlight | None = None  # async scheduling: the step not read back yet
         self._arrivals = 0
         self._exported: dict[str, ExportedKV] = {}
         # Operator-shared prefixes; the server may add tokenized ones after start-up.
@@ -173,7 +201,10 @@ class Engine:
 
     def abort(self, req_id: str) -> bool:
         """Stop a request in any state and free its pages; False if it was not here."""
-        return self.scheduler.abort(req_id) is not None
+        request = self.scheduler.abort(req_id)
+        if request is not None and request.output_ids and request.output_ids[-1] == PENDING:
+            request.output_ids.pop()  # its token in flight is dropped when read back
+        return request is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_requests > 0
@@ -181,16 +212,31 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """One step of the batch; with async scheduling, the outputs of the step before it
+        (and of this one when it could not be deferred)."""
+        prev, self._inflight = self._inflight, None
+        try:
+            return self._step(prev)
+        except BaseException:
+            if prev is not None and not prev.resolved:
+                self._inflight = prev  # still to be read: the next step starts from it
+            raise
+
+    def _step(self, prev: _InFlight | None) -> list[StepOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return self._resolve(prev) if prev is not None else []
         if self.prefix_cache is not None and self.prefix_cache.host is not None:
             self.prefix_cache.host.fence()  # promoted pages are in, evicted ones out (CUDA)
         masks = self.structured.start(sched.scheduled)  # filled while the forward runs
         self.faults.hit("forward")  # drills only (engine.faults): a failed forward pass
-        result = self.runner.execute(sched, masks)
-        outputs = self._update(sched.scheduled, result)
+        if self.async_scheduling or prev is not None:  # turned off with a step in flight: read it too
+            fwd = self.runner.forward(sched, prev.carry if prev is not None else None)
+            result, outputs = self._sample_async(sched, fwd, masks, prev)
+        else:
+            result = self.runner.execute(sched, masks)
+            outputs = self._update(sched.scheduled, result)
         pages = self.pool.pages
         self.num_preempted_total += len(sched.preempted)
         self.last_stats = StepStats(
@@ -209,12 +255,72 @@ class Engine:
         )
         return outputs
 
+    def _sample_async(
+        self, sched: SchedulerOutput, fwd: ForwardResult, masks: MaskJob | None, prev: _InFlight | None
+    ) -> tuple[RunResult, list[StepOutput]]:
+        """Sample step k on the device and leave it in flight when every row allows it (then
+        read step k-1 back while the device works); else read k-1, then sample k as usual."""
+        rows = [self.runner.sampling_row(request) for request, _ in fwd.sampled]
+        defer = (
+            self.async_scheduling
+            and bool(rows)
+            and masks is None
+            and all(deferrable(row) for row in rows)
+            and not any(request.export_kv for request, _ in fwd.sampled)
+        )
+        if not defer:
+            outputs = self._resolve(prev) if prev is not None else []
+            result = self.runner.sample(fwd, rows, masks)
+            return result, outputs + self._update(sched.scheduled, result)
+        tokens = self.runner.sampler.sample_tokens(fwd.logits, rows)
+        inflight = _InFlight(tokens, [], {})
+        for request, num_new in sched.scheduled:
+            request.num_computed_tokens += num_new
+        for request, row in fwd.sampled:
+            request.output_ids.append(PENDING)
+            inflight.pending.append((request, len(request.output_ids) - 1))
+            inflight.rows[request] = row
+            if len(request.output_ids) >= request.sampling.max_tokens or request.num_tokens >= self.max_model_len:
+                request.finishing = True
+        outputs = self._resolve(prev) if prev is not None else []
+        for request, _ in sched.scheduled:
+            if request.status == RequestStatus.RUNNING:
+                self.scheduler.commit(request)
+        self._inflight = inflight
+        empty = SamplerOutput([], [])
+        return RunResult([], empty, fwd.forward_s, fwd.num_prefill_tokens, fwd.num_decode_tokens), outputs
+
+    def _resolve(self, inflight: _InFlight) -> list[StepOutput]:
+        """Read a deferred step's tokens back and finish its outputs, in order. A request that
+        finished or was aborted meanwhile is skipped; its token is dropped."""
+        tokens = inflight.read()
+        inflight.resolved = True
+        outputs = []
+        for request, index in inflight.pending:
+            if request.status == RequestStatus.FINISHED:
+                continue
+            token = tokens[inflight.rows[request]]
+            request.output_ids[index] = token
+            text, reason = self._check_finish(request, token, num_out=index + 1)
+            if reason is not None:
+                del request.output_ids[index + 1 :]  # a token computed after the end
+                if request.status == RequestStatus.RUNNING:
+                    self.scheduler.finish(request)
+                else:  # preempted meanwhile: it waits in the queue
+                    self.scheduler.abort(request.req_id)
+            outputs.append(self._output(request, token, None, text, reason, index + 1))
+        return outputs
+
     def _update(self, scheduled: Sequence[tuple[Request, int]], result: RunResult) -> list[StepOutput]:
         for request, num_new in scheduled:
+            if request.status != RequestStatus.RUNNING:
+                continue  # async scheduling: it ended on the token read back before this step
             request.num_computed_tokens += num_new
             self.scheduler.commit(request)
         outputs = []
         for request, row in result.sampled:
+            if request.status != RequestStatus.RUNNING:
+                continue
             token = result.samples.token_ids[row]
             logprob = result.samples.logprobs[row]
             request.output_ids.append(token)
@@ -224,27 +330,37 @@ class Engine:
                 if request.export_kv:
                     self._export(request)
                 self.scheduler.finish(request)
-            outputs.append(
-                StepOutput(
-                    req_id=request.req_id,
-                    token_ids=(token,),
-                    text=text,
-                    logprobs=(logprob,) if logprob is not None else (),
-                    finish_reason=reason,
-                    num_prompt_tokens=len(request.prompt_ids),
-                    num_output_tokens=len(request.output_ids),
-                    num_cached_tokens=request.num_cached_tokens,
-                )
-            )
+            outputs.append(self._output(request, token, logprob, text, reason, len(request.output_ids)))
         return outputs
 
+    @staticmethod
+    def _output(
+        request: Request,
+        token: int,
+        logprob: TokenLogprobs | None,
+        text: str,
+        reason: FinishReason | None,
+        num_out: int,
+    ) -> StepOutput:
+        return StepOutput(
+            req_id=request.req_id,
+            token_ids=(token,),
+            text=text,
+            logprobs=(logprob,) if logprob is not None else (),
+            finish_reason=reason,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_output_tokens=num_out,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
     def _check_finish(
-        self, request: Request, token: int, grammar: FinishReason | None = None
+        self, request: Request, token: int, grammar: FinishReason | None = None, num_out: int | None = None
     ) -> tuple[str, FinishReason | None]:
-        """Why the request ends after `token`, if it does; `grammar` is its constraint's say
-        (complete: STOP, failed: ABORT), which ends it whatever min_tokens or ignore_eos say."""
+        """Why the request ends after `token`, its `num_out`-th output (default: the last), if
+        it does; `grammar` is its constraint's say (complete: STOP, failed: ABORT), which ends
+        it whatever min_tokens or ignore_eos say."""
         params = request.sampling
-        num_out = len(request.output_ids)
+        num_out = len(request.output_ids) if num_out is None else num_out
         can_stop = num_out >= params.min_tokens
         text = ""
         if request.text is not None:
@@ -259,7 +375,7 @@ class Engine:
             reason = FinishReason.STOP
         elif can_stop and token in params.stop_token_ids:
             reason = FinishReason.STOP
-        elif num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        elif num_out >= params.max_tokens or len(request.prompt_ids) + num_out >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None and request.text is not None:
             text += request.text.finish()

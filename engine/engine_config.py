@@ -41,6 +41,11 @@ class EngineConfig:
     # CUDA only: capture decode steps in CUDA graphs for batches up to this size (0: eager).
     cuda_graph_max_batch: int = 128
     structured: StructuredConfig = StructuredConfig()  # constrained decoding (engine.structured)
+    # Launch step k+1 before reading step k's tokens back (they reach step k+1 on the device),
+    # so the host's scheduling and output work overlaps the device's forward. None: on with
+    # CUDA graphs, where the host work is most of a step; a request that stops on a token
+    # (EOS, a stop string) then costs one computed token that is dropped.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -57,6 +62,8 @@ class EngineConfig:
             raise ConfigError("attention_backend", f"use auto, torch or triton, got {self.attention_backend!r}")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
             raise ConfigError("cuda_graph_max_batch", f"must be 0 or a positive integer, got {self.cuda_graph_max_batch!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ConfigError("async_scheduling", f"must be true, false or unset, got {self.async_scheduling!r}")
         if not self.device.startswith(("cpu", "cuda")):
             raise ConfigError("device", f"unsupported device {self.device!r}; use cpu or cuda[:N]")
 

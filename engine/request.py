@@ -58,6 +58,9 @@ class Request:
     export_kv: bool = False  # prefill role: keep a copy of the prompt's KV when it finishes
     text: TextState | None = None  # detokenizer + stop strings; None when not detokenizing
     matcher: GrammarMatcher | None = None  # where the output is in its grammar (constrained only)
+    # Async scheduling: the request's last token is in flight and ends it whatever it is
+    # (max_tokens, the context): the scheduler leaves it out until the engine reads it.
+    finishing: bool = False
 
     @property
     def num_tokens(self) -> int:

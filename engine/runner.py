@@ -38,6 +38,20 @@ class ForwardResult(NamedTuple):
     num_decode_tokens: int
 
 
+# An output token sampled on the device and not read back yet (engine async scheduling): it
+# stands in request.output_ids until the engine resolves it, and the runner feeds the real
+# token to the next step from the device (Carry).
+PENDING = -1
+
+
+class Carry(NamedTuple):
+    """The step in flight's sampled tokens, still on the device: the next step's input for
+    each request in `rows` (its token's row in `tokens`)."""
+
+    tokens: torch.Tensor  # [S] int64, on the model's device
+    rows: dict[Request, int]
+
+
 class RunResult(NamedTuple):
     sampled: list[tuple[Request, int]]  # (request, index into sampler output)
     samples: SamplerOutput
@@ -70,7 +84,10 @@ class ModelRunner:
         """Forward the scheduled tokens and sample for every request that caught up, under
         the grammar masks being filled meanwhile (engine.structured) for constrained ones."""
         fwd = self.forward(out)
-        rows = [self._sampling_row(request) for request, _ in fwd.sampled]
+        return self.sample(fwd, [self.sampling_row(request) for request, _ in fwd.sampled], masks)
+
+    def sample(self, fwd: ForwardResult, rows: Sequence[SamplingRow], masks: MaskJob | None = None) -> RunResult:
+        """Sample the rows of a forward pass (their SamplingRows in order) on the host."""
         start = time.perf_counter()
         mask = masks.wait(fwd.sampled) if masks is not None else None
         mask_wait_s = time.perf_counter() - start
@@ -79,8 +96,9 @@ class ModelRunner:
             fwd.sampled, samples, fwd.forward_s, fwd.num_prefill_tokens, fwd.num_decode_tokens, mask_wait_s
         )
 
-    def forward(self, out: SchedulerOutput) -> ForwardResult:
-        """The forward pass alone: logits [S, vocab] of the requests that caught up."""
+    def forward(self, out: SchedulerOutput, carry: Carry | None = None) -> ForwardResult:
+        """The forward pass alone: logits [S, vocab] of the requests that caught up. A request
+        whose pending input is PENDING takes it from `carry` on the device."""
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
         keys: list[int] = []  # the torch path's prefix keys, one per decode row (order_decodes)
@@ -98,11 +116,11 @@ class ModelRunner:
 
         start = time.perf_counter()
         if self.graphs is not None and not prefills and self.graphs.fits(len(decodes)):
-            logits = self._graph_step(decodes)
+            logits = self._graph_step(decodes, carry)
             if len(sample_idx) < len(decodes):  # a 1-token prompt chunk that samples nothing yet
                 logits = logits[self._tensor(sample_idx)]
         else:
-            input_ids, positions, slots = self._flat_inputs(ordered)
+            input_ids, positions, slots = self._flat_inputs(ordered, carry)
             meta = self._metadata(prefills, decodes, slots, keys)
             hidden = self.model.forward(input_ids, positions, meta, self.pool)
             logits = self.model.compute_logits(hidden[self._tensor(sample_idx)])
@@ -110,35 +128,51 @@ class ModelRunner:
         num_prefill = sum(s.num_new for s in prefills)
         return ForwardResult(logits, sampled, forward_s, num_prefill, len(decodes))
 
-    def _graph_step(self, decodes: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def _graph_step(self, decodes: Sequence[ScheduledRequest], carry: Carry | None) -> torch.Tensor:
         assert self.graphs is not None
         ps = self.page_size
-        ids, positions, slots, tables = [], [], [], []
+        ids, positions, slots, tables, src = [], [], [], [], []
         for request, _ in decodes:
             pos = request.num_computed_tokens
             pages = request.page_ids
-            ids.append(request.token_slice(pos, pos + 1)[0])
+            token = request.token_slice(pos, pos + 1)[0]
+            src.append(_carried(carry, request, token))
+            ids.append(max(token, 0))
             positions.append(pos)
             slots.append(pages[pos // ps] * ps + pos % ps)
             tables.append(pages[: pos // ps + 1])
-        return self.graphs.run(ids, positions, slots, tables)
+        if carry is None or max(src) < 0:
+            return self.graphs.run(ids, positions, slots, tables)
+        return self.graphs.run(ids, positions, slots, tables, carried=(carry.tokens, src))
 
     def _flat_inputs(
-        self, ordered: Sequence[ScheduledRequest]
+        self, ordered: Sequence[ScheduledRequest], carry: Carry | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        dst: list[int] = []  # flat positions of PENDING inputs, and their rows in carry.tokens
+        src: list[int] = []
         ps = self.page_size
         for request, num_new in ordered:
             start = request.num_computed_tokens
-            ids.extend(request.token_slice(start, start + num_new))
+            tokens = request.token_slice(start, start + num_new)
+            if tokens[-1] == PENDING:  # only ever a request's last token
+                row = _carried(carry, request, PENDING)
+                dst.append(len(ids) + num_new - 1)
+                src.append(row)
+                tokens[-1] = 0
+            ids.extend(tokens)
             pages = request.page_ids
             for p in range(start, start + num_new):
                 pos.append(p)
                 slots.append(pages[p // ps] * ps + p % ps)
         to = self._tensor
-        return to(ids), to(pos), to(slots)
+        input_ids = to(ids)
+        if dst:
+            assert carry is not None
+            input_ids.index_copy_(0, to(dst), carry.tokens.index_select(0, to(src)))
+        return input_ids, to(pos), to(slots)
 
     def _metadata(
         self,
@@ -176,7 +210,7 @@ class ModelRunner:
             decode_runs=runs,
         )
 
-    def _sampling_row(self, request: Request) -> SamplingRow:
+    def sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling
         blocked: tuple[int, ...] = ()
         if len(request.output_ids) < params.min_tokens:
@@ -191,6 +225,15 @@ class ModelRunner:
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)
+
+
+def _carried(carry: Carry | None, request: Request, token: int) -> int:
+    """The row of `carry.tokens` holding a PENDING input token, or -1 for a known token."""
+    if token != PENDING:
+        return -1
+    if carry is None or request not in carry.rows:
+        raise RuntimeError(f"{request.req_id}: a pending token without the step that samples it")
+    return carry.rows[request]
 
 
 def prefix_keys(decodes: Sequence[ScheduledRequest]) -> list[int]:

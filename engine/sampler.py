@@ -96,6 +96,14 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     return p.is_greedy and p.logprobs is None and not _has_penalties(p)
 
 
+def deferrable(row: SamplingRow) -> bool:
+    """A row whose token the host need not see before the next step is launched: nothing about
+    it depends on earlier tokens on the host (penalties, blocked ids, a grammar's mask) and
+    nothing is reported beside it (logprobs)."""
+    p = row.params
+    return p.logprobs is None and not _has_penalties(p) and not row.blocked_ids
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -321,6 +329,29 @@ class Sampler:
             tokens.index_copy_(0, _index(sample, raw.device), self._sample(work, rows, sample))
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(raw, rows, tokens, token_ids))
+
+    def sample_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids [S] left on the logits' device: engine async scheduling feeds them to the
+        next step on the device and reads them back a step later. Only for rows `deferrable`
+        accepts; their tokens (and the generator's draws) are exactly what __call__ returns
+        for them. Greedy rows and plain temperature sampling never wait for the device; top_k
+        and top_p read a count or a test back (a wait, not a different result)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if not all(deferrable(r) for r in rows):
+            raise ValueError("a row needs its tokens on the host (mask, logprobs, penalties or blocked ids)")
+        logits = logits[:, : self.vocab_size]
+        if all(r.params.is_greedy for r in rows):
+            return logits.argmax(dim=-1)
+        raw = logits.float()
+        tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        if greedy:
+            g = _index(greedy, raw.device)
+            tokens.index_copy_(0, g, raw.index_select(0, g).argmax(dim=-1))
+        sample = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        tokens.index_copy_(0, _index(sample, raw.device), self._sample(raw, rows, sample))
+        return tokens
 
     def _processed(self, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Logits after penalties and blocked ids; raw itself when no row has any."""

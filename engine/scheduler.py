@@ -142,6 +142,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
+            if request.finishing:  # its last token is in flight (engine async scheduling)
+                idx += 1
+                continue
             num_new = min(request.num_pending, budget, self.cfg.max_prefill_chunk)
             if not self._grow(request, num_new, preempted):
                 break  # the request preempted itself: nothing lower-priority was left

@@ -34,8 +34,15 @@ def test_cuda_engine_decodes_through_triton_and_cuda_graphs(tiny_model_dir: Path
     gpu = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=512, max_num_seqs=8))
     assert gpu.runner.decode_backend == "triton" and gpu.model.fused
     assert gpu.runner.graphs is not None and gpu.runner.graphs.num_graphs == len(gpu.runner.graphs.sizes)
-    gpu.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=8, temperature=0.0))
-    assert gpu.runner.graphs.num_replays > 0
+    assert gpu.async_scheduling  # on by default with graphs
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = [[5, 6, 7], list(range(40, 90)), [9] * 17]
+    got = gpu.generate(prompts, params)
+    assert gpu.runner.graphs.num_replays > 0 and gpu.runner.graphs.num_carried_steps > 0
+    sync = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=512, max_num_seqs=8,
+                               async_scheduling=False))  # fmt: skip
+    assert sync.generate(prompts, params) == got
+    assert gpu.free_pages_at_idle() == gpu.pool.num_pages
 
 
 def test_split_kv_decode_matches_the_whole_context_kernel_in_bf16() -> None:

@@ -7,6 +7,7 @@ page may be touched by a padding row.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,13 @@ def test_batch_sizes_cover_every_batch_with_bounded_padding() -> None:
         assert bucket_for(max_batch + 1, sizes) is None
 
 
-@pytest.mark.parametrize("num_prompts", [1, 3, 6])
-def test_padded_graph_path_matches_the_plain_runner(tiny_model_dir: Path, num_prompts: int) -> None:
+@pytest.mark.parametrize(("num_prompts", "async_on"), [(1, False), (3, False), (6, False), (3, True), (6, True)])
+def test_padded_graph_path_matches_the_plain_runner(tiny_model_dir: Path, num_prompts: int, async_on: bool) -> None:
+    """With async scheduling, each graph step takes its rows' input tokens from the step before
+    it on the device (DecodeGraphs.run's `carried`); the tokens must not change."""
     cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256, num_pages=96)
-    plain, padded = Engine(cfg), Engine(cfg)
+    plain = Engine(cfg)
+    padded = Engine(dataclasses.replace(cfg, async_scheduling=async_on))
     graphs = DecodeGraphs(padded.model, padded.pool, 8, padded.max_model_len, "torch", capture=False)
     padded.runner.graphs = graphs
     scratch = padded.pool.kv[:, :, padded.pool.scratch_page].clone()
@@ -49,6 +53,7 @@ def test_padded_graph_path_matches_the_plain_runner(tiny_model_dir: Path, num_pr
     if num_prompts not in graphs.sizes:
         assert not torch.equal(padded.pool.kv[:, :, padded.pool.scratch_page], scratch)
     assert padded.free_pages_at_idle() == padded.pool.num_pages
+    assert graphs.num_carried_steps > 0 if async_on else graphs.num_carried_steps == 0
 
 
 def test_a_batch_past_the_largest_graph_runs_eagerly(tiny_model_dir: Path) -> None:
