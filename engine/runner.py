@@ -98,7 +98,7 @@ class ModelRunner:
 
     def forward(self, out: SchedulerOutput, carry: Carry | None = None) -> ForwardResult:
         """The forward pass alone: logits [S, vocab] of the requests that caught up. A request
-        whose pending input is PENDING takes it from `carry` on the device."""
+        whose next input token is PENDING takes it from `carry`, on the device."""
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
         keys: list[int] = []  # the torch path's prefix keys, one per decode row (order_decodes)
