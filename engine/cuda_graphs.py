@@ -8,7 +8,8 @@ owns every buffer a graph reads or writes, so a replay only refreshes their cont
     graph[bucket]: model.forward(ids[:b], positions[:b], meta(table[:b], lens[:b])) -> logits[:b]
 
 Rows n..b-1 of a bucket are padding: token 0 at position 0, length 1, every page the pool's
-scratch page (never handed out), so their K/V writes and reads touch nothing real and their
+scratch page (never handed out) in the columns this step stages, so their K/V writes and reads
+touch nothing real (a row reads only its own pages: columns past them keep stale ids) and their
 logits are dropped. The table is `max_pages` wide (the model's whole context) so every graph
 is shape-static; the Triton kernel walks only each row's own length, which is why graphs are
 used with the `triton` backend and the torch reference stays eager.
@@ -143,16 +144,21 @@ class DecodeGraphs:
         cols[2, n:bucket] = scratch * self.page_size
         cols[3, n:bucket] = 1
         cols[4, n:bucket] = -1
-        table = view[5 * b :].reshape(b, w)
-        table[:bucket] = scratch
+        # Only the columns some row uses this step: a row's attention reads its own pages and
+        # no further, so what is left past them from earlier steps is never read. (The whole
+        # width is max_model_len / page_size columns: 2 MB a step at batch 128 and 32k tokens.)
+        used = max((len(pages) for pages in tables), default=1)
+        if used > w:
+            raise ValueError(f"a sequence of {used} pages is past the graphs' {w}")
+        table = view[5 * b : 5 * b + bucket * used].reshape(bucket, used)
+        table[:] = scratch
         for row, pages in enumerate(tables):
-            if len(pages) > w:
-                raise ValueError(f"a sequence of {len(pages)} pages is past the graphs' {w}")
             table[row, : len(pages)] = pages
-        # Two copies per step (the columns, the bucket's table rows). The copies out of this
+        # Two copies per step (the columns, the table's used block). The copies out of this
         # buffer two steps ago have finished: the engine has read that step's tokens since.
         self._inputs[: 5 * b].copy_(host[: 5 * b], non_blocking=True)
-        self.table[:bucket].copy_(host[5 * b :].view(b, w)[:bucket], non_blocking=True)
+        block = host[5 * b : 5 * b + bucket * used].view(bucket, used)
+        self.table[:bucket, :used].copy_(block, non_blocking=True)
 
     def _forward(self, bucket: int) -> None:
         meta = AttnMetadata(
