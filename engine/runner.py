@@ -224,6 +224,12 @@ class ModelRunner:
         )
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        if self.device.type == "cuda":
+            # From pinned memory, without waiting: a copy from pageable memory waits for the
+            # stream (with async scheduling, for the step in flight). The caching host allocator
+            # keeps the pinned block until the copy has run.
+            host = torch.tensor(data, dtype=torch.int64, pin_memory=True)
+            return host.to(self.device, non_blocking=True)
         return torch.tensor(data, dtype=torch.int64, device=self.device)
 
 
