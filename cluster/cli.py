@@ -138,6 +138,8 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
                    help="longest piece of one prompt per engine step (chunked prefill; default 512); "
                         "with --max-batched-tokens at least the prompt length, prompts are not chunked")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="token budget of one engine step (default 2048)")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="launch a step before reading the last one back (auto: on with CUDA graphs)")
     p.add_argument("--pin-cores", action="store_true",
                    help="each engine on its own core with one torch thread (unless --threads): Ray actors "
                         "round robin over the cores, prefill first; colocated: the engine's step thread")
@@ -260,6 +262,7 @@ def _config_file(args: argparse.Namespace, command: str):  # type: ignore[no-unt
 
 
 def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: ignore[no-untyped-def]
+    from cluster.cluster_config import ASYNC_SCHEDULING
     from cluster.disagg_config import DisaggConfig
     from cluster.http_api import HttpConfig
     from cluster.server import ServerConfig
@@ -282,7 +285,7 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
                           max_model_len=args.max_model_len, kv_memory_bytes=kv,
                           enable_prefix_cache=not args.no_prefix_cache, num_pages=args.kv_pages,
                           tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir),
-                          **chunking)
+                          async_scheduling=ASYNC_SCHEDULING[args.async_scheduling], **chunking)
     return ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),

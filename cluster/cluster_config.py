@@ -13,7 +13,8 @@ value of the wrong type or out of its range. An example with every key is exampl
     workers:    prefill / decode: count, threads, num_cpus, num_gpus, resources, pin_cores
     kv_cache:   page_size, device_pages, device_memory_gb, host_pages, disk_pages, disk_dir,
                 prefix_cache, shared_prefixes
-    scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk
+    scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk, async_scheduling (auto: on
+                with CUDA graphs; true/on; false/off)
     transfer:   transport (auto, grpc, shm), deadline_s, reservation_ttl_s, pages_per_chunk,
                 shm_slots
     recovery:   max_migrations, watchdog_s, max_restarts
@@ -85,10 +86,15 @@ class KVCacheSection(_Section):
     shared_prefixes: list[str] = Field(default_factory=list, max_length=64)
 
 
+# The CLI's --async-scheduling and the file's scheduler.async_scheduling -> EngineConfig's
+ASYNC_SCHEDULING: dict[str | bool, bool | None] = {"auto": None, "on": True, "off": False, True: True, False: False}
+
+
 class SchedulerSection(_Section):
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_batched_tokens: int = Field(default=2048, ge=16)
     max_prefill_chunk: int = Field(default=512, ge=16)
+    async_scheduling: bool | Literal["auto"] = "auto"  # YAML's on/off/true/false are booleans
 
 
 class TransferSection(_Section):
@@ -246,6 +252,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         enable_prefix_cache=kv.prefix_cache, tiers=TierConfig(kv.host_pages, kv.disk_pages, kv.disk_dir),
         max_num_seqs=f.scheduler.max_num_seqs, max_num_batched_tokens=f.scheduler.max_batched_tokens,
         max_prefill_chunk=f.scheduler.max_prefill_chunk, num_threads=threads,
+        async_scheduling=ASYNC_SCHEDULING[f.scheduler.async_scheduling],
     )  # fmt: skip
     disagg = None
     if w.prefill.count:

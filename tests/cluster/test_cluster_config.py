@@ -40,7 +40,7 @@ workers:
   prefill: {count: 3, threads: 2, num_gpus: 1, resources: {baton_prefill: 1}}
   decode: {count: 5, threads: 4, num_gpus: 1, resources: {baton_decode: 1}}
 kv_cache: {page_size: 32, device_pages: 4096, host_pages: 100, disk_pages: 1000, disk_dir: /cache}
-scheduler: {max_num_seqs: 128, max_batched_tokens: 4096, max_prefill_chunk: 1024}
+scheduler: {max_num_seqs: 128, max_batched_tokens: 4096, max_prefill_chunk: 1024, async_scheduling: off}
 transfer: {transport: grpc, deadline_s: 5, pages_per_chunk: 16}
 placement: {policy: round_robin, local_prefill_tokens: 0}
 membership: {backend: etcd, lease_ttl_s: 3, etcd: {host: etcd.baton, port: 2380}}
@@ -58,6 +58,10 @@ admission: {max_waiting_requests: 10}
     assert (d.membership.etcd_host, d.membership.etcd_port, d.membership.lease_ttl_s) == ("etcd.baton", 2380, 3)
     e = cfg.engine
     assert (e.page_size, e.num_pages, e.max_num_seqs, e.max_prefill_chunk) == (32, 4096, 128, 1024)
+    assert e.async_scheduling is False  # YAML's off
+    on = to_server_config(parse_cluster_file("scheduler: {async_scheduling: true}")).engine
+    assert on.async_scheduling is True
+    assert to_server_config(parse_cluster_file("scheduler: {async_scheduling: auto}")).engine.async_scheduling is None
     assert (e.tiers.host_pages, e.tiers.disk_pages, e.tiers.disk_dir) == (100, 1000, "/cache")
     assert cfg.grpc_port is None and cfg.http.port == 9000 and str(cfg.api_keys_file) == "/keys"
     assert cfg.admission.max_waiting_requests == 10 and cfg.served_model_name == "x"
@@ -71,6 +75,8 @@ admission: {max_waiting_requests: 10}
         ("api: {port: 70000}", "api.port"),
         ("api: {port: '8000'}", "api.port"),  # a string is not a port: no silent coercion
         ("transfer: {transport: nccl}", "transfer.transport"),
+        ("scheduler: {async_scheduling: maybe}", "scheduler.async_scheduling"),
+        ("scheduler: {async_scheduling: 1}", "scheduler.async_scheduling"),
         ("kv_cache: {disk_pages: 10}", "kv_cache.disk_dir"),
         ("api: {tls_cert: /c}", "api.tls_cert"),
         ("cluster: 'a b'", "cluster"),

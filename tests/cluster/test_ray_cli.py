@@ -48,6 +48,14 @@ def test_up_flags_pick_the_deployment() -> None:
     assert served.disagg is not None and served.disagg.ray_address == "127.0.0.1:6379"
 
 
+def test_async_scheduling_flag_reaches_the_engine_config() -> None:
+    assert _config("up").engine.async_scheduling is None  # auto: on with CUDA graphs
+    assert _config("up", "--async-scheduling", "on").engine.async_scheduling is True
+    assert _config("up", "--async-scheduling", "off").engine.async_scheduling is False
+    with pytest.raises(SystemExit):
+        _config("up", "--async-scheduling", "maybe")
+
+
 def test_pin_cores_and_chunking_flags() -> None:
     ray = _config("up", "--prefill", "1", "--decode", "1", "--pin-cores")
     assert ray.disagg is not None and ray.disagg.pin_cores and ray.disagg.num_threads == 1
