@@ -577,6 +577,17 @@ def stage_host(plan: Plan, engine: Engine) -> dict[str, Any]:
     sync()
     h2d = time.perf_counter() - t0
     assert torch.equal(pool.kv[:, :, :n], expect), "host tier round trip changed the pages"
+    # load_many: the prefix cache's promotions of a whole prefix (runs of slots, staged, one
+    # indexed copy), into every other page so the destinations are scattered
+    pool.kv[:, :, :n].zero_()
+    targets = list(range(0, n, 2)) + list(range(1, n, 2))
+    sync()
+    t0 = time.perf_counter()
+    host.load_many([s for s in slots if s is not None], pool.kv, targets)
+    host.fence()
+    sync()
+    h2d_many = time.perf_counter() - t0
+    assert torch.equal(pool.kv[:, :, targets], expect), "load_many put the pages in the wrong places"
     bulk_dev = pool.kv[:, :, :n].permute(2, 0, 1, 3, 4, 5).contiguous()
     bulk_host = torch.empty(bulk_dev.shape, dtype=dtype, pin_memory=not plan.cpu)
     d2h_bulk = timed(lambda: bulk_host.copy_(bulk_dev, non_blocking=True), 3)
@@ -584,6 +595,7 @@ def stage_host(plan: Plan, engine: Engine) -> dict[str, Any]:
     total = n * page_bytes
     return {"pages": n, "page_bytes": page_bytes, "pinned": bool(host.slab.is_pinned()),
             "d2h_per_page_gbs": round(total / d2h / 1e9, 1), "h2d_per_page_gbs": round(total / h2d / 1e9, 1),
+            "h2d_load_many_gbs": round(total / h2d_many / 1e9, 1),
             "d2h_bulk_gbs": round(total / d2h_bulk / 1e9, 1), "h2d_bulk_gbs": round(total / h2d_bulk / 1e9, 1)}  # fmt: skip
 
 

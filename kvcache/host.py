@@ -9,6 +9,8 @@ host's scheduling work and the forward pass already queued:
 
     store(device page)      side stream waits for the compute stream, then copies D2H
     load_into(slot, dst)    H2D into the device page on the side stream
+    load_many(slots, kv, pages)   the same for many pages: a copy per run of consecutive slots
+                            into a staging block, then one indexed copy into the pool
     fence()                 the compute stream waits (on the GPU, not the host) for every copy
                             queued so far: the engine calls it before each forward, so no kernel
                             reads a promoted page early or overwrites an evicted one too soon
@@ -21,6 +23,7 @@ stream, so the later copy cannot overtake the earlier one. On CPU the copies are
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -77,6 +80,35 @@ class HostTier:
         else:
             dst.copy_(page)
         self.bytes_out += page.numel() * page.element_size()
+
+    def load_many(self, slots: Sequence[int], kv: torch.Tensor, page_ids: Sequence[int]) -> None:
+        """Copy the slots' pages into pages `page_ids` of a pool's `kv` ([layers, 2, pages, ...]),
+        ordered before the next fence. On CUDA: one copy per run of consecutive slots into a
+        staging block on the device, then one indexed copy into the pool; page by page
+        (load_into), a strided device page cost a temporary and a kernel each: 2.6 GB/s on the
+        H200 against 55 GB/s in bulk (2026-11-29; the staged path is not measured there yet)."""
+        if len(slots) != len(page_ids):
+            raise ValueError(f"{len(slots)} slots for {len(page_ids)} pages")
+        if not slots:
+            return
+        if self._stream is None or not kv.is_cuda:
+            # On CPU the per-page copies are the faster: 5.3 ms for 128 baton-small pages
+            # against 19 ms staged (a 50 MB staging block and an indexed copy along dim 2).
+            for slot, page_id in zip(slots, page_ids, strict=True):
+                self.load_into(slot, kv[:, :, page_id])
+            return
+        with torch.cuda.stream(self._stream):
+            staging = torch.empty((len(slots), *self.slab.shape[1:]), dtype=self.slab.dtype, device=kv.device)
+            start = 0
+            for end in range(1, len(slots) + 1):
+                if end == len(slots) or slots[end] != slots[end - 1] + 1:
+                    first = slots[start]
+                    staging[start:end].copy_(self.slab[first : first + end - start], non_blocking=True)
+                    start = end
+            index = torch.tensor(page_ids, dtype=torch.int64, pin_memory=True).to(kv.device, non_blocking=True)
+            kv.index_copy_(2, index, staging.movedim(0, 2))
+        self._queued = True
+        self.bytes_out += staging.numel() * staging.element_size()
 
     def fence(self) -> None:
         """Make the compute stream wait for every copy queued so far (no host wait)."""

@@ -148,10 +148,11 @@ class PrefixCache:
                 path = path[: lower[0]]  # no room to promote: reuse the device part only
         found: list[int] = []
         parent: Node | None = None
+        loads: list[tuple[int, int]] = []  # host promotions: (slot, device page), copied together
         for page_hash, node in path:
             tier = node.tier if node is not None else Tier.DISK
             if node is None or node.tier != Tier.DEVICE:
-                node = self._promote(page_hash, node, parent, fresh[0])
+                node = self._promote(page_hash, node, parent, fresh[0], loads)
                 if node is None:
                     break
                 fresh.pop(0)
@@ -160,6 +161,12 @@ class PrefixCache:
             self.stats.hit_pages_by_tier[tier] += 1
             found.append(node.page_id)
             parent = node
+        if loads:
+            assert self.host is not None and self.device is not None
+            slots = [slot for slot, _ in loads]
+            self.host.load_many(slots, self.device.kv, [page_id for _, page_id in loads])
+            for slot in slots:  # a later store into them queues behind these copies
+                self.host.free(slot)
         if fresh:
             self.pages.free(fresh)  # promotions stopped early (an unreadable page)
         return found
@@ -322,9 +329,12 @@ class PrefixCache:
             self.stats.evicted_pages += len(gone)
             self._emit(EventKind.REMOVED, gone, Tier.DISK)
 
-    def _promote(self, page_hash: bytes, node: Node | None, parent: Node | None, page_id: int) -> Node | None:
-        """Copy a host or disk page into device page `page_id`; None (a miss, `page_id` is
-        then the caller's to free) if it cannot be read."""
+    def _promote(
+        self, page_hash: bytes, node: Node | None, parent: Node | None, page_id: int, loads: list[tuple[int, int]]
+    ) -> Node | None:
+        """Copy a disk page into device page `page_id`, or queue a host page's copy on `loads`
+        as (slot, page_id): the caller copies them together, then frees the slots. None (a
+        miss, `page_id` is then the caller's to free) if the page cannot be read."""
         assert self.device is not None
         if node is None:  # on disk
             assert self.disk is not None
@@ -336,15 +346,13 @@ class PrefixCache:
             self.device.write_page(page_id, page)
         else:
             assert self.host is not None and node.tier == Tier.HOST
-            self.host.load_into(node.page_id, self.device.kv[:, :, page_id])
+            loads.append((node.page_id, page_id))
         if node is None:
             salt = parent.salt if parent is not None else b""
             node = self._add(page_hash, parent, page_id, Tier.DEVICE, self._disk_salts.pop(page_hash, salt))
             assert self.disk is not None
             self.disk.remove(page_hash)
         else:
-            assert self.host is not None
-            self.host.free(node.page_id)
             node.tier, node.page_id = Tier.DEVICE, page_id
         self.stats.promoted_pages += 1
         self._emit(EventKind.TIER_CHANGED, [page_hash], Tier.DEVICE)

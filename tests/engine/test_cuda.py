@@ -58,3 +58,21 @@ def test_split_kv_decode_matches_the_whole_context_kernel_in_bf16() -> None:
     for part in (64, 128, 256):
         split = paged_decode(q, k, v, table, lens, 0.125, partition=part)
         torch.testing.assert_close(split, whole, rtol=2e-2, atol=2e-2)
+
+
+def test_host_tier_load_many_stages_runs_of_slots_on_the_side_stream() -> None:
+    from kvcache.host import HostTier
+    from kvcache.pool import DevicePool, KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
+    host = HostTier(layout, 8, torch.bfloat16, pin=True)
+    assert host.slab.is_pinned()
+    host.slab.copy_(torch.randn(host.slab.shape).to(torch.bfloat16))
+    pool = DevicePool(layout, 10, torch.bfloat16, torch.device("cuda"))
+    slots, pages = [2, 3, 4, 0, 6, 7], [9, 1, 5, 3, 0, 8]
+    host.load_many(slots, pool.kv, pages)
+    host.fence()
+    torch.cuda.synchronize()
+    for slot, page in zip(slots, pages, strict=True):
+        assert torch.equal(pool.read_page(page).cpu(), host.slab[slot])
+    assert all(not pool.read_page(p).any() for p in range(10) if p not in pages)

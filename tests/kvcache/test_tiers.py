@@ -104,3 +104,22 @@ def test_a_page_travels_down_and_back_up(tmp_path: Path) -> None:
     seq, pages = cache.snapshot()
     assert dict(pages) == {hashes[0]: Tier.DEVICE, hashes[1]: Tier.HOST}
     assert seq == cache._seq > 0  # the index rebuilds from here and follows events after seq
+
+
+def test_load_many_copies_runs_of_slots_into_scattered_pages() -> None:
+    """Host promotions in one go (PrefixCache.match): runs of consecutive slots and gaps, device
+    pages in any order; every other page untouched."""
+    import pytest
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4)
+    host = HostTier(layout, 8, torch.float32)
+    host.slab.copy_(torch.arange(host.slab.numel(), dtype=torch.float32).view(host.slab.shape) + 1)
+    pool = DevicePool(layout, 10, torch.float32)
+    slots, pages = [2, 3, 4, 0, 6, 7], [9, 1, 5, 3, 0, 8]
+    host.load_many(slots, pool.kv, pages)
+    for slot, page in zip(slots, pages, strict=True):
+        assert torch.equal(pool.read_page(page), host.slab[slot])
+    assert all(not pool.read_page(p).any() for p in range(10) if p not in pages)
+    assert host.bytes_out == len(slots) * host.slab[0].numel() * 4
+    with pytest.raises(ValueError, match="2 pages"):
+        host.load_many([1], pool.kv, [1, 2])
