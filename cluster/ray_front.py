@@ -57,7 +57,7 @@ from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.tracing import NO_SPAN, RequestTrace, Span, first_token, trace_of
 from cluster.transfer_metrics import TransferMetrics
 from cluster.worker_membership import DrainReport
-from cluster.worker_msgs import PrefillResult, TransferReport
+from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
 from kvcache.events import KVEvent, Tier
@@ -585,7 +585,15 @@ class RayFront:
                     self.metrics.stalls.labels("prefill").inc()
                 call.cancel()
                 return
-            p.stats = call.result()
+            stats: PrefillStats = call.result()
+            if p.pid is not None and stats.pid and stats.pid != p.pid:
+                # Ray restarted the actor before a call failed on the old process (the poll
+                # that would have timed out in between): it is a fresh worker that has not
+                # joined membership, so it goes the revive way, not back into rotation.
+                p.mark_dead(f"its process changed ({p.pid} -> {stats.pid}): Ray restarted it")
+                return
+            p.pid = p.pid or stats.pid or None
+            p.stats = stats
             p.reported_at = time.monotonic()
             p.mark_answering()
         except asyncio.CancelledError:
@@ -611,10 +619,11 @@ class RayFront:
         role = "decode" if isinstance(handle, DecodeHandle) else "prefill"
         try:
             async with asyncio.timeout(ADD_WORKER_S):
+                pid: int | None = None
                 if isinstance(handle, DecodeHandle):
                     address: str = await _ray_await(handle.actor.start.remote())
                 else:
-                    await _ray_await(handle.actor.ping.remote())
+                    pid = await _ray_await(handle.actor.ping.remote())
                 epoch: int = await _ray_await(handle.actor.join.remote(self.cfg.membership, self.registry_name,
                                                                       handle.name))  # fmt: skip
                 if isinstance(handle, DecodeHandle):
@@ -638,7 +647,7 @@ class RayFront:
         if isinstance(handle, DecodeHandle):
             handle.revive(address, epoch)
         else:
-            handle.revive(epoch)
+            handle.revive(epoch, pid)
         self.index.add_worker(handle.name, epoch)  # its cache is empty: stale until its snapshot
         self.metrics.restarts.labels(role).inc()
         logger.warning("%s worker %s restarted and rejoined (epoch %d)", role, handle.name, epoch)

@@ -52,6 +52,7 @@ class PrefillHandle:
     reported_at: float = 0.0  # time.monotonic() of `stats`
     is_member: bool = True  # registered: new work may go there (a lease lost or a drain: False)
     is_stalled: bool = False  # its stats poll went unanswered past the watchdog
+    pid: int | None = None  # its actor's process, from its answers (another one: Ray restarted it)
     trouble: asyncio.Event = field(default_factory=asyncio.Event)  # set while stalled or dead
 
     @property
@@ -80,9 +81,9 @@ class PrefillHandle:
         if self.is_alive:
             self.trouble.clear()
 
-    def revive(self, epoch: int) -> None:
+    def revive(self, epoch: int, pid: int | None = None) -> None:
         """Ray restarted its actor and it rejoined (RayFront._revive)."""
-        self.epoch, self.is_alive, self.is_stalled, self.stats = epoch, True, False, None
+        self.epoch, self.is_alive, self.is_stalled, self.stats, self.pid = epoch, True, False, None, pid
         self.trouble.clear()
 
 

@@ -51,6 +51,7 @@ class PrefillStats:
     prefill_s_per_token: float = 0.0  # measured over its recent steps (moving average); 0: none yet
     cache: CacheReport = CacheReport()  # by tier, for status and the per-node metrics
     num_preempted: int = 0  # requests its engine preempted since start
+    pid: int = 0  # its process: another one than before means Ray restarted the actor
 
 
 @dataclass(frozen=True, slots=True)
