@@ -588,6 +588,16 @@ def stage_host(plan: Plan, engine: Engine) -> dict[str, Any]:
     sync()
     h2d_many = time.perf_counter() - t0
     assert torch.equal(pool.kv[:, :, targets], expect), "load_many put the pages in the wrong places"
+    # store_many: an eviction batch to the host (one indexed copy, a copy per run of slots)
+    for slot in slots:
+        if slot is not None:
+            host.free(slot)
+    sync()
+    t0 = time.perf_counter()
+    many = host.store_many(pool.kv, targets)
+    host.load(many[-1])  # waits for the side stream
+    d2h_many = time.perf_counter() - t0
+    assert len(many) == n and torch.equal(host.slab[many[0]].to(pool.kv.device), pool.read_page(targets[0]))
     bulk_dev = pool.kv[:, :, :n].permute(2, 0, 1, 3, 4, 5).contiguous()
     bulk_host = torch.empty(bulk_dev.shape, dtype=dtype, pin_memory=not plan.cpu)
     d2h_bulk = timed(lambda: bulk_host.copy_(bulk_dev, non_blocking=True), 3)
@@ -595,7 +605,7 @@ def stage_host(plan: Plan, engine: Engine) -> dict[str, Any]:
     total = n * page_bytes
     return {"pages": n, "page_bytes": page_bytes, "pinned": bool(host.slab.is_pinned()),
             "d2h_per_page_gbs": round(total / d2h / 1e9, 1), "h2d_per_page_gbs": round(total / h2d / 1e9, 1),
-            "h2d_load_many_gbs": round(total / h2d_many / 1e9, 1),
+            "h2d_load_many_gbs": round(total / h2d_many / 1e9, 1), "d2h_store_many_gbs": round(total / d2h_many / 1e9, 1),
             "d2h_bulk_gbs": round(total / d2h_bulk / 1e9, 1), "h2d_bulk_gbs": round(total / h2d_bulk / 1e9, 1)}  # fmt: skip
 
 

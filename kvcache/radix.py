@@ -230,7 +230,17 @@ class PrefixCache:
         victims = self._lru(Tier.DEVICE, num_pages)
         if self.host is not None and len(victims) > self.host.num_free:
             self._make_host_room(len(victims) - self.host.num_free)  # one pass for the batch
-        for node in victims:
+        rest = victims
+        if self.host is not None and self.device is not None and victims:
+            # The batch's copies to the host go together (HostTier.store_many); what does not
+            # fit takes the page-by-page way below (disk, or dropped).
+            slots = self.host.store_many(self.device.kv, [node.page_id for node in victims])
+            for node, slot in zip(victims, slots, strict=False):
+                page_id = node.page_id
+                self._to_host(node, slot)
+                self.pages.free([page_id])
+            rest = victims[len(slots) :]
+        for node in rest:
             page_id = node.page_id
             self._demote_from_device(node)
             self.pages.free([page_id])
@@ -290,9 +300,7 @@ class PrefixCache:
             if slot is None and self._make_host_room(1):
                 slot = self.host.store(self.device.read_page(node.page_id))
             if slot is not None:
-                node.tier, node.page_id = Tier.HOST, slot
-                self.stats.demoted_pages += 1
-                self._emit(EventKind.TIER_CHANGED, [node.hash], Tier.HOST)
+                self._to_host(node, slot)
                 return
         if self.disk is not None and self.device is not None:
             self._to_disk(node, self.device.read_page(node.page_id))
@@ -300,6 +308,11 @@ class PrefixCache:
         self._remove(node)
         self.stats.evicted_pages += 1
         self._emit(EventKind.REMOVED, [node.hash], Tier.DEVICE)
+
+    def _to_host(self, node: Node, slot: int) -> None:
+        node.tier, node.page_id = Tier.HOST, slot
+        self.stats.demoted_pages += 1
+        self._emit(EventKind.TIER_CHANGED, [node.hash], Tier.HOST)
 
     def _make_host_room(self, num_pages: int) -> bool:
         assert self.host is not None

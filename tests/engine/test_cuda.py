@@ -76,3 +76,19 @@ def test_host_tier_load_many_stages_runs_of_slots_on_the_side_stream() -> None:
     for slot, page in zip(slots, pages, strict=True):
         assert torch.equal(pool.read_page(page).cpu(), host.slab[slot])
     assert all(not pool.read_page(p).any() for p in range(10) if p not in pages)
+
+
+def test_host_tier_store_many_stages_an_eviction_batch_on_the_side_stream() -> None:
+    from kvcache.host import HostTier
+    from kvcache.pool import DevicePool, KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
+    host = HostTier(layout, 4, torch.bfloat16, pin=True)
+    pool = DevicePool(layout, 10, torch.bfloat16, torch.device("cuda"))
+    pool.kv.normal_()
+    pages = [7, 2, 9, 4, 5]
+    slots = host.store_many(pool.kv, pages)
+    assert len(slots) == 4 and host.num_free == 0  # as many as there were slots
+    torch.cuda.synchronize()
+    for slot, page in zip(slots, pages, strict=False):
+        assert torch.equal(host.load(slot), pool.read_page(page).cpu())

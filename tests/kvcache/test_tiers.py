@@ -123,3 +123,15 @@ def test_load_many_copies_runs_of_slots_into_scattered_pages() -> None:
     assert host.bytes_out == len(slots) * host.slab[0].numel() * 4
     with pytest.raises(ValueError, match="2 pages"):
         host.load_many([1], pool.kv, [1, 2])
+
+
+def test_store_many_takes_what_fits_in_order() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4)
+    host = HostTier(layout, 3, torch.float32)
+    pool = DevicePool(layout, 10, torch.float32)
+    pool.kv.copy_(torch.arange(pool.kv.numel(), dtype=torch.float32).view(pool.kv.shape))
+    slots = host.store_many(pool.kv, [6, 1, 8, 3])
+    assert slots == [0, 1, 2] and host.num_free == 0
+    for slot, page in zip(slots, [6, 1, 8], strict=True):
+        assert torch.equal(host.load(slot), pool.read_page(page))
+    assert host.store_many(pool.kv, [4]) == []
