@@ -318,15 +318,7 @@ class Sampler:
             if not any(token in row.blocked_ids for token, row in zip(argmax, rows, strict=True)):
                 return SamplerOutput(argmax, [None] * len(rows))
         raw = logits.float()
-        work = self._processed(raw, rows)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)
-        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        if greedy:
-            g = _index(greedy, raw.device)
-            tokens.index_copy_(0, g, work.index_select(0, g).argmax(dim=-1))
-        if len(greedy) < len(rows):
-            sample = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-            tokens.index_copy_(0, _index(sample, raw.device), self._sample(work, rows, sample))
+        tokens = self._choose(self._processed(raw, rows), rows)
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(raw, rows, tokens, token_ids))
 
@@ -343,14 +335,20 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if all(r.params.is_greedy for r in rows):
             return logits.argmax(dim=-1)
-        raw = logits.float()
-        tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+        return self._choose(logits.float(), rows)
+
+    def _choose(self, work: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids [S] from processed float32 logits: argmax for greedy rows, the sampler's
+        draw for the others (one generator call for all of them, so the draws do not depend on
+        which entry point asked)."""
+        tokens = torch.empty(len(rows), dtype=torch.long, device=work.device)
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         if greedy:
-            g = _index(greedy, raw.device)
-            tokens.index_copy_(0, g, raw.index_select(0, g).argmax(dim=-1))
-        sample = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        tokens.index_copy_(0, _index(sample, raw.device), self._sample(raw, rows, sample))
+            g = _index(greedy, work.device)
+            tokens.index_copy_(0, g, work.index_select(0, g).argmax(dim=-1))
+        if len(greedy) < len(rows):
+            sample = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+            tokens.index_copy_(0, _index(sample, work.device), self._sample(work, rows, sample))
         return tokens
 
     def _processed(self, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -25,7 +25,7 @@ stream, so the later copy cannot overtake the earlier one. On CPU the copies are
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -80,12 +80,9 @@ class HostTier:
         with torch.cuda.stream(self._stream):
             index = torch.tensor(page_ids[:take], dtype=torch.int64, pin_memory=True).to(kv.device, non_blocking=True)
             staging = kv.index_select(2, index).movedim(2, 0).contiguous()  # [n, layers, 2, ...]
-            start = 0
-            for end in range(1, take + 1):
-                if end == take or slots[end] != slots[end - 1] + 1:
-                    first = slots[start]
-                    self.slab[first : first + end - start].copy_(staging[start:end], non_blocking=True)
-                    start = end
+            for start, end in _runs(slots):
+                first = slots[start]
+                self.slab[first : first + end - start].copy_(staging[start:end], non_blocking=True)
         self._queued = True
         self.bytes_in += staging.numel() * staging.element_size()
         return slots
@@ -127,12 +124,9 @@ class HostTier:
             return
         with torch.cuda.stream(self._stream):
             staging = torch.empty((len(slots), *self.slab.shape[1:]), dtype=self.slab.dtype, device=kv.device)
-            start = 0
-            for end in range(1, len(slots) + 1):
-                if end == len(slots) or slots[end] != slots[end - 1] + 1:
-                    first = slots[start]
-                    staging[start:end].copy_(self.slab[first : first + end - start], non_blocking=True)
-                    start = end
+            for start, end in _runs(slots):
+                first = slots[start]
+                staging[start:end].copy_(self.slab[first : first + end - start], non_blocking=True)
             index = torch.tensor(page_ids, dtype=torch.int64, pin_memory=True).to(kv.device, non_blocking=True)
             kv.index_copy_(2, index, staging.movedim(0, 2))
         self._queued = True
@@ -152,3 +146,12 @@ class HostTier:
             raise AssertionError("a host slot is free twice")
         if len(self._free) + cached_slots != self.num_pages:
             raise AssertionError(f"host: {len(self._free)} free + {cached_slots} cached != {self.num_pages}")
+
+
+def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """[start, end) index ranges of `slots` whose values run consecutively: one copy each."""
+    start = 0
+    for end in range(1, len(slots) + 1):
+        if end == len(slots) or slots[end] != slots[end - 1] + 1:
+            yield start, end
+            start = end

@@ -71,10 +71,10 @@ def _summary(outs: dict[str, list[StepOutput]]) -> dict[str, tuple[object, ...]]
     }
 
 
-def _mix(engine: Engine) -> list[tuple[str, list[int], SamplingParams]]:
+def _mix(probe: Engine) -> list[tuple[str, list[int], SamplingParams]]:
     """Greedy and seeded rows (deferred), rows that are not (logprobs, penalties, min_tokens),
-    a stop string and a stop token found from a first run, prompts that share a prefix."""
-    probe = _engine(engine.cfg.model and Path(engine.cfg.model), False)  # type: ignore[arg-type]
+    a stop string and a stop token found from a first run on `probe` (left idle), prompts
+    that share a prefix."""
     base = [120, 45, 999, 3012, 77, 5150, 23, 8000] * 3
     first = probe.generate([base], SamplingParams(max_tokens=30, temperature=0.0))[0]
     text = probe.tokenizer.decode(first)
@@ -94,7 +94,7 @@ def _mix(engine: Engine) -> list[tuple[str, list[int], SamplingParams]]:
 
 def test_async_outputs_equal_the_synchronous_engines(tiny_model_dir: Path) -> None:
     sync = _engine(tiny_model_dir, False)
-    requests = _mix(sync)
+    requests = _mix(_engine(tiny_model_dir, False))
     want = _summary(_drive(sync, requests))
     eng = _engine(tiny_model_dir, True)
     got = _summary(_drive(eng, requests))
