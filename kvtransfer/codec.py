@@ -82,6 +82,15 @@ class WireChunk:
     payload: bytes | memoryview
 
 
+@dataclass(slots=True)
+class DeviceChunk:
+    """One chunk that stays where its pages live (the nccl transport): the header, whose
+    checksum covers a digest of the block computed there, and the page-major block itself."""
+
+    header: pb.PageChunkHeader
+    block: torch.Tensor
+
+
 MAX_HEADER_BYTES = 64 << 10  # a header is small: ids, a token, hashes and a shape
 
 

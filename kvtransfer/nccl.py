@@ -22,7 +22,12 @@ machine on CPU through `LoopbackFabric`, which pairs sends with recvs in memory.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import importlib
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections import deque
@@ -33,7 +38,14 @@ from typing import Any, Protocol
 import torch
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
-from kvtransfer.codec import DTYPES, CodecLimits, TransferError, _checksum, check_header
+from kvtransfer.codec import (
+    DTYPES,
+    CodecLimits,
+    DeviceChunk,
+    TransferError,
+    _checksum,
+    check_header,
+)
 from kvtransfer.transport import KVDestination, KVReceiver
 
 _WIRE_DTYPES = {v: k for k, v in DTYPES.items()}
@@ -106,18 +118,9 @@ class NcclChannel:
 
     def run(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], deadline_s: float) -> None:
         """Enqueue sends and recvs as one group and wait for them; abort past the deadline."""
-        if self.state is not ChannelState.READY or self.comm is None:
-            raise TransferError(f"channel is {self.state.value}")
-        self.state = ChannelState.BUSY
-        comm = self.comm
         deadline = self._clock() + deadline_s
+        done = self.post(sends, recvs)
         try:
-            with comm.group():
-                for buf in sends:
-                    comm.send(buf, self.peer)
-                for buf in recvs:
-                    comm.recv(buf, self.peer)
-            done = comm.completion()
             pause = 20e-6
             while not done.query():
                 if self._clock() >= deadline:
@@ -125,13 +128,56 @@ class NcclChannel:
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
         except BaseException:
-            self._abort()
+            self.abort()
             raise
+        self._settle(sends, recvs)
+
+    async def exchange(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], deadline_s: float) -> None:
+        """`run` for an event loop."""
+        await self.wait(self.post(sends, recvs), sends, recvs, deadline_s)
+
+    def post(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> Completion:
+        """Enqueue one group; the channel is busy until `wait` sees it done."""
+        if self.state is not ChannelState.READY or self.comm is None:
+            raise TransferError(f"channel is {self.state.value}")
+        self.state = ChannelState.BUSY
+        comm = self.comm
+        try:
+            with comm.group():
+                for buf in sends:
+                    comm.send(buf, self.peer)
+                for buf in recvs:
+                    comm.recv(buf, self.peer)
+            return comm.completion()
+        except BaseException:
+            self.abort()
+            raise
+
+    async def wait(
+        self, done: Completion, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], deadline_s: float
+    ) -> None:
+        """Poll a posted group between other tasks. Past the deadline, or cancelled (an outer
+        timeout, the caller gone) with the group in flight, the communicator is aborted."""
+        deadline = self._clock() + deadline_s
+        try:
+            pause = 20e-6
+            while not done.query():
+                if self._clock() >= deadline:
+                    raise TransferError("deadline exceeded")
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        except BaseException:
+            self.abort()
+            raise
+        self._settle(sends, recvs)
+
+    def _settle(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
         self.bytes_sent += sum(_nbytes(b) for b in sends)
         self.bytes_received += sum(_nbytes(b) for b in recvs)
         self.state = ChannelState.READY
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Abort the communicator (ncclCommAbort): what is in flight ends; the channel is dead."""
         self.state = ChannelState.ABORTED
         if self.comm is not None:
             self.comm.abort()
@@ -164,32 +210,53 @@ def device_digest(block: torch.Tensor, width: int = 1024) -> bytes:
     return b"".join((int(v) & mask).to_bytes(8, "little") for v in sums)
 
 
+def device_chunks(
+    dest: KVDestination,
+    kv: torch.Tensor,
+    epoch: int,
+    first_page: int = 0,
+    pages_per_chunk: int = 64,
+) -> list[DeviceChunk]:
+    """`kv` (page-major [pages, layers, 2, ...]: kv[i] is the reservation's page first_page + i)
+    in chunks of pages_per_chunk, each a contiguous block where `kv` lives; the chunk holding
+    the reservation's last page is flagged last."""
+    if first_page + kv.shape[0] > len(dest.dest_page_ids):
+        raise ValueError(
+            f"pages {first_page}..{first_page + kv.shape[0]} of {len(dest.dest_page_ids)} reserved"
+        )
+    chunks = []
+    for start in range(0, kv.shape[0], pages_per_chunk):
+        block = kv[start : start + pages_per_chunk].contiguous()
+        at = first_page + start
+        header = pb.PageChunkHeader(
+            req_id=dest.req_id,
+            transfer_id=dest.transfer_id,
+            transfer_token=dest.token,
+            sender_epoch=epoch,
+            dest_page_ids=list(dest.dest_page_ids[at : at + block.shape[0]]),
+            layer_start=0,
+            layer_end=block.shape[1],
+            dtype=DTYPES[block.dtype],
+            shape=list(block.shape[1:]),
+            payload_bytes=_nbytes(block),
+            is_last=at + block.shape[0] == len(dest.dest_page_ids),
+        )
+        header.checksum = _checksum(header, device_digest(block))
+        chunks.append(DeviceChunk(header, block))
+    return chunks
+
+
 def nccl_chunks(
     dest: KVDestination,
     kv: torch.Tensor,
     epoch: int,
     pages_per_chunk: int = 64,
 ) -> Iterator[tuple[pb.PageChunkHeader, torch.Tensor]]:
-    """(header, device block) per chunk of a page-major block [pages, layers, 2, ...]."""
+    """(header, device block) per chunk of a page-major block holding every reserved page."""
     if kv.shape[0] != len(dest.dest_page_ids):
         raise ValueError(f"{kv.shape[0]} pages for {len(dest.dest_page_ids)} reserved")
-    for start in range(0, kv.shape[0], pages_per_chunk):
-        block = kv[start : start + pages_per_chunk].contiguous()
-        header = pb.PageChunkHeader(
-            req_id=dest.req_id,
-            transfer_id=dest.transfer_id,
-            transfer_token=dest.token,
-            sender_epoch=epoch,
-            dest_page_ids=list(dest.dest_page_ids[start : start + pages_per_chunk]),
-            layer_start=0,
-            layer_end=block.shape[1],
-            dtype=DTYPES[block.dtype],
-            shape=list(block.shape[1:]),
-            payload_bytes=_nbytes(block),
-            is_last=start + pages_per_chunk >= kv.shape[0],
-        )
-        header.checksum = _checksum(header, device_digest(block))
-        yield header, block
+    for chunk in device_chunks(dest, kv, epoch, 0, pages_per_chunk):
+        yield chunk.header, chunk.block
 
 
 class NcclReceiver:
@@ -290,9 +357,11 @@ class CupyComm:
             self._nccl.groupEnd()
 
     def send(self, buf: torch.Tensor, peer: int) -> None:
+        buf.record_stream(self.stream)  # not reused by the allocator while NCCL still reads it
         self._comm.send(buf.data_ptr(), _nbytes(buf), self._nccl.NCCL_UINT8, peer, self.stream.cuda_stream)
 
     def recv(self, buf: torch.Tensor, peer: int) -> None:
+        buf.record_stream(self.stream)
         self._comm.recv(buf.data_ptr(), _nbytes(buf), self._nccl.NCCL_UINT8, peer, self.stream.cuda_stream)
 
     def completion(self) -> Completion:
@@ -302,6 +371,116 @@ class CupyComm:
 
     def abort(self) -> None:
         self._comm.abort()
+
+
+# -- gloo between CPU pools (torch.distributed) ------------------------------------------------
+
+GLOO_UID = b"gloo:"
+
+
+class _Waited:
+    """Done once a thread has waited out every gloo work of a group (gloo's is_completed does
+    not report send/recv); a failed wait is raised from query."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._wait, args=(works,), name="gloo-wait", daemon=True
+        )
+        self._thread.start()
+
+    def _wait(self, works: list[Any]) -> None:
+        try:
+            for work in works:
+                work.wait()
+        except Exception as err:  # noqa: BLE001 - raised to the poller
+            self._error = err
+
+    def query(self) -> bool:
+        if self._thread.is_alive():
+            return False
+        if self._error is not None:
+            raise TransferError(f"gloo: {self._error}")
+        return True
+
+
+class GlooComm:
+    """A Comm over gloo between two processes of one host whose pools are on the CPU: the same
+    channel, rendezvous and wire protocol as NCCL. The rendezvous is a FileStore in a private
+    directory (the uid names it), so nothing listens for it; gloo's own pairs bind loopback."""
+
+    def __init__(self, uid: bytes, rank: int, timeout_s: float = 30.0) -> None:
+        from datetime import timedelta
+
+        dist: Any = importlib.import_module("torch.distributed")  # its stubs miss the gloo classes
+        store = dist.FileStore(os.path.join(_gloo_dir(uid), "store"), 2)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self._group: Any = dist.ProcessGroupGloo(store, rank, 2, options)
+        self._works: list[Any] = []
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        yield
+
+    def send(self, buf: torch.Tensor, peer: int) -> None:
+        self._works.append(self._group.send([_bytes_of(buf)], peer, 0))
+
+    def recv(self, buf: torch.Tensor, peer: int) -> None:
+        self._works.append(self._group.recv([_bytes_of(buf)], peer, 0))
+
+    def completion(self) -> Completion:
+        works, self._works = self._works, []
+        return _Waited(works)
+
+    def abort(self) -> None:
+        self._group.abort()
+
+
+def _bytes_of(buf: torch.Tensor) -> torch.Tensor:
+    if not buf.is_contiguous():
+        raise TransferError("a buffer on the channel must be contiguous")
+    return buf.view(-1).view(torch.uint8)
+
+
+def _gloo_dir(uid: bytes) -> str:
+    path = uid[len(GLOO_UID) :].decode()
+    if not uid.startswith(GLOO_UID) or not os.path.isdir(path):
+        raise TransferError("not a gloo rendezvous")
+    return path
+
+
+def make_uid(device: torch.device) -> bytes:
+    """A fresh rendezvous for one pair, made by the receiving side: NCCL's unique id for a CUDA
+    pool, else a private gloo rendezvous directory (`forget_uid` removes it once joined)."""
+    if device.type == "cuda":
+        return unique_id()
+    return GLOO_UID + tempfile.mkdtemp(prefix="baton-gloo-").encode()
+
+
+def forget_uid(uid: bytes) -> None:
+    if uid.startswith(GLOO_UID):
+        shutil.rmtree(uid[len(GLOO_UID) :].decode(), ignore_errors=True)
+
+
+def open_comm(uid: bytes, rank: int, device: torch.device) -> Comm:
+    """This side's end of a two-rank communicator (blocks until the peer joins too)."""
+    if uid.startswith(GLOO_UID):
+        return GlooComm(uid, rank)
+    return CupyComm(2, uid, rank, device)
+
+
+def nccl_usable(device: torch.device) -> bool:
+    """Whether this process can open NCCL communicators for a pool on `device`."""
+    if device.type != "cuda":
+        return False
+    try:
+        from cupy.cuda import nccl
+
+        return bool(nccl.get_version())
+    except Exception:  # noqa: BLE001 - no CuPy, no NCCL, or no driver: not usable
+        return False
 
 
 # -- an in-memory fabric for the state machine's tests (CPU) ----------------------------------

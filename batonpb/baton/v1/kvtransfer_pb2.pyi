@@ -215,3 +215,62 @@ class PushAck(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushAck: _TypeAlias = PushAck  # noqa: Y015
+
+@_typing.final
+class NcclChunk(_message.Message):
+    """Device to device (kvtransfer/nccl_link.py): /baton.v1.KVTransfer/PushNccl, bidirectional
+    streaming, beside the pages' own channel: an NCCL communicator the pair opened when it was
+    routed (rank 0 the prefill worker, rank 1 the decode worker; gloo between CPU pools). Per
+    chunk the sender writes its header; the receiver checks it (codec bounds, token, epoch,
+    reserved pages), posts the receive into a staging buffer and answers go; only then does the
+    sender post the send. The checksum covers the header and a 16-byte digest of the chunk
+    computed on the device. One chunk is in flight per channel; the last reply carries the ack.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHANNEL_FIELD_NUMBER: _builtins.int
+    channel: _builtins.str
+    """the pair's channel, named by the decode side when it was routed"""
+    @_builtins.property
+    def header(self) -> Global___PageChunkHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___PageChunkHeader | None = ...,
+        channel: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["channel", b"channel", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NcclChunk: _TypeAlias = NcclChunk  # noqa: Y015
+
+@_typing.final
+class NcclReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GO_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    go: _builtins.bool
+    """the receive for the last header is posted: send its pages"""
+    @_builtins.property
+    def ack(self) -> Global___PushAck:
+        """the last reply"""
+
+    def __init__(
+        self,
+        *,
+        go: _builtins.bool = ...,
+        ack: Global___PushAck | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "go", b"go"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NcclReply: _TypeAlias = NcclReply  # noqa: Y015
