@@ -122,8 +122,9 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
                    help="decode prefills a prompt itself when its uncached part is at most this long")
     p.add_argument("--transfer-deadline", type=float, default=10.0,
                    help="seconds a KV transfer may take before the request is re-dispatched")
-    p.add_argument("--kv-transport", choices=["auto", "grpc", "shm"], default="auto",
-                   help="how pages move between actors: auto (shm on one host, else gRPC)")
+    p.add_argument("--kv-transport", choices=["auto", "grpc", "shm", "nccl"], default="auto",
+                   help="how pages move between actors: auto (nccl between CUDA pools, shm on one host, else gRPC); "
+                        "nccl between CPU pools runs over gloo")
     p.add_argument("--placement", choices=["cache", "round_robin"], default="cache",
                    help="where requests go: cache (cache-aware cost model) or round_robin (for comparison)")
     p.add_argument("--shared-prefix", action="append", default=[],

@@ -15,7 +15,7 @@ value of the wrong type or out of its range. An example with every key is exampl
                 prefix_cache, shared_prefixes
     scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk, async_scheduling (auto: on
                 with CUDA graphs; true/on; false/off)
-    transfer:   transport (auto, grpc, shm), deadline_s, reservation_ttl_s, pages_per_chunk,
+    transfer:   transport (auto, grpc, shm, nccl), deadline_s, reservation_ttl_s, pages_per_chunk,
                 shm_slots
     recovery:   max_migrations, watchdog_s, max_restarts
     placement:  policy (cache, round_robin), local_prefill_tokens
@@ -98,7 +98,7 @@ class SchedulerSection(_Section):
 
 
 class TransferSection(_Section):
-    transport: Literal["auto", "grpc", "shm"] = "auto"
+    transport: Literal["auto", "grpc", "shm", "nccl"] = "auto"
     deadline_s: float = Field(default=10.0, gt=0)
     reservation_ttl_s: float = Field(default=30.0, gt=0)
     pages_per_chunk: int = Field(default=32, ge=1, le=4096)

@@ -37,6 +37,8 @@ from engine.engine_config import EngineConfig
 from engine.outputs import StepOutput
 from kvcache.report import CacheReport, cache_report
 from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.nccl import nccl_usable
+from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
@@ -98,6 +100,7 @@ class DecodeActor(KVPublisher, Registered):
         self._loop: asyncio.Task[None] | None = None
         self.shm_slots, self.shm_slot_pages = shm_slots, shm_slot_pages
         self._region: ShmRegion | None = None
+        self.nccl = NcclEndpoint(self.worker.engine.device)  # channels of nccl-routed prefill workers
         self.error: str = ""
         self._report, self._report_at = CacheReport(), -CACHE_REPORT_S
         self._acked = 0  # the last output step the gateway confirmed (a drain waits for all)
@@ -105,7 +108,8 @@ class DecodeActor(KVPublisher, Registered):
     async def start(self) -> str:
         """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
         if self._server is None:
-            receiver, extra = self.worker.receiver, []
+            receiver = self.worker.receiver
+            extra = [nccl_handler(receiver, self.nccl)]
             if self.shm_slots:
                 pool = self.worker.engine.pool
                 page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
@@ -146,6 +150,12 @@ class DecodeActor(KVPublisher, Registered):
         self._wake.set()
         return True
 
+    async def nccl_listen(self) -> tuple[str, bytes]:
+        """Open a channel for one prefill worker (its route's rendezvous): its name and unique
+        id; this side joins it now, the prefill worker within the rendezvous deadline."""
+        self._check_started()
+        return await self.nccl.listen()
+
     async def cancel(self, dest: KVDestination) -> None:
         self.worker.cancel(dest)
         self._settled.fire()
@@ -173,7 +183,8 @@ class DecodeActor(KVPublisher, Registered):
         import ray
 
         return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(),
-                           self.worker.engine.device.type == "cuda", has_shm=self._region is not None)
+                           self.worker.engine.device.type == "cuda", has_nccl=nccl_usable(self.worker.engine.device),
+                           has_shm=self._region is not None)  # fmt: skip
 
     def _kv_address(self) -> str:
         return self.worker.address
@@ -199,6 +210,7 @@ class DecodeActor(KVPublisher, Registered):
             await self._server.stop(None)
         if self._region is not None:
             self._region.close()
+        self.nccl.close()
         self._server = self._loop = self._region = None
 
     # -- the loop -----------------------------------------------------------------------------

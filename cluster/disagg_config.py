@@ -53,7 +53,7 @@ class DisaggConfig:
     chunk_pause_s: float = 0.0  # fault drills only: prefill pauses before each chunk
     poll_wait_s: float = 1.0  # the output stream's long-poll bound
     ray_address: str | None = None  # None: a private local Ray (or the one this process has)
-    transport: str = "auto"  # auto (shm on one host, else gRPC), grpc or shm
+    transport: str = "auto"  # auto (nccl between CUDA pools, shm on one host, else gRPC), grpc, shm or nccl
     shm_slots: int = 4  # per decode worker's /dev/shm region (each slot holds one chunk)
     pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.cpu)
     placement: str = "cache"  # cache: the cost model (cluster.placement); round_robin: for comparison (P7)
@@ -76,8 +76,8 @@ class DisaggConfig:
             raise ConfigError("local_prefill_tokens", "must be >= 0")
         if self.placement not in ("cache", "round_robin"):
             raise ConfigError("placement", f"use cache or round_robin, got {self.placement!r}")
-        if self.transport not in ("auto", "grpc", "shm"):
-            raise ConfigError("transport", f"use auto, grpc or shm, got {self.transport!r}")
+        if self.transport not in ("auto", "grpc", "shm", "nccl"):
+            raise ConfigError("transport", f"use auto, grpc, shm or nccl, got {self.transport!r}")
         if self.shm_slots < 0 or (self.transport == "shm" and not self.shm_slots):
             raise ConfigError("shm_slots", "the shm transport needs at least one slot")
         if not self.transfer_deadline_s > 0 or not self.reservation_ttl_s > 0:

@@ -14,7 +14,9 @@ then); before it, the stream is bounded by the decode side's reservation, which 
 its own. The pages of a transfer stay pinned here (its chunks, held by the push) until the
 decode side acks them, the push fails or is aborted, or the transfer's lease ends. Pushes run
 on the actor's event loop between the engine's steps. Page bytes travel by the transport
-chosen per decode worker (`route`: shm on the same host, else gRPC), never through Ray.
+chosen per decode worker (`route`: nccl between CUDA pools, shm on the same host, else gRPC),
+never through Ray. An nccl route keeps a transfer's chunks on the device; a push that finds its
+channel dead (aborted at a deadline) turns that route to gRPC.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -37,12 +40,14 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.faults import TRANSFER as TRANSFER_FAULTS
 from kvcache.report import cache_report
-from kvtransfer.codec import WireChunk
+from kvtransfer.codec import DeviceChunk, TransferError, WireChunk
 from kvtransfer.grpc_transport import GrpcSender
+from kvtransfer.nccl import nccl_usable
+from kvtransfer.nccl_link import NcclSender
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmSender
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination, KVSender
-from prefill.worker import AbortedIds, PrefillDone, PrefillJob, PrefillWorker
+from prefill.worker import AbortedIds, Chunk, PrefillDone, PrefillJob, PrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +61,13 @@ class _Feed:
     push streams them; the batch holding the chunk flagged last closes the stream."""
 
     def __init__(self) -> None:
-        self._batches: asyncio.Queue[tuple[WireChunk, ...]] = asyncio.Queue()
+        self._batches: asyncio.Queue[tuple[Chunk, ...]] = asyncio.Queue()
         self._timer: asyncio.Timeout | None = None
         self._deadline: float | None = None  # loop time; set at the first token
         self.has_pages = False  # pages are pinned for the push from the first batch on
         self.num_bytes = 0
 
-    def put(self, chunks: tuple[WireChunk, ...]) -> None:
+    def put(self, chunks: tuple[Chunk, ...]) -> None:
         self.has_pages = True
         self._batches.put_nowait(chunks)
 
@@ -77,14 +82,14 @@ class _Feed:
         if timer is not None and self._deadline is not None:
             timer.reschedule(self._deadline)
 
-    async def next_batch(self) -> tuple[WireChunk, ...]:
+    async def next_batch(self) -> tuple[Chunk, ...]:
         return await self._batches.get()
 
-    async def stream(self, first: tuple[WireChunk, ...]) -> AsyncIterator[WireChunk]:
+    async def stream(self, first: tuple[Chunk, ...]) -> AsyncIterator[Chunk]:
         batch = first
         while True:
             for chunk in batch:
-                self.num_bytes += memoryview(chunk.payload).nbytes
+                self.num_bytes += chunk.header.payload_bytes
                 yield chunk
             if batch and batch[-1].header.is_last:
                 return
@@ -122,6 +127,7 @@ class PrefillActor(KVPublisher, Registered):
         self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         self.fingerprint_bytes = self.worker.engine.fingerprint
         self._senders: dict[str, KVSender] = {"grpc": GrpcSender()}
+        self._nccl: NcclSender | None = None  # its channels, once a route asks for nccl
         self._routes: dict[str, str] = {}  # decode address -> transport ("grpc" when unset)
         self.push_deadline_s = push_deadline_s
         # a stream opened before the first token: the reservation ends it at the latest, the
@@ -149,16 +155,30 @@ class PrefillActor(KVPublisher, Registered):
         """Where this worker runs, for the choice of transport (kvtransfer.select)."""
         import ray
 
-        device = self.worker.engine.device.type
-        return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(), device == "cuda")
+        device = self.worker.engine.device
+        return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(), device.type == "cuda",
+                           has_nccl=nccl_usable(device))  # fmt: skip
 
-    async def route(self, address: str, transport: str) -> None:
-        """Push to the decode worker at `address` by `transport` ("grpc" or "shm")."""
-        if transport not in self._senders:
+    async def route(self, address: str, transport: str, rendezvous: tuple[str, bytes] | None = None) -> str:
+        """Push to the decode worker at `address` by `transport` ("grpc", "shm" or "nccl": then
+        `rendezvous` is the channel the decode side listens on, from its nccl_listen); returns
+        the transport in use, gRPC when the nccl channel did not open."""
+        if transport == "nccl":
+            if rendezvous is None:
+                raise ValueError("an nccl route needs the decode side's rendezvous")
+            if self._nccl is None:
+                self._nccl = self._senders["nccl"] = NcclSender(self.worker.engine.device)
+            try:
+                await self._nccl.connect(address, *rendezvous)
+            except TransferError as err:
+                logger.warning("no nccl channel to %s (%s): pages go by gRPC", address, err.reason)
+                transport = "grpc"
+        elif transport not in self._senders:
             if transport != "shm":
                 raise ValueError(f"unknown transport {transport!r}")
             self._senders["shm"] = ShmSender()
         self._routes[address] = transport
+        return transport
 
     async def prefill(self, job: PrefillJob, dest: KVDestination) -> PrefillResult:
         if self._loop is None:
@@ -171,10 +191,11 @@ class PrefillActor(KVPublisher, Registered):
         future: asyncio.Future[PrefillDone] = loop.create_future()
         self._firsts[job.req_id] = future
         feed = _Feed()
-        task = asyncio.create_task(self._push(dest, feed))
+        transport = self._routes.get(dest.address, "grpc")
+        task = asyncio.create_task(self._push(dest, feed, transport))
         push = self._pushes[dest.transfer_id] = _Push(job.req_id, len(dest.dest_page_ids), float("inf"), task, feed)
         try:
-            self.worker.submit(job, dest)
+            self.worker.submit(job, dest, on_device=transport == "nccl")
             self._wake.set()
             done = await future
         except BaseException:
@@ -320,9 +341,8 @@ class PrefillActor(KVPublisher, Registered):
             elif now >= push.lease_end + self.push_deadline_s:
                 del self._pushes[transfer_id]
 
-    async def _push(self, dest: KVDestination, feed: _Feed) -> TransferReport:
+    async def _push(self, dest: KVDestination, feed: _Feed, transport: str) -> TransferReport:
         first = await feed.next_batch()  # no stream is open until there is a page to send
-        transport = self._routes.get(dest.address, "grpc")
         start = time.perf_counter()
         try:
             source = feed.stream(first)
@@ -331,8 +351,9 @@ class PrefillActor(KVPublisher, Registered):
                 source = self._faulty(source, fault)
             async with asyncio.timeout(None) as timer:  # the deadline, once the first token is out
                 feed.watch(timer)
-                sent = self._senders[transport].send(dest, self._paced(source) if self.chunk_pause_s else source,
-                                                     self.stream_limit_s)  # fmt: skip
+                # wire chunks for grpc and shm, device chunks for nccl: the worker made them per route
+                chunks = cast(AsyncIterator[WireChunk], self._paced(source) if self.chunk_pause_s else source)
+                sent = self._senders[transport].send(dest, chunks, self.stream_limit_s)
                 try:
                     result = await sent
                 finally:
@@ -345,20 +366,30 @@ class PrefillActor(KVPublisher, Registered):
         except Exception as exc:
             logger.exception("push of %s failed", dest.transfer_id)
             accepted, error = False, f"transport error: {type(exc).__name__}"
+        if transport == "nccl" and self._nccl is not None and not self._nccl.is_open(dest.address):
+            if self._routes.get(dest.address) == "nccl":
+                logger.warning("nccl channel to %s is dead (%s): pages go by gRPC", dest.address, error)
+                self._routes[dest.address] = "grpc"
         self.num_transfers += 1
         self.num_failed += not accepted
         seconds = time.perf_counter() - start  # first chunk to ack: with the prefill it overlapped
         return TransferReport(dest.transfer_id, transport, accepted, len(dest.dest_page_ids),
                               feed.num_bytes if accepted else 0, seconds, error)
 
-    async def _faulty(self, chunks: AsyncIterator[WireChunk], fault: str) -> AsyncIterator[WireChunk]:
+    async def _faulty(self, chunks: AsyncIterator[Chunk], fault: str) -> AsyncIterator[Chunk]:
         """The push as a damaged link or a wedged sender would make it (engine.faults)."""
-        held: WireChunk | None = None
+        held: Chunk | None = None
         async for chunk in chunks:
-            if fault == "transfer_corrupt" and held is None:
-                payload = bytearray(chunk.payload)
-                payload[len(payload) // 2] ^= 0x40  # after the checksum was computed
-                chunk = WireChunk(chunk.header, bytes(payload))
+            if fault == "transfer_corrupt" and held is None:  # a byte flipped after the checksum
+                if isinstance(chunk, DeviceChunk):
+                    block = chunk.block.clone()
+                    raw = block.view(-1).view(torch.uint8)
+                    raw[raw.numel() // 2] ^= 0x40
+                    chunk = DeviceChunk(chunk.header, block)
+                else:
+                    payload = bytearray(chunk.payload)
+                    payload[len(payload) // 2] ^= 0x40
+                    chunk = WireChunk(chunk.header, bytes(payload))
             elif fault == "transfer_stall" and held is not None:
                 await asyncio.sleep(self.push_deadline_s + 1)  # the deadline passes first
             if held is not None:
@@ -367,7 +398,7 @@ class PrefillActor(KVPublisher, Registered):
         if held is not None and fault != "transfer_truncate":  # truncated: the last chunk never goes
             yield held
 
-    async def _paced(self, chunks: AsyncIterator[WireChunk]) -> AsyncIterator[WireChunk]:
+    async def _paced(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         async for chunk in chunks:
             await asyncio.sleep(self.chunk_pause_s)
             yield chunk

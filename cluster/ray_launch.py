@@ -117,7 +117,7 @@ class Spawner:
             _decode_cfg(self.engine_cfg, index, cfg.num_decode), name=f"baton-{self.run}-decode-{index}",
             reservation_ttl_s=cfg.reservation_ttl_s, admit_lease_s=cfg.transfer_deadline_s,
             local_prefill_tokens=cfg.local_prefill_tokens, resources=cfg.decode_resources,
-            num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport == "grpc" else cfg.shm_slots,
+            num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport in ("grpc", "nccl") else cfg.shm_slots,
             shm_slot_pages=cfg.pages_per_chunk, pin_slot=pin_slot, max_restarts=cfg.max_restarts,
         )  # fmt: skip
 
@@ -144,17 +144,28 @@ class Spawner:
 
 async def route(prefills: list[Any], decodes: list[Any], addresses: list[str], transport: str) -> None:
     """Tell each prefill worker how to reach each decode worker: kvtransfer.select's choice for
-    the pair (shm on one host, else gRPC), or the configured transport."""
+    the pair (nccl between CUDA pools, shm on one host, else gRPC), or the configured transport.
+    An nccl pair opens its channel here: the decode worker listens, the prefill worker joins."""
     prefill_places = await asyncio.gather(*(p.place_of.remote() for p in prefills))
     decode_places = await asyncio.gather(*(d.place_of.remote() for d in decodes))
     calls = []
     for prefill, p_place in zip(prefills, prefill_places, strict=True):
-        for address, d_place in zip(addresses, decode_places, strict=True):
+        for decode, address, d_place in zip(decodes, addresses, decode_places, strict=True):
             kind = TransportKind(transport) if transport != "auto" else choose_transport(p_place, d_place)
-            if kind not in (TransportKind.SHM, TransportKind.GRPC):
-                kind = TransportKind.GRPC  # local needs one process; nccl is not wired to actors yet
-            calls.append(prefill.route.remote(address, kind.value))
+            if kind is TransportKind.LOCAL:
+                kind = TransportKind.GRPC  # local needs one process: actors are two
+            calls.append(_route_pair(prefill, decode, address, kind))
     await asyncio.gather(*calls)
+
+
+async def _route_pair(prefill: Any, decode: Any, address: str, kind: TransportKind) -> None:
+    if kind is not TransportKind.NCCL:
+        await prefill.route.remote(address, kind.value)
+        return
+    rendezvous = await decode.nccl_listen.remote()
+    used = await prefill.route.remote(address, kind.value, rendezvous)
+    if used != kind.value:
+        logger.warning("the pair to %s fell back to %s", address, used)
 
 
 def _decode_cfg(cfg: EngineConfig, index: int, count: int) -> EngineConfig:

@@ -429,8 +429,9 @@ class Engine:
         n_prompt = len(request.prompt_ids)
         n_pages = -(-n_prompt // self.cfg.page_size)
         index = torch.tensor(request.page_ids[:n_pages], dtype=torch.int64, device=self.device)
-        # Page-major and contiguous, so each chunk of pages is one slice on the wire.
-        kv = self.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().to("cpu")
+        # Page-major and contiguous, so each chunk of pages is one slice; it stays on the pool's
+        # device (the nccl transport sends it from there; the codec stages host-bound chunks).
+        kv = self.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
         self._exported[request.req_id] = ExportedKV(request.req_id, n_prompt, request.output_ids[0], kv)
 
     def take_exported(self, req_id: str) -> ExportedKV | None:

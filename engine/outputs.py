@@ -53,4 +53,4 @@ class ExportedKV:
     req_id: str
     num_tokens: int  # prompt tokens covered (the last page may be partial)
     first_token: int
-    kv: torch.Tensor  # [pages, layers, 2, page_size, kv_heads, head_dim], contiguous, on the CPU
+    kv: torch.Tensor  # [pages, layers, 2, page_size, kv_heads, head_dim], contiguous, on the pool's device

@@ -76,6 +76,7 @@ class NcclEndpoint:
 
     async def listen(self, deadline_s: float = RENDEZVOUS_S) -> tuple[str, bytes]:
         """A new channel's name and unique id; this side joins it in the background (rank 1)."""
+        self._closed = False
         name, uid = secrets.token_hex(8), make_uid(self.device)
         channel = NcclChannel(lambda: self._connect(uid, 1, self.device), peer=0)
         self._links[name] = _Link(channel, name=name)

@@ -1,6 +1,8 @@
 """The prefill role: compute a prompt's KV, sample its first token, hand the pages over.
 
-    submit(job, dest)  queue the prompt (prefix match and chunked prefill are the engine's)
+    submit(job, dest)  queue the prompt (prefix match and chunked prefill are the engine's);
+                       `on_device`: its chunks stay on the pool's device (the nccl transport),
+                       else they are encoded for the wire (grpc, shm)
     step()             run one engine step; every prompt that finished yields a PrefillDone:
                        its first token (for the edge, at once) and the page chunks for `dest`
     take_ready()       (optional, after a step) the whole pages computed since the last call
@@ -31,7 +33,8 @@ from engine.engine import Engine
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from engine.sampling import SamplingParams
-from kvtransfer.codec import ChunkMeta, WireChunk, encode_chunk
+from kvtransfer.codec import ChunkMeta, DeviceChunk, WireChunk, encode_chunk
+from kvtransfer.nccl import device_chunks
 from kvtransfer.transport import KVDestination
 
 
@@ -58,6 +61,9 @@ class AbortedIds:
         return req_id in self._at
 
 
+Chunk = WireChunk | DeviceChunk  # on the wire (grpc, shm) or on the device (nccl)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillJob:
     req_id: str
@@ -74,7 +80,7 @@ class PrefillDone:
     text: str  # the first token's text, for the edge
     finish_reason: FinishReason | None  # set when the first token already ends the request
     dest: KVDestination
-    chunks: tuple[WireChunk, ...]  # empty when the request is finished
+    chunks: tuple[Chunk, ...]  # empty when the request is finished
     output: StepOutput  # the first token as the edge streams it (logprobs, cached tokens)
 
 
@@ -84,7 +90,7 @@ class PagesReady:
 
     req_id: str
     dest: KVDestination
-    chunks: tuple[WireChunk, ...]
+    chunks: tuple[Chunk, ...]
 
 
 class PrefillWorker:
@@ -94,11 +100,14 @@ class PrefillWorker:
         self.pages_per_chunk = pages_per_chunk
         self._jobs: dict[str, tuple[PrefillJob, KVDestination]] = {}
         self._num_taken: dict[str, int] = {}  # pages handed out by take_ready, per request
+        self._on_device: set[str] = set()  # requests whose chunks stay on the device
 
-    def submit(self, job: PrefillJob, dest: KVDestination) -> None:
+    def submit(self, job: PrefillJob, dest: KVDestination, on_device: bool = False) -> None:
         self.start(self.engine, job)
         self._jobs[job.req_id] = (job, dest)
         self._num_taken[job.req_id] = 0
+        if on_device:
+            self._on_device.add(job.req_id)
 
     @staticmethod
     def start(engine: Engine, job: PrefillJob) -> None:
@@ -110,6 +119,7 @@ class PrefillWorker:
     def abort(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)
         self._num_taken.pop(req_id, None)
+        self._on_device.discard(req_id)
         self.engine.abort(req_id)
         self.engine.take_exported(req_id)
 
@@ -123,15 +133,17 @@ class PrefillWorker:
                 continue
             job, dest = self._jobs.pop(out.req_id)
             taken = self._num_taken.pop(out.req_id)
+            on_device = out.req_id in self._on_device
+            self._on_device.discard(out.req_id)
             exported = self.engine.take_exported(out.req_id)
             assert exported is not None and taken < len(exported.kv)
             if len(exported.kv) != len(dest.dest_page_ids):
                 raise ValueError(f"{len(exported.kv)} pages for {len(dest.dest_page_ids)} reserved")
             finished = out.finish_reason if self.ends_here(job, out.finish_reason) else None
-            chunks: tuple[WireChunk, ...] = ()
+            chunks: tuple[Chunk, ...] = ()
             if finished is None:
-                # a page-major block: each chunk is a slice of it, sent without a copy
-                chunks = self._chunks(dest, exported.kv[taken:], taken)
+                # a page-major block: each chunk is a slice of it
+                chunks = self._chunks(dest, exported.kv[taken:], taken, on_device)
             first = replace(out, finish_reason=finished)  # LENGTH of the 1-token prefill is not the request's
             done.append(PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks, first))
         return done
@@ -149,20 +161,23 @@ class PrefillWorker:
             # never the last page: it fills in the finishing step, and comes with PrefillDone
             full = min(request.num_computed_tokens, len(job.prompt_ids) - 1) // page_size
             if full > taken:
-                ready.append(PagesReady(req_id, dest, self._chunks(dest, self._pages(request, taken, full), taken)))
+                kv = self._pages(request, taken, full)
+                ready.append(PagesReady(req_id, dest, self._chunks(dest, kv, taken, req_id in self._on_device)))
                 self._num_taken[req_id] = full
         return ready
 
     def _pages(self, request: Request, start: int, end: int) -> torch.Tensor:
-        """Pages start..end-1 of a running request, page-major and contiguous on the CPU (as
-        the engine's export lays them out): [n, layers, 2, page_size, kv_heads, head_dim]."""
+        """Pages start..end-1 of a running request, page-major and contiguous on the pool's
+        device (as the engine's export lays them out): [n, layers, 2, page_size, kv_heads, head_dim]."""
         index = torch.tensor(request.page_ids[start:end], dtype=torch.int64, device=self.engine.device)
-        return self.engine.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().to("cpu")
+        return self.engine.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
 
-    def _chunks(self, dest: KVDestination, kv: torch.Tensor, first_page: int) -> tuple[WireChunk, ...]:
+    def _chunks(self, dest: KVDestination, kv: torch.Tensor, first_page: int, on_device: bool) -> tuple[Chunk, ...]:
         """`kv` (page-major: kv[i] is dest page first_page + i) in chunks of pages_per_chunk;
         the chunk holding the reservation's last page is flagged last."""
-        chunks = []
+        if on_device:
+            return tuple(device_chunks(dest, kv, self.epoch, first_page, self.pages_per_chunk))
+        chunks: list[Chunk] = []
         for start in range(0, len(kv), self.pages_per_chunk):
             end = min(start + self.pages_per_chunk, len(kv))
             pages = dest.dest_page_ids[first_page + start : first_page + end]

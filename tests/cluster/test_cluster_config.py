@@ -74,7 +74,7 @@ admission: {max_waiting_requests: 10}
         ("bogus: 1", "bogus: unknown key"),
         ("api: {port: 70000}", "api.port"),
         ("api: {port: '8000'}", "api.port"),  # a string is not a port: no silent coercion
-        ("transfer: {transport: nccl}", "transfer.transport"),
+        ("transfer: {transport: rdma}", "transfer.transport"),
         ("scheduler: {async_scheduling: maybe}", "scheduler.async_scheduling"),
         ("scheduler: {async_scheduling: 1}", "scheduler.async_scheduling"),
         ("kv_cache: {disk_pages: 10}", "kv_cache.disk_dir"),
