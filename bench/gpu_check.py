@@ -310,6 +310,7 @@ def stage_decode(plan: Plan, engine: Engine, ceilings: dict[str, Any]) -> dict[s
                 row[f"forward_fraction_of_roofline_{label}"] = round(row["forward_tok_s"] / roof, 3)
         if batch == 64 or (plan.cpu and batch == plan.batches[-1]):
             row["host_profile"] = _profile_steps(engine, 8)
+            row.update(_count_syncs(engine, 8))
         result[f"batch_{batch}"] = row
         _drain(engine)
     return result
@@ -330,6 +331,30 @@ def _profile_steps(engine: Engine, steps: int) -> list[str]:
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:15]  # type: ignore[attr-defined]
     return [f"{fn[2]} ({Path(fn[0]).name}:{fn[1]}) tottime={v[2] * 1e3 / steps:.3f}ms/step calls={v[1] // steps}"
             for fn, v in rows]  # fmt: skip
+
+
+def _count_syncs(engine: Engine, steps: int) -> dict[str, Any]:
+    """How often a step makes the host wait for the device (CUDA's sync debug mode warns at
+    each), and from where. With async scheduling one a step is the read-back of the step before;
+    any other is overlap lost."""
+    if not torch.cuda.is_available():
+        return {}
+    import collections
+    import warnings
+
+    sync()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))  # fmt: skip
+    return {"syncs_per_step": round(sum(where.values()) / steps, 2),
+            "sync_sites": [f"{site} x{n / steps:.2f}/step" for site, n in where.most_common(8)]}  # fmt: skip
 
 
 def stage_graphs(plan: Plan, engine: Engine) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.structured import MaskJob
 from kvcache.pool import DevicePool
+from kvcache.upload import upload
 
 
 class ForwardResult(NamedTuple):
@@ -224,13 +225,7 @@ class ModelRunner:
         )
 
     def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
-        if self.device.type == "cuda":
-            # From pinned memory, without waiting: a copy from pageable memory waits for the
-            # stream (with async scheduling, for the step in flight). The caching host allocator
-            # keeps the pinned block until the copy has run.
-            host = torch.tensor(data, dtype=torch.int64, pin_memory=True)
-            return host.to(self.device, non_blocking=True)
-        return torch.tensor(data, dtype=torch.int64, device=self.device)
+        return upload(data, torch.int64, self.device)  # not waiting for the step in flight
 
 
 def _carried(carry: Carry | None, request: Request, token: int) -> int:

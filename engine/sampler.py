@@ -44,6 +44,7 @@ import numpy.typing as npt
 import torch
 
 from engine.sampling import SamplingParams
+from kvcache.upload import upload
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def row_key(seed: int, position: int) -> int:
 
 
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.long, device=device)
+    return upload(ids, torch.long, device)
 
 
 def _flat_ids(
@@ -228,10 +229,12 @@ def _apply_top_k(probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     sel = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if not sel:
         return
-    ks = _index([params[i].top_k for i in sel], probs.device)
+    top_ks = [params[i].top_k for i in sel]
+    ks = _index(top_ks, probs.device)
     rows = _index(sel, probs.device)
     sub = probs[rows]  # [R, V]
-    kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])  # [R, 1]
+    # the widest k from the host's copy: reading it off the device would wait for the step
+    kth = sub.topk(max(top_ks), dim=-1).values.gather(1, (ks - 1)[:, None])  # [R, 1]
     probs[rows] = sub * _mask_ge(sub, kth)
 
 
@@ -243,7 +246,7 @@ def _apply_min_p(
     if not sel:
         return
     rows = _index(sel, probs.device)
-    min_p = torch.tensor([params[i].min_p for i in sel], device=probs.device)[:, None]
+    min_p = upload([params[i].min_p for i in sel], torch.float32, probs.device)[:, None]
     sub = probs[rows]  # [R, V]
     score[rows] = score[rows] * _mask_ge(sub, sub.amax(dim=-1, keepdim=True) * min_p)
 
@@ -326,8 +329,8 @@ class Sampler:
         """Token ids [S] left on the logits' device: engine async scheduling feeds them to the
         next step on the device and reads them back a step later. Only for rows `deferrable`
         accepts; their tokens (and the generator's draws) are exactly what __call__ returns
-        for them. Greedy rows and plain temperature sampling never wait for the device; top_k
-        and top_p read a count or a test back (a wait, not a different result)."""
+        for them. Greedy rows, temperature, top_k and min_p never wait for the device; top_p
+        reads its race's test back each round (a wait, not a different result)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if not all(deferrable(r) for r in rows):
@@ -376,7 +379,7 @@ class Sampler:
         """Token ids for the non-greedy rows `idx`.                                    [S]"""
         dev = work.device
         params = [rows[i].params for i in idx]
-        temps = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+        temps = upload([p.temperature for p in params], torch.float32, dev)[:, None]
         if len(idx) == work.shape[0]:
             x = work / temps
         else:
@@ -391,7 +394,7 @@ class Sampler:
         nucleus = [k for k, p in enumerate(params) if p.top_p < 1.0]
         if not nucleus:
             return score.argmax(dim=-1)
-        top_p = torch.tensor([params[k].top_p for k in nucleus], device=dev)
+        top_p = upload([params[k].top_p for k in nucleus], torch.float32, dev)
         if len(nucleus) == len(idx):
             return _nucleus_race(score, probs, top_p)
         tokens = score.argmax(dim=-1)

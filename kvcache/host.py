@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvcache.pool import KVLayout
+from kvcache.upload import upload
 
 
 class HostTier:
@@ -78,7 +79,7 @@ class HostTier:
         slots = [self._free.popleft() for _ in range(take)]
         self._stream.wait_stream(torch.cuda.current_stream(kv.device))  # the pages are written
         with torch.cuda.stream(self._stream):
-            index = torch.tensor(page_ids[:take], dtype=torch.int64, pin_memory=True).to(kv.device, non_blocking=True)
+            index = upload(page_ids[:take], torch.int64, kv.device)
             staging = kv.index_select(2, index).movedim(2, 0).contiguous()  # [n, layers, 2, ...]
             for start, end in _runs(slots):
                 first = slots[start]
@@ -127,7 +128,7 @@ class HostTier:
             for start, end in _runs(slots):
                 first = slots[start]
                 staging[start:end].copy_(self.slab[first : first + end - start], non_blocking=True)
-            index = torch.tensor(page_ids, dtype=torch.int64, pin_memory=True).to(kv.device, non_blocking=True)
+            index = upload(page_ids, torch.int64, kv.device)
             kv.index_copy_(2, index, staging.movedim(0, 2))
         self._queued = True
         self.bytes_out += staging.numel() * staging.element_size()

@@ -30,6 +30,7 @@ import torch
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvcache.pool import DevicePool
+from kvcache.upload import upload
 from kvtransfer.codec import (
     ChunkMeta,
     CodecLimits,
@@ -198,7 +199,7 @@ class PoolReceiver:
         kv = self.pool.kv
         # One indexed copy per chunk; a copy per page was a kernel launch per page on a GPU
         # (64 a chunk: most of the NCCL transport's time in the 2026-11-29 H200 run).
-        index = torch.tensor(header.dest_page_ids, dtype=torch.int64, device=kv.device)
+        index = upload(header.dest_page_ids, torch.int64, kv.device)  # not waiting for a decode step
         src = pages.to(kv.device, non_blocking=True).movedim(0, 2)  # [layers, 2, n, page_size, ...]
         kv[header.layer_start : header.layer_end].index_copy_(2, index, src)
         return self.book.mark(header)

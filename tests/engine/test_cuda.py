@@ -92,3 +92,27 @@ def test_host_tier_store_many_stages_an_eviction_batch_on_the_side_stream() -> N
     torch.cuda.synchronize()
     for slot, page in zip(slots, pages, strict=False):
         assert torch.equal(host.load(slot), pool.read_page(page).cpu())
+
+
+def test_deferred_sampling_queues_without_waiting_for_the_device() -> None:
+    """sample_tokens with greedy, temperature, top_k, min_p and seeded rows makes no call that
+    synchronises (CUDA's sync debug mode raises on one): with async scheduling, the sampler
+    runs while the forward is in flight. Its tokens equal __call__'s."""
+    from engine.sampler import Sampler, SamplingRow
+
+    vocab = 512
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = torch.randn(5, vocab, device="cuda", generator=gen).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.0, min_p=0.05),
+              SamplingParams(temperature=0.9, top_k=5, seed=11)]  # fmt: skip
+    rows = [SamplingRow(p, 40 + i, [], [], ()) for i, p in enumerate(params)]
+    sampler = Sampler(vocab, seed=3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sampler.sample_tokens(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    again = Sampler(vocab, seed=3)(logits, rows)
+    assert tokens.tolist() == again.token_ids
