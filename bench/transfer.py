@@ -4,8 +4,8 @@ next to computing them, per transport, and against the raw ceiling of each path 
     python -m bench.transfer [--model baton-small] [--prompt-len 2000]
 
 For one prompt: the prefill time (engine, export on), then for each transport the time of a
-full push into a decode engine's reserved pages (encode, checksum, move, verify, write), and
-for gRPC the raw grpc.aio ceiling: the same bytes streamed as opaque messages of the same
+full push into a decode engine's reserved pages (encode, checksum, move, verify, write; nccl
+runs over gloo between CPU pools, through the same channel and PushNccl headers), and for gRPC the raw grpc.aio ceiling: the same bytes streamed as opaque messages of the same
 size through a trivial service on loopback; for shm the raw memcpy ceiling: the same bytes
 copied chunk by chunk into a shared-memory region. Prints JSON lines and a table.
 """
@@ -45,28 +45,39 @@ async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int
     from engine.sampling import SamplingParams
     from kvtransfer.grpc_transport import GrpcSender, start_kv_server
     from kvtransfer.local import LocalSender
+    from kvtransfer.nccl import device_chunks
+    from kvtransfer.nccl_link import NcclEndpoint, NcclSender, nccl_handler
     from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
     from kvtransfer.transport import build_chunks
     from prefill.worker import PrefillJob
 
     worker = DecodeWorker(decode, address="decode-0")
-    server = region = None
+    server = region = endpoint = None
     sender: Any = LocalSender({"decode-0": worker.receiver})
-    if transport in ("grpc", "shm"):
+    if transport in ("grpc", "shm", "nccl"):
         extra: list[Any] = []
         if transport == "shm":  # a decode worker's region: 4 slots of one chunk each
             region = ShmRegion(num_slots=4, slot_bytes=_chunk_bytes(exported, pages_per_chunk))
             extra = [shm_handler(worker.receiver, region)]
+        if transport == "nccl":  # the pair's channel (gloo between CPU pools)
+            endpoint = NcclEndpoint(decode.device)
+            extra = [nccl_handler(worker.receiver, endpoint)]
         server, port = await start_kv_server(worker.receiver, "127.0.0.1:0", extra_handlers=extra)
         worker.address = f"127.0.0.1:{port}"
-        sender = GrpcSender() if transport == "grpc" else ShmSender()
+        sender = {"grpc": GrpcSender, "shm": ShmSender}[transport]() if endpoint is None else NcclSender(decode.device)
+        if endpoint is not None:
+            await sender.connect(worker.address, *await endpoint.listen())
 
     job = PrefillJob("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
     dest = worker.reserve(job, sender_epoch=1)
     assert dest is not None
     pages = exported.kv  # page-major block, as the prefill worker sends it
     start = time.perf_counter()
-    result = await sender.send(dest, build_chunks(dest, pages, 1, pages_per_chunk), 60.0)
+    if endpoint is not None:  # chunks made where the pages live (a digest, no encoding)
+        chunks: Any = device_chunks(dest, pages, 1, 0, pages_per_chunk)
+    else:
+        chunks = build_chunks(dest, pages, 1, pages_per_chunk)
+    result = await sender.send(dest, chunks, 60.0)
     seconds = time.perf_counter() - start
     assert result.accepted, result.error
     worker.cancel(dest)
@@ -75,6 +86,8 @@ async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int
         await server.stop(None)
     if region is not None:
         region.close()
+    if endpoint is not None:
+        endpoint.close()
     return seconds, exported.kv.numel() * exported.kv.element_size()
 
 
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exported, decode, prefill_s = _prefill(args.model, args.prompt_len)
     rows = []
-    for transport in ("local", "grpc", "shm"):
+    for transport in ("local", "grpc", "shm", "nccl"):
         seconds, nbytes = asyncio.run(_push(exported, decode, transport, args.pages_per_chunk))
         rows.append(_row(transport, seconds, nbytes, prefill_s))
     chunk_bytes = _chunk_bytes(exported, args.pages_per_chunk)
