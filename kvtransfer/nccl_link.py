@@ -45,7 +45,15 @@ from kvtransfer.nccl import (
     make_uid,
     open_comm,
 )
-from kvtransfer.transport import Chunks, KVDestination, KVReceiver, PushResult, as_async
+from kvtransfer.transport import (
+    Chunks,
+    KVDestination,
+    KVReceiver,
+    PushResult,
+    PushState,
+    as_async,
+    settle_push,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,21 +164,20 @@ def nccl_handler(
 async def _receive(
     staging: NcclReceiver, endpoint: NcclEndpoint, requests: AsyncIterator[pb.NcclChunk | None], context: Any
 ) -> pb.PushAck:
-    receiver = staging.receiver
-    transfer_id, done = "", 0
-    try:
+    receiver, state = staging.receiver, PushState()
+
+    async def body() -> None:
         async for msg in requests:
             if msg is None:
                 raise TransferError("malformed header")
             header = msg.header
-            if transfer_id and header.transfer_id != transfer_id:
-                raise TransferError("one stream carries one transfer")
+            state.same_transfer(header)
             link = endpoint.get(msg.channel)
             if link is None:
                 raise TransferError("no such channel")
             async with link.lock:
                 buf = staging.prepare(header)  # refused: no recv is posted, nothing changes
-                transfer_id = header.transfer_id  # from here on, failures release it
+                state.transfer_id = header.transfer_id
                 posted = link.channel.post([], [buf])  # before the sender hears go
                 try:
                     await context.write(pb.NcclReply(go=True))
@@ -178,23 +185,11 @@ async def _receive(
                     link.channel.abort()
                     raise
                 await link.channel.wait(posted, [], [buf], _left(context))
-            done = staging.finish(header, buf)
-            if header.is_last or receiver.is_complete(transfer_id):
+            state.done = staging.finish(header, buf)
+            if header.is_last or receiver.is_complete(state.transfer_id):
                 break
-        if not transfer_id:
-            raise TransferError("empty stream")
-        if not receiver.is_complete(transfer_id):
-            raise TransferError("stream ended before every page arrived")
-        return pb.PushAck(transfer_id=transfer_id, accepted=True, pages_received=done)
-    except TransferError as err:
-        if transfer_id:
-            receiver.abort(transfer_id)
-        logger.info("nccl push %s failed: %s", transfer_id or "?", err.reason)
-        return pb.PushAck(transfer_id=transfer_id, pages_received=done, error=err.reason)
-    except (asyncio.CancelledError, Exception):
-        if transfer_id:  # the sender went away or the deadline passed mid-transfer
-            receiver.abort(transfer_id)
-        raise
+
+    return await settle_push(receiver, state, body(), "nccl push")
 
 
 def _left(context: Any) -> float:

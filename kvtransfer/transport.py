@@ -22,7 +22,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -234,36 +234,58 @@ def build_chunks(
     return chunks
 
 
+@dataclass(slots=True)
+class PushState:
+    """What one push stream has proven so far on the receiving side."""
+
+    transfer_id: str = ""  # set once a chunk proved the token: from then on, failures release it
+    done: int = 0  # pages complete
+
+    def same_transfer(self, header: pb.PageChunkHeader) -> None:
+        if self.transfer_id and header.transfer_id != self.transfer_id:
+            raise TransferError("one stream carries one transfer")
+
+
+async def settle_push(receiver: KVReceiver, state: PushState, body: Awaitable[None], name: str = "push") -> pb.PushAck:
+    """Run a push stream's `body` (which advances `state`) and make its ack: accepted when the
+    reservation is complete; a TransferError, an early end, the sender gone or the deadline
+    passed release the reservation once its token was proven."""
+    try:
+        await body
+        if not state.transfer_id:
+            raise TransferError("empty stream")
+        if not receiver.is_complete(state.transfer_id):
+            raise TransferError("stream ended before every page arrived")
+        return pb.PushAck(transfer_id=state.transfer_id, accepted=True, pages_received=state.done)
+    except TransferError as err:
+        if state.transfer_id:
+            receiver.abort(state.transfer_id)
+        logger.info("%s %s failed: %s", name, state.transfer_id or "?", err.reason)
+        return pb.PushAck(transfer_id=state.transfer_id, pages_received=state.done, error=err.reason)
+    except (asyncio.CancelledError, Exception):
+        if state.transfer_id:  # the sender went away or its deadline passed mid-stream
+            receiver.abort(state.transfer_id)
+        raise
+
+
 async def receive_push(
     receiver: KVReceiver, chunks: AsyncIterator[WireChunk], limits: CodecLimits
 ) -> pb.PushAck:
     """Apply one Push stream to `receiver`; the ack a transport returns to the sender."""
-    transfer_id, done = "", 0
-    try:
+    state = PushState()
+
+    async def body() -> None:
         async for chunk in chunks:
-            if transfer_id and chunk.header.transfer_id != transfer_id:
-                raise TransferError("one stream carries one transfer")
+            state.same_transfer(chunk.header)
             pages = decode_chunk(chunk, limits)
             if not receiver.accept(chunk.header):
                 raise TransferError("refused")  # no detail: the token may be a guess
-            transfer_id = chunk.header.transfer_id  # from here on, failures release it
-            done = receiver.store(chunk.header, pages)
-            if chunk.header.is_last or receiver.is_complete(transfer_id):
+            state.transfer_id = chunk.header.transfer_id
+            state.done = receiver.store(chunk.header, pages)
+            if chunk.header.is_last or receiver.is_complete(state.transfer_id):
                 break  # complete: the transfer stands, whatever the stream still carries
-        if not transfer_id:
-            raise TransferError("empty stream")
-        if not receiver.is_complete(transfer_id):
-            raise TransferError("stream ended before every page arrived")
-        return pb.PushAck(transfer_id=transfer_id, accepted=True, pages_received=done)
-    except TransferError as err:
-        if transfer_id:
-            receiver.abort(transfer_id)
-        logger.info("push %s failed: %s", transfer_id or "?", err.reason)
-        return pb.PushAck(transfer_id=transfer_id, pages_received=done, error=err.reason)
-    except (asyncio.CancelledError, Exception):
-        if transfer_id:  # the sender went away or its deadline passed mid-stream
-            receiver.abort(transfer_id)
-        raise
+
+    return await settle_push(receiver, state, body())
 
 
 async def as_async(chunks: Chunks) -> AsyncIterator[WireChunk]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -60,7 +62,8 @@ def _kv(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-async def _pair(fabric: LoopbackFabric | None = None) -> tuple[Decode, NcclSender]:
+@asynccontextmanager
+async def _pair(fabric: LoopbackFabric | None = None) -> AsyncIterator[tuple[Decode, NcclSender]]:
     """A routed pair: the decode side listens, the prefill side joins (gloo unless `fabric`)."""
     if fabric is None:
         endpoint, sender = NcclEndpoint(CPU), NcclSender(CPU)
@@ -69,36 +72,31 @@ async def _pair(fabric: LoopbackFabric | None = None) -> tuple[Decode, NcclSende
         sender = NcclSender(CPU, connect=lambda uid, rank, dev: fabric.comm(rank))
     decode = Decode(endpoint)
     await decode.start()
-    name, uid = await endpoint.listen(deadline_s=10.0)
-    await sender.connect(decode.address, name, uid, deadline_s=10.0)
-    async with asyncio.timeout(10):
-        while endpoint.num_open < 1:
-            await asyncio.sleep(0.01)
-    return decode, sender
-
-
-async def _close(decode: Decode, sender: NcclSender) -> None:
-    await sender.close()
-    decode.endpoint.close()
-    await decode.server.stop(None)
+    try:
+        name, uid = await endpoint.listen(deadline_s=10.0)
+        await sender.connect(decode.address, name, uid, deadline_s=10.0)
+        async with asyncio.timeout(10):
+            while endpoint.num_open < 1:
+                await asyncio.sleep(0.01)
+        yield decode, sender
+    finally:
+        await sender.close()
+        endpoint.close()
+        await decode.server.stop(None)
 
 
 async def test_pages_cross_a_gloo_communicator_bit_exact() -> None:
-    decode, sender = await _pair()
-    try:
+    async with _pair() as (decode, sender):
         dest = decode.reserve(5)
         kv = _kv(5)
         result = await sender.send(dest, device_chunks(dest, kv, EPOCH, pages_per_chunk=2), 5.0)
         assert result.accepted and result.pages_received == 5 and result.error == ""
         assert torch.equal(decode.pages(dest), kv)
         assert dest.transfer_id in decode.book.completed and not decode.released
-    finally:
-        await _close(decode, sender)
 
 
 async def test_transfers_sharing_a_pair_interleave_their_chunks_without_crossing() -> None:
-    decode, sender = await _pair()
-    try:
+    async with _pair() as (decode, sender):
         dests = [decode.reserve(4, f"req-{i}") for i in range(3)]
         blocks = [_kv(4, seed=i + 10) for i in range(3)]
         results = await asyncio.gather(*(
@@ -107,14 +105,11 @@ async def test_transfers_sharing_a_pair_interleave_their_chunks_without_crossing
         assert [r.accepted for r in results] == [True, True, True]
         for dest, kv in zip(dests, blocks, strict=True):
             assert torch.equal(decode.pages(dest), kv)
-    finally:
-        await _close(decode, sender)
 
 
 async def test_pages_stream_in_as_the_prefill_computes_them() -> None:
     """The prefill's chunks arrive over time (an async source); the first is sent at once."""
-    decode, sender = await _pair()
-    try:
+    async with _pair() as (decode, sender):
         dest = decode.reserve(4)
         kv = _kv(4)
 
@@ -126,14 +121,11 @@ async def test_pages_stream_in_as_the_prefill_computes_them() -> None:
 
         result = await sender.send(dest, computed(), 5.0)  # type: ignore[arg-type]
         assert result.accepted and torch.equal(decode.pages(dest), kv)
-    finally:
-        await _close(decode, sender)
 
 
 async def test_a_forged_token_is_refused_before_any_page_moves_and_the_channel_lives_on() -> None:
     fabric = LoopbackFabric()
-    decode, sender = await _pair(fabric)
-    try:
+    async with _pair(fabric) as (decode, sender):
         dest = decode.reserve(2)
         forged = KVDestination(dest.address, dest.req_id, dest.transfer_id, b"\0" * 16, EPOCH, dest.dest_page_ids)
         result = await sender.send(forged, device_chunks(forged, _kv(2), EPOCH), 5.0)
@@ -143,14 +135,11 @@ async def test_a_forged_token_is_refused_before_any_page_moves_and_the_channel_l
         assert sender.is_open(dest.address)
         result = await sender.send(dest, device_chunks(dest, _kv(2), EPOCH), 5.0)
         assert result.accepted
-    finally:
-        await _close(decode, sender)
 
 
 async def test_a_corrupted_block_fails_its_checksum_and_releases_the_reservation() -> None:
     fabric = LoopbackFabric()
-    decode, sender = await _pair(fabric)
-    try:
+    async with _pair(fabric) as (decode, sender):
         dest = decode.reserve(3)
         before = decode.pool.pages.num_used
         fabric.flip = True  # the next delivered byte
@@ -159,14 +148,11 @@ async def test_a_corrupted_block_fails_its_checksum_and_releases_the_reservation
         assert [r.transfer_id for r in decode.released] == [dest.transfer_id]
         assert decode.pool.pages.num_used == before - 3
         assert sender.is_open(dest.address)  # the bytes moved; the channel is sound
-    finally:
-        await _close(decode, sender)
 
 
 async def test_a_stalled_peer_is_aborted_at_the_deadline_on_both_sides() -> None:
     fabric = LoopbackFabric()
-    decode, sender = await _pair(fabric)
-    try:
+    async with _pair(fabric) as (decode, sender):
         dest = decode.reserve(2)
         fabric.stall = True
         result = await sender.send(dest, device_chunks(dest, _kv(2), EPOCH), 0.5)
@@ -179,34 +165,26 @@ async def test_a_stalled_peer_is_aborted_at_the_deadline_on_both_sides() -> None
         assert sorted(fabric.aborted) == [0, 1]
         later = await sender.send(decode.reserve(1, "req-2"), [], 1.0)
         assert not later.accepted and later.error == "no nccl channel to that worker"
-    finally:
-        await _close(decode, sender)
 
 
 async def test_a_push_naming_no_channel_is_refused() -> None:
     fabric = LoopbackFabric()
-    decode, sender = await _pair(fabric)
-    try:
+    async with _pair(fabric) as (decode, sender):
         dest = decode.reserve(2)
         sender._links[dest.address].name = "not-a-channel"
         result = await sender.send(dest, device_chunks(dest, _kv(2), EPOCH), 5.0)
         assert not result.accepted and result.error == "no such channel"
         assert not decode.released  # the token was never proven: nothing is cancelled
-    finally:
-        await _close(decode, sender)
 
 
 async def test_host_chunks_are_refused_by_the_nccl_sender() -> None:
     fabric = LoopbackFabric()
-    decode, sender = await _pair(fabric)
-    try:
+    async with _pair(fabric) as (decode, sender):
         dest = decode.reserve(1)
         chunk = device_chunks(dest, _kv(1), EPOCH)[0]
         result = await sender.send(dest, [chunk.header], 5.0)  # type: ignore[list-item]
         assert not result.accepted and result.error == "an nccl push takes device chunks"
         assert isinstance(chunk, DeviceChunk)
-    finally:
-        await _close(decode, sender)
 
 
 async def test_the_rendezvous_is_removed_once_the_peer_had_time_to_read_it() -> None:
