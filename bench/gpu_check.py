@@ -436,7 +436,30 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
         per_layer += row("silu_mul", lambda: silu_mul(gu), gu.numel() * gu.element_size() * 3 // 2)
     head = row("lm_head", lambda: F.linear(x, model.lm_head), model.lm_head.numel() * model.lm_head.element_size())
     result["sum_of_kernels_per_step_ms"] = round((per_layer * cfg.num_layers + head) * 1e3, 3)
+    result["sampler_top_p"] = _time_top_p(engine, batch, reps)
     return result
+
+
+def _time_top_p(engine: Engine, batch: int, reps: int) -> dict[str, Any]:
+    """A step's sampling for `batch` rows at temperature 0.8, top_p 0.9, over the model's
+    vocabulary: top_p by the race (reads a test back each round) and by the sort (no read-back;
+    what CUDA uses, so that async scheduling keeps the forward in flight), host wall time."""
+    from engine import sampler as sampler_mod
+
+    vocab = engine.runner.sampler.vocab_size
+    gen = torch.Generator(device=engine.device).manual_seed(1)
+    logits = (torch.randn(batch, vocab, device=engine.device, generator=gen) * 3).to(engine.model.dtype)
+    rows = [sampler_mod.SamplingRow(SamplingParams(temperature=0.8, top_p=0.9), 10, [], [], ())] * batch
+    sampler = sampler_mod.Sampler(vocab, seed=0)
+    chosen = sampler_mod._SORTED_NUCLEUS_DEVICES
+    out: dict[str, Any] = {"vocab": vocab, "batch": batch, "in_use": "sort" if engine.device.type in chosen else "race"}
+    try:
+        for label, devices in (("race", frozenset()), ("sort", frozenset({engine.device.type}))):
+            sampler_mod._SORTED_NUCLEUS_DEVICES = devices
+            out[f"{label}_ms"] = round(timed(lambda: sampler.sample_tokens(logits, rows), reps) * 1e3, 3)
+    finally:
+        sampler_mod._SORTED_NUCLEUS_DEVICES = chosen
+    return out
 
 
 def _time_partitions(plan: Plan, engine: Engine, ctx: int, reps: int) -> dict[str, Any]:

@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 _NUCLEUS_ROUNDS = 8  # rejection rounds before the sort fallback; most rows finish in 1-2
+# The race reads a test back each round; on these devices top_p sorts instead (engine async
+# scheduling queues the sampler while the forward is in flight: a read-back would wait for it).
+_SORTED_NUCLEUS_DEVICES = frozenset({"cuda"})
 _NEG_INF = float("-inf")
 
 
@@ -279,13 +282,27 @@ def _nucleus_race(score: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor)
 
 
 def _nucleus_sorted(score: torch.Tensor, probs: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """The same as `_nucleus_race` (limit = top_p * mass), by sorting each row."""
+    """The same as `_nucleus_race` (limit = top_p * mass), by sorting each row: no read-back.
+
+    A token is in the nucleus when the mass of the tokens strictly more likely than it is below
+    the limit, as in the race; tied tokens share the mass before their tie group, so a tie at
+    the edge is kept or dropped whole."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    # Keep a token while the mass before it is < limit: the smallest set reaching top_p.
-    drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= limit[:, None]
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    ahead = sorted_p.cumsum(dim=-1).roll(1, dims=-1)
+    ahead[:, 0] = 0.0  # the mass sorted before each token (a cumulative sum never decreases)
+    first = torch.ones_like(sorted_p, dtype=torch.bool)
+    first[:, 1:] = sorted_p[:, 1:] != sorted_p[:, :-1]  # where a tie group starts
+    above = torch.where(first, ahead, torch.zeros_like(ahead)).cummax(dim=-1).values
+    drop = torch.empty_like(first).scatter_(1, order, above >= limit[:, None])
     return score.masked_fill(drop, 0.0).argmax(dim=-1)
+
+
+def _nucleus(score: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """argmax of score over each row's top-p nucleus: by the race on the CPU (the fewest
+    passes), by the sort where a read-back would stall a device in flight (CUDA)."""
+    if score.device.type in _SORTED_NUCLEUS_DEVICES:
+        return _nucleus_sorted(score, probs, top_p * probs.sum(dim=-1))
+    return _nucleus_race(score, probs, top_p)
 
 
 class Sampler:
@@ -329,8 +346,8 @@ class Sampler:
         """Token ids [S] left on the logits' device: engine async scheduling feeds them to the
         next step on the device and reads them back a step later. Only for rows `deferrable`
         accepts; their tokens (and the generator's draws) are exactly what __call__ returns
-        for them. Greedy rows, temperature, top_k and min_p never wait for the device; top_p
-        reads its race's test back each round (a wait, not a different result)."""
+        for them. No row waits for the device on CUDA (top_p sorts there); on the CPU, where
+        nothing runs beside the host, top_p's race reads a test back each round."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if not all(deferrable(r) for r in rows):
@@ -396,10 +413,10 @@ class Sampler:
             return score.argmax(dim=-1)
         top_p = upload([params[k].top_p for k in nucleus], torch.float32, dev)
         if len(nucleus) == len(idx):
-            return _nucleus_race(score, probs, top_p)
+            return _nucleus(score, probs, top_p)
         tokens = score.argmax(dim=-1)
         n = _index(nucleus, dev)
-        tokens[n] = _nucleus_race(score[n], probs[n], top_p)  # top_p sees top_k, not min_p
+        tokens[n] = _nucleus(score[n], probs[n], top_p)  # top_p sees top_k, not min_p
         return tokens
 
     def _exponential(

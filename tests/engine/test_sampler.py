@@ -162,7 +162,15 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return out / out.sum()
 
 
-def test_top_p_distribution_matches_the_nucleus() -> None:
+@pytest.fixture(params=["race", "sort"])
+def nucleus_method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """top_p by the race (the CPU's) or by the sort (CUDA's), both run here."""
+    if request.param == "sort":
+        monkeypatch.setattr(sampler_mod, "_SORTED_NUCLEUS_DEVICES", frozenset({"cpu"}))
+    return str(request.param)
+
+
+def test_top_p_distribution_matches_the_nucleus(nucleus_method: str) -> None:
     logits = randn(V, seed=6, scale=1.5)
     params = SamplingParams(temperature=0.8, top_p=0.7)
     expected = nucleus((logits / 0.8).softmax(-1), 0.7)
@@ -173,7 +181,7 @@ def test_top_p_distribution_matches_the_nucleus() -> None:
     assert chi_square(tokens, expected) < 3 * df + 10
 
 
-def test_top_k_then_top_p_distribution() -> None:
+def test_top_k_then_top_p_distribution(nucleus_method: str) -> None:
     logits = randn(V, seed=7, scale=1.0)
     params = SamplingParams(top_k=10, top_p=0.8)
     probs = logits.softmax(-1)
@@ -193,6 +201,32 @@ def test_nucleus_race_equals_the_sort() -> None:
     top_p = torch.rand(64, generator=gen) * 0.98 + 0.01
     race = sampler_mod._nucleus_race(score, probs, top_p)
     assert race.tolist() == sampler_mod._nucleus_sorted(score, probs, top_p).tolist()
+
+
+def test_a_tie_at_the_nucleus_edge_is_kept_whole_by_the_race_and_the_sort() -> None:
+    # p = [.4, .2, .2, .2], top_p = .5: the three tied tokens each have .4 ahead of them, below
+    # .5, so all are in; a sort that cut inside the tie would keep only the first of them.
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]] * 3)
+    score = torch.tensor([[0.1, 0.2, 0.3, 0.9], [0.1, 0.9, 0.3, 0.2], [0.9, 0.1, 0.1, 0.1]])
+    top_p = torch.full((3,), 0.5)
+    want = [3, 1, 0]
+    assert sampler_mod._nucleus_race(score, probs, top_p).tolist() == want
+    assert sampler_mod._nucleus_sorted(score, probs, top_p).tolist() == want
+    # just below the tie's mass ahead: only the most likely token
+    assert sampler_mod._nucleus_sorted(score, probs, torch.full((3,), 0.4)).tolist() == [0, 0, 0]
+    assert sampler_mod._nucleus_race(score, probs, torch.full((3,), 0.4)).tolist() == [0, 0, 0]
+
+
+def test_the_sorted_nucleus_equals_the_race_with_unnormalised_rows() -> None:
+    # top_k zeroes tokens before top_p: the limit is top_p of what is left
+    probs = randn(48, 300, seed=12, scale=2.0).softmax(-1)
+    probs[:, ::3] = 0.0
+    gen = torch.Generator().manual_seed(13)
+    score = probs / torch.empty_like(probs).exponential_(generator=gen)
+    top_p = torch.rand(48, generator=gen) * 0.98 + 0.01
+    race = sampler_mod._nucleus_race(score, probs, top_p).tolist()
+    sorted_ = sampler_mod._nucleus_sorted(score, probs, top_p * probs.sum(dim=-1)).tolist()
+    assert race == sorted_
 
 
 def test_nucleus_sort_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
