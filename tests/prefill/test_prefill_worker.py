@@ -16,8 +16,9 @@ from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
-from kvtransfer.codec import WireChunk
+from kvtransfer.codec import DeviceChunk, WireChunk
 from kvtransfer.local import LocalSender
+from kvtransfer.nccl import NcclReceiver
 from kvtransfer.transport import KVDestination
 from prefill.worker import PrefillDone, PrefillJob, PrefillWorker
 
@@ -113,6 +114,35 @@ async def test_a_cached_prefix_goes_with_the_first_step(engines: tuple[Engine, E
     done, dest, arrived = await _prefill_streaming(prefill, decode, job)
     assert done.output.num_cached_tokens == 160
     assert arrived == [14, 17]  # the cached 10 and the 4 computed in step 1, then the rest
+    assert _decode(decode, job, dest, done) == single.generate([list(job.prompt_ids)], GREEDY)[0]
+
+
+def test_device_chunks_stream_as_computed_and_verify_on_the_decode_side(engines: tuple[Engine, Engine, Engine]) -> None:
+    """An nccl route's transfer: chunks stay where the pages live (DeviceChunk), each header's
+    checksum covers the block's device digest; the decode side's NcclReceiver checks and stores
+    what a recv would land, step by step as the prefill computes."""
+    single, p_engine, d_engine = engines
+    prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
+    job = PrefillJob("device", _prompt(7, 200), GREEDY)
+    dest = decode.reserve(job, prefill.epoch)
+    assert dest is not None
+    prefill.submit(job, dest, on_device=True)
+    receiver = NcclReceiver(decode.receiver, d_engine.device)
+    arrived, done = [], None
+    for _ in range(100):  # bounded: a step computes at least one chunk
+        finished = prefill.step()
+        chunks = [c for r in prefill.take_ready() for c in r.chunks] + [c for d in finished for c in d.chunks]
+        for chunk in chunks:
+            assert isinstance(chunk, DeviceChunk) and chunk.block.device == p_engine.device
+            staging = receiver.prepare(chunk.header)
+            staging.copy_(chunk.block)  # what the recv lands
+            receiver.finish(chunk.header, staging)
+        arrived.append(_complete_pages(decode, dest))
+        if finished:
+            done = finished[0]
+            break
+    assert done is not None and done.chunks[-1].header.is_last
+    assert arrived == [4, 8, 12, 13]
     assert _decode(decode, job, dest, done) == single.generate([list(job.prompt_ids)], GREEDY)[0]
 
 
