@@ -103,7 +103,7 @@ def _raw_shm(exported: Any, chunk_bytes: int) -> float:
 
     from kvtransfer.shm import ShmRegion
 
-    block = memoryview(exported.kv.contiguous().view(-1).view(torch.uint8).numpy())
+    block = memoryview(exported.kv.cpu().contiguous().view(-1).view(torch.uint8).numpy())
     with ShmRegion(num_slots=2, slot_bytes=chunk_bytes) as region:
         slots = [region.view(i * chunk_bytes, chunk_bytes) for i in range(2)]
         start = time.perf_counter()
@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     exported, decode, prefill_s = _prefill(args.model, args.prompt_len)
     rows = []
-    for transport in ("local", "grpc", "shm", "nccl"):
+    # Both engines share this process and device: NCCL refuses two ranks on one GPU, so on CUDA
+    # the nccl row is gpu_check's (send-to-self); between CPU pools it runs over gloo.
+    transports = ("local", "grpc", "shm") + (("nccl",) if decode.device.type == "cpu" else ())
+    for transport in transports:
         seconds, nbytes = asyncio.run(_push(exported, decode, transport, args.pages_per_chunk))
         rows.append(_row(transport, seconds, nbytes, prefill_s))
     chunk_bytes = _chunk_bytes(exported, args.pages_per_chunk)
