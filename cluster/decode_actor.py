@@ -36,6 +36,7 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.outputs import StepOutput
 from kvcache.report import CacheReport, cache_report
+from kvtransfer.codec import chunk_pages
 from kvtransfer.grpc_transport import start_kv_server
 from kvtransfer.nccl import nccl_usable
 from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
@@ -113,7 +114,8 @@ class DecodeActor(KVPublisher, Registered):
             if self.shm_slots:
                 pool = self.worker.engine.pool
                 page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
-                self._region = ShmRegion(self.shm_slots, self.shm_slot_pages * page_bytes)
+                # a slot holds one chunk, as large as the senders make them (codec.chunk_pages)
+                self._region = ShmRegion(self.shm_slots, chunk_pages(page_bytes, self.shm_slot_pages) * page_bytes)
                 extra.append(shm_handler(receiver, self._region))
             self._server, port = await start_kv_server(receiver, f"{self.host}:0", extra_handlers=extra)
             self.worker.address = f"{self.host}:{port}"

@@ -31,7 +31,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.sampling import SamplingParams
-from kvtransfer.codec import CodecLimits, TransferError
+from kvtransfer.codec import CodecLimits, TransferError, chunk_pages
 from kvtransfer.local import receive_all
 from kvtransfer.transport import KVDestination, build_chunks
 from prefill.worker import PrefillJob, PrefillWorker
@@ -178,7 +178,8 @@ class PDFront:
         with trace.span("baton.transfer", req_id=job.req_id, transport="local", prefill_worker=PREFILL_NODE,
                         decode_worker=DECODE_NODE, pages=len(dest.dest_page_ids)) as transfer:  # fmt: skip
             start = time.perf_counter()
-            chunks = build_chunks(dest, exported.kv, self.epoch)
+            page_bytes = exported.kv[0].numel() * exported.kv.element_size()
+            chunks = build_chunks(dest, exported.kv, self.epoch, chunk_pages(page_bytes, 32, self.limits))
             error = await self.decode.call(lambda _: receive_all(self.worker.receiver, chunks, self.limits))
             seconds = time.perf_counter() - start
             transfer.set(bytes=sum(len(c.payload) for c in chunks), seconds=seconds)

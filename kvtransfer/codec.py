@@ -61,6 +61,18 @@ class CodecLimits:
             raise ValueError("codec limits must be positive")
 
 
+def chunk_pages(page_bytes: int, wanted: int, limits: CodecLimits | None = None) -> int:
+    """Pages per chunk: `wanted`, or fewer, so that a chunk stays within what a receiver
+    accepts (max_chunk_bytes, max_pages_per_chunk): 32 pages of a Llama-3-8B-sized model (2 MiB
+    a page of 16 tokens) would be 64 MiB, a chunk every receiver refuses. ValueError when one
+    page alone is over the byte bound."""
+    limits = limits or CodecLimits()
+    fit = min(wanted, limits.max_pages_per_chunk, limits.max_chunk_bytes // page_bytes)
+    if fit < 1:
+        raise ValueError(f"a KV page of {page_bytes} bytes is over the {limits.max_chunk_bytes}-byte chunk bound")
+    return fit
+
+
 class ChunkMeta(NamedTuple):
     """Who a chunk is for; the codec adds dtype, shape, lengths and the checksum."""
 

@@ -33,7 +33,14 @@ from engine.engine import Engine
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from engine.sampling import SamplingParams
-from kvtransfer.codec import ChunkMeta, DeviceChunk, WireChunk, encode_chunk
+from kvtransfer.codec import (
+    ChunkMeta,
+    CodecLimits,
+    DeviceChunk,
+    WireChunk,
+    chunk_pages,
+    encode_chunk,
+)
 from kvtransfer.nccl import device_chunks
 from kvtransfer.transport import KVDestination
 
@@ -94,10 +101,13 @@ class PagesReady:
 
 
 class PrefillWorker:
-    def __init__(self, engine: Engine, epoch: int = 1, pages_per_chunk: int = 32) -> None:
+    def __init__(
+        self, engine: Engine, epoch: int = 1, pages_per_chunk: int = 32, limits: CodecLimits | None = None
+    ) -> None:
         self.engine = engine
         self.epoch = epoch  # fencing token: decode refuses pages from a stale epoch
-        self.pages_per_chunk = pages_per_chunk
+        kv = engine.pool.kv  # [layers, 2, pages, ...]: one page is kv[:, :, i]
+        self.pages_per_chunk = chunk_pages(kv[:, :, 0].numel() * kv.element_size(), pages_per_chunk, limits)
         self._jobs: dict[str, tuple[PrefillJob, KVDestination]] = {}
         self._num_taken: dict[str, int] = {}  # pages handed out by take_ready, per request
         self._on_device: set[str] = set()  # requests whose chunks stay on the device

@@ -16,8 +16,8 @@ from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
-from kvtransfer.codec import DeviceChunk, WireChunk
-from kvtransfer.local import LocalSender
+from kvtransfer.codec import CodecLimits, DeviceChunk, WireChunk
+from kvtransfer.local import LocalSender, receive_all
 from kvtransfer.nccl import NcclReceiver
 from kvtransfer.transport import KVDestination
 from prefill.worker import PrefillDone, PrefillJob, PrefillWorker
@@ -144,6 +144,30 @@ def test_device_chunks_stream_as_computed_and_verify_on_the_decode_side(engines:
     assert done is not None and done.chunks[-1].header.is_last
     assert arrived == [4, 8, 12, 13]
     assert _decode(decode, job, dest, done) == single.generate([list(job.prompt_ids)], GREEDY)[0]
+
+
+def test_chunks_stay_within_what_a_receiver_accepts(engines: tuple[Engine, Engine, Engine]) -> None:
+    """Pages per chunk shrink to the receiver's byte bound: 32 pages of a Llama-3-8B-sized model
+    (2 MiB a page) would be a 64 MiB chunk that every receiver refuses. Here the bound is set to
+    three of baton-tiny's pages; every chunk passes the same limits on the decode side."""
+    _, p_engine, d_engine = engines
+    kv = p_engine.pool.kv
+    page_bytes = kv[:, :, 0].numel() * kv.element_size()
+    limits = CodecLimits(max_chunk_bytes=3 * page_bytes)
+    prefill, decode = PrefillWorker(p_engine, pages_per_chunk=32, limits=limits), DecodeWorker(d_engine, "decode-0")
+    assert prefill.pages_per_chunk == 3
+    job = PrefillJob("bounded", _prompt(8, 200), GREEDY)  # 13 pages
+    dest = decode.reserve(job, prefill.epoch)
+    assert dest is not None
+    prefill.submit(job, dest)
+    chunks = [c for _ in range(100) for d in prefill.step() for c in d.chunks]
+    assert [len(c.header.dest_page_ids) for c in chunks] == [3, 3, 3, 3, 1]
+    assert all(isinstance(c, WireChunk) and len(c.payload) <= limits.max_chunk_bytes for c in chunks)
+    assert receive_all(decode.receiver, chunks, limits) == ""  # type: ignore[arg-type]
+    assert decode.is_complete(dest)
+    decode.cancel(dest)
+    with pytest.raises(ValueError, match="chunk bound"):
+        PrefillWorker(p_engine, limits=CodecLimits(max_chunk_bytes=page_bytes - 1))
 
 
 def test_a_caller_that_never_takes_gets_every_page_at_the_end(engines: tuple[Engine, Engine, Engine]) -> None:
