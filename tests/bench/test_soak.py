@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import count_problems, idle_problems, main, slope_per_min
+from bench.soak import Idle, SoakConfig, count_problems, idle_problems, main, report, slope_per_min
 from tests.etcd_server import INSTALL_HINT
 
 pytestmark = pytest.mark.timeout(180)
@@ -39,7 +39,10 @@ def test_short_soak_counts_every_request_and_returns_every_page(tmp_path: Path, 
     assert report["problems"] == [] and code == 0, report["problems"]
     assert report["shm_left"] == []  # the killed decode worker's staging region went with its restart
     assert sum(report["server"].values()) == client["sent"]
-    assert report["server"]["ok"] == client["ok"] and report["server"]["cancelled"] == client["cancelled"]
+    # a hang-up that raced its request's last token is ok on the server (it finished first)
+    server = report["server"]
+    assert server["ok"] + server["cancelled"] == client["ok"] + client["cancelled"] + client["timeout"]
+    assert client["ok"] <= server["ok"] <= client["ok"] + client["cancelled"] + client["timeout"]
     for node in report["idle"]:
         assert node["health"] == "ok" and node["reserved"] == node["pinned"] == node["running"] == 0, node
         assert all(used == 0 for used, _, _ in node["pages_used_cached_total"].values()), node
@@ -48,10 +51,18 @@ def test_short_soak_counts_every_request_and_returns_every_page(tmp_path: Path, 
 def test_the_checks_fail_on_a_miscount_and_on_pages_left_behind() -> None:
     client = Counter({"sent": 10, "ok": 7, "cancelled": 2, "invalid": 1})
     assert count_problems(client, {"ok": 7, "cancelled": 2, "rejected": 1}) == []
-    assert count_problems(client, {"ok": 8, "cancelled": 1, "rejected": 1}) == [
-        "server ok vs client ok: 8 != 7", "server cancelled vs client cancelled + timeout: 1 != 2"]  # fmt: skip
+    # a cancel that raced its last token counts ok on the server: not a miscount
+    assert count_problems(client, {"ok": 8, "cancelled": 1, "rejected": 1}) == []
+    assert count_problems(client, {"ok": 6, "cancelled": 3, "rejected": 1}) == ["server ok 6 < client ok 7"]
+    assert count_problems(client, {"ok": 7, "cancelled": 1, "error": 1, "rejected": 1}) == [
+        "server ok + cancelled vs client ok + cancelled + timeout: 8 != 9",
+        "server rejected + error + deadline vs client invalid + not-400 + refused + error: 2 != 1"]  # fmt: skip
     assert "requests_total vs requests sent: 9 != 10" in count_problems(client, {"ok": 7, "cancelled": 2})
     assert "1 invalid requests were not answered 400" in count_problems(Counter({"sent": 1, "not-400": 1}), {"ok": 1})
+    # the report carries them (they once went into shm_left by position, so no miscount failed a soak)
+    r = report(SoakConfig(minutes=0.1), client, {"ok": 6, "cancelled": 3, "rejected": 1}, [], [(0.0, 1.0, 1)] * 2,
+               Idle([], [], {}), [], {})  # fmt: skip
+    assert r.problems == ["server ok 6 < client ok 7"] and r.shm_left == []
 
     tier = {"pages_used": 3, "pages_cached": 5, "pages_total": 64, "hit_tokens": 0}
     node = {"name": "decode-0", "health": "ok", "running": 0, "waiting": 0, "reserved_pages": 2, "pinned_pages": 0,
