@@ -34,6 +34,33 @@ def _message_options(limits: CodecLimits) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
 
 
+class Channels:
+    """A sender's grpc.aio channels, one per KV address, reused across transfers."""
+
+    def __init__(self, options: Sequence[tuple[str, int]] = ()) -> None:
+        self._options = list(options)
+        self._by_address: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._by_address.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._by_address[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._by_address.values():
+            await channel.close()
+        self._by_address.clear()
+
+
+def failed_call(code: grpc.StatusCode) -> PushResult:
+    """A push whose call ended with `code`, as its sender reports it."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return PushResult(False, 0, "deadline exceeded")
+    return PushResult(False, 0, f"transport error: {code.name}")
+
+
 def _unframe_or_poison(data: bytes) -> WireChunk:
     # A malformed frame must reach receive_push as a chunk that fails validation (so the
     # transfer is refused with a reason), not as an exception inside grpc's deserializer.
@@ -76,31 +103,20 @@ class GrpcSender:
 
     def __init__(self, limits: CodecLimits | None = None) -> None:
         self.limits = limits or CodecLimits()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels(_message_options(self.limits))
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
-        push = self._channel(dest.address).stream_unary(
+        push = self._channels.get(dest.address).stream_unary(
             PUSH, request_serializer=frame, response_deserializer=pb.PushAck.FromString
         )
         call = push(as_async(chunks), timeout=deadline_s)
         try:
             ack: pb.PushAck = await call
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return PushResult(False, 0, "deadline exceeded")
-            return PushResult(False, 0, f"transport error: {err.code().name}")
+            return failed_call(err.code())
         finally:
             call.cancel()  # a no-op once done; stops the request stream on any other exit
         return PushResult(ack.accepted, ack.pages_received, ack.error)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_message_options(self.limits))
-            self._channels[address] = channel
-        return channel
-
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()

@@ -35,7 +35,7 @@ from google.protobuf.message import DecodeError
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import MAX_HEADER_BYTES, CodecLimits, DeviceChunk, TransferError
-from kvtransfer.grpc_transport import SERVICE
+from kvtransfer.grpc_transport import SERVICE, Channels, failed_call
 from kvtransfer.nccl import (
     ChannelState,
     Comm,
@@ -214,7 +214,7 @@ class NcclSender:
         self.device = device
         self._connect = connect
         self._links: dict[str, _Link] = {}
-        self._grpc: dict[str, grpc.aio.Channel] = {}
+        self._headers = Channels()  # headers only: no raised limits
 
     async def connect(self, address: str, name: str, uid: bytes, deadline_s: float = RENDEZVOUS_S) -> None:
         """Join the channel the decode worker at `address` listens on (rank 0)."""
@@ -227,10 +227,10 @@ class NcclSender:
         return link is not None and link.channel.state in (ChannelState.READY, ChannelState.BUSY)
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
-        link = self._links.get(dest.address)
-        if link is None or not self.is_open(dest.address):
+        if not self.is_open(dest.address):
             return PushResult(False, 0, "no nccl channel to that worker")
-        call = self._channel(dest.address).stream_stream(
+        link = self._links[dest.address]
+        call = self._headers.get(dest.address).stream_stream(
             PUSH_NCCL, request_serializer=pb.NcclChunk.SerializeToString, response_deserializer=pb.NcclReply.FromString
         )(timeout=deadline_s)
         try:
@@ -241,11 +241,9 @@ class NcclSender:
         except TimeoutError:
             return PushResult(False, 0, "deadline exceeded")
         except grpc.aio.AioRpcError as err:
-            code = err.code()
-            return PushResult(False, 0, "deadline exceeded" if code == grpc.StatusCode.DEADLINE_EXCEEDED
-                              else f"transport error: {code.name}")  # fmt: skip
-        except asyncio.InvalidStateError:  # a write after the call ended
-            return PushResult(False, 0, f"transport error: {(await call.code()).name}")
+            return failed_call(err.code())
+        except asyncio.InvalidStateError:  # a write after the call ended: its status says why
+            return failed_call(await call.code())
         except TransferError as err:
             return PushResult(False, 0, err.reason)
         finally:
@@ -276,19 +274,10 @@ class NcclSender:
             pass
         return reply.ack
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._grpc.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address)  # headers only: no raised limits
-            self._grpc[address] = channel
-        return channel
-
     async def close(self) -> None:
-        for channel in self._grpc.values():
-            await channel.close()
+        await self._headers.close()
         for link in self._links.values():
             link.channel.close()
-        self._grpc.clear()
         self._links.clear()
 
 

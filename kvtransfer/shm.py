@@ -54,7 +54,7 @@ from google.protobuf.message import DecodeError
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import MAX_HEADER_BYTES, CodecLimits, TransferError, WireChunk
-from kvtransfer.grpc_transport import SERVICE
+from kvtransfer.grpc_transport import SERVICE, Channels, failed_call
 from kvtransfer.transport import (
     Chunks,
     KVDestination,
@@ -315,11 +315,11 @@ class ShmSender:
 
     def __init__(self, directory: str = REGION_DIR) -> None:
         self.directory = directory
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels()  # small messages only: no raised limits
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}  # address -> (region name, mapping)
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
-        channel = self._channel(dest.address)
+        channel = self._channels.get(dest.address)
         call = channel.stream_stream(
             PUSH_SHM, request_serializer=pb.ShmChunk.SerializeToString,
             response_deserializer=pb.ShmReply.FromString,
@@ -332,9 +332,9 @@ class ShmSender:
         except TimeoutError:
             return PushResult(False, 0, "deadline exceeded")
         except grpc.aio.AioRpcError as err:
-            return _failed(err.code())
+            return failed_call(err.code())
         except asyncio.InvalidStateError:  # a write after the call ended: its status says why
-            return _failed(await call.code())
+            return failed_call(await call.code())
         except TransferError as err:  # on this side: the call's cancellation tells the server
             return PushResult(False, 0, err.reason)
         finally:
@@ -394,26 +394,11 @@ class ShmSender:
         self._maps[address] = (grant.region, mapping)
         return mapping
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address)  # small messages only: no raised limits
-            self._channels[address] = channel
-        return channel
-
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
         for _, mapping in self._maps.values():
             mapping.close()
-        self._channels.clear()
         self._maps.clear()
-
-
-def _failed(code: grpc.StatusCode) -> PushResult:
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return PushResult(False, 0, "deadline exceeded")
-    return PushResult(False, 0, f"transport error: {code.name}")
 
 
 async def _reply(call: Any) -> pb.ShmReply:
