@@ -125,6 +125,9 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
     p.add_argument("--kv-transport", choices=["auto", "grpc", "shm", "nccl"], default="auto",
                    help="how pages move between actors: auto (nccl between CUDA pools, shm on one host, else gRPC); "
                         "nccl between CPU pools runs over gloo")
+    p.add_argument("--kv-bind-host", default="auto",
+                   help="the decode workers' KV listener: auto (loopback on a one-node Ray, the node's address on "
+                        "more), node, or an IP")
     p.add_argument("--placement", choices=["cache", "round_robin"], default="cache",
                    help="where requests go: cache (cache-aware cost model) or round_robin (for comparison)")
     p.add_argument("--shared-prefix", action="append", default=[],
@@ -277,7 +280,8 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
         disagg = DisaggConfig(num_prefill=args.prefill, num_decode=args.decode, ray_address=ray_address,
                               local_prefill_tokens=args.local_prefill_tokens,
                               transfer_deadline_s=args.transfer_deadline, num_threads=args.threads or 1,
-                              transport=args.kv_transport, pin_cores=args.pin_cores, placement=args.placement)
+                              transport=args.kv_transport, pin_cores=args.pin_cores, placement=args.placement,
+                              bind_host=args.kv_bind_host)
     kv = int(args.kv_memory_gb * (1 << 30)) if args.kv_memory_gb else None
     threads = args.threads or (1 if args.pin_cores else None)  # a pinned engine: one core, one thread
     chunking = {k: v for k, v in (("max_prefill_chunk", args.max_prefill_chunk),

@@ -16,7 +16,7 @@ value of the wrong type or out of its range. An example with every key is exampl
     scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk, async_scheduling (auto: on
                 with CUDA graphs; true/on; false/off)
     transfer:   transport (auto, grpc, shm, nccl), deadline_s, reservation_ttl_s, pages_per_chunk,
-                shm_slots
+                shm_slots, bind_host (auto, node or an IP), advertise_host, pair_failures, pair_retry_s
     recovery:   max_migrations, watchdog_s, max_restarts
     placement:  policy (cache, round_robin), local_prefill_tokens
     membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port}
@@ -103,6 +103,12 @@ class TransferSection(_Section):
     reservation_ttl_s: float = Field(default=30.0, gt=0)
     pages_per_chunk: int = Field(default=32, ge=1, le=4096)
     shm_slots: int = Field(default=4, ge=0, le=256)
+    # the decode workers' KV listener (kvtransfer.listen): auto (loopback on one node, the node's
+    # address on more), node, or an IP; advertise_host: what senders dial, when not the bound address
+    bind_host: str = "auto"
+    advertise_host: str | None = None
+    pair_failures: int = Field(default=3, ge=1, le=1000)  # consecutive failed transfers: the pair is unroutable
+    pair_retry_s: float = Field(default=30.0, gt=0, le=3600)  # then one transfer probes it this often
 
 
 class RecoverySection(_Section):
@@ -261,7 +267,9 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             num_prefill=w.prefill.count, num_decode=w.decode.count, ray_address=f.ray.address,
             local_prefill_tokens=f.placement.local_prefill_tokens, transfer_deadline_s=t.deadline_s,
             reservation_ttl_s=t.reservation_ttl_s, num_threads=w.prefill.threads, pages_per_chunk=t.pages_per_chunk,
-            transport=t.transport, shm_slots=t.shm_slots, pin_cores=w.pin_cores, placement=f.placement.policy,
+            transport=t.transport, shm_slots=t.shm_slots, bind_host=t.bind_host,
+            advertise_host=t.advertise_host or "", pair_failures=t.pair_failures, pair_retry_s=t.pair_retry_s,
+            pin_cores=w.pin_cores, placement=f.placement.policy,
             max_migrations=f.recovery.max_migrations, watchdog_s=f.recovery.watchdog_s,
             max_restarts=f.recovery.max_restarts,
             prefill_resources=_resources(w.prefill), decode_resources=_resources(w.decode),

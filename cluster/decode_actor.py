@@ -38,6 +38,7 @@ from engine.outputs import StepOutput
 from kvcache.report import CacheReport, cache_report
 from kvtransfer.codec import chunk_pages
 from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.listen import LOOPBACK, listen_address
 from kvtransfer.nccl import nccl_usable
 from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
 from kvtransfer.select import WorkerPlace
@@ -77,7 +78,8 @@ class DecodeActor(KVPublisher, Registered):
         reservation_ttl_s: float = DEFAULT_DEADLINE_S,
         local_prefill_tokens: int = 32,
         num_threads: int = 1,
-        host: str = "127.0.0.1",
+        bind_host: str = "auto",  # the KV listener (kvtransfer.listen): auto, node or an IP
+        advertise_host: str = "",  # what senders dial, when not the bound address
         admit_lease_s: float = DEFAULT_DEADLINE_S,
         max_feed_steps: int = 4096,
         shm_slots: int = 0,  # > 0: also serve PushShm from a /dev/shm region of this many slots
@@ -94,7 +96,7 @@ class DecodeActor(KVPublisher, Registered):
                                    on_settle=self._settled.fire)
         self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         self.fingerprint_bytes = self.worker.engine.fingerprint
-        self.host = host
+        self.bind_host, self.advertise_host = bind_host, advertise_host
         self.feed = OutputFeed(max_feed_steps)
         self._wake = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -117,8 +119,10 @@ class DecodeActor(KVPublisher, Registered):
                 # a slot holds one chunk, as large as the senders make them (codec.chunk_pages)
                 self._region = ShmRegion(self.shm_slots, chunk_pages(page_bytes, self.shm_slot_pages) * page_bytes)
                 extra.append(shm_handler(receiver, self._region))
-            self._server, port = await start_kv_server(receiver, f"{self.host}:0", extra_handlers=extra)
-            self.worker.address = f"{self.host}:{port}"
+            listen = listen_address(self.bind_host, self.advertise_host, *_node())
+            self._server, port = await start_kv_server(receiver, listen.bind_at(0), extra_handlers=extra)
+            self.worker.address = listen.advertise_at(port)
+            logger.info("KV server on %s, advertised as %s", listen.bind_at(port), self.worker.address)
             self._loop = asyncio.create_task(self._run())
         return self.worker.address
 
@@ -186,7 +190,7 @@ class DecodeActor(KVPublisher, Registered):
 
         return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(),
                            self.worker.engine.device.type == "cuda", has_nccl=nccl_usable(self.worker.engine.device),
-                           has_shm=self._region is not None)  # fmt: skip
+                           has_shm=self._region is not None, host=_node()[0])  # fmt: skip
 
     def _kv_address(self) -> str:
         return self.worker.address
@@ -265,3 +269,13 @@ class DecodeActor(KVPublisher, Registered):
             engine = self.worker.engine
             self._report, self._report_at = cache_report(engine.pool.pages, engine.prefix_cache, engine.cfg.page_size), now
         return self._report
+
+
+def _node() -> tuple[str, int]:
+    """This node's address and the number of live nodes in the Ray cluster (outside Ray, as
+    in tests that build the actor directly: loopback, one)."""
+    import ray
+
+    if not ray.is_initialized():
+        return LOOPBACK, 1
+    return ray.util.get_node_ip_address(), sum(1 for node in ray.nodes() if node.get("Alive"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
+from kvtransfer.listen import BIND_MODES, check_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,10 @@ class DisaggConfig:
     ray_address: str | None = None  # None: a private local Ray (or the one this process has)
     transport: str = "auto"  # auto (nccl between CUDA pools, shm on one host, else gRPC), grpc, shm or nccl
     shm_slots: int = 4  # per decode worker's /dev/shm region (each slot holds one chunk)
+    bind_host: str = "auto"  # the decode workers' KV listener (kvtransfer.listen): auto, node or an IP
+    advertise_host: str = ""  # what senders dial ("": the bound address, or the node's)
+    pair_failures: int = 3  # consecutive failed transfers after which a (prefill, decode) pair is unroutable
+    pair_retry_s: float = 30.0  # an unroutable pair gets one probing transfer this often (cluster.pair_health)
     pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.cpu)
     placement: str = "cache"  # cache: the cost model (cluster.placement); round_robin: for comparison (P7)
     prefill_resources: ActorResources = ActorResources()
@@ -80,5 +85,11 @@ class DisaggConfig:
             raise ConfigError("transport", f"use auto, grpc, shm or nccl, got {self.transport!r}")
         if self.shm_slots < 0 or (self.transport == "shm" and not self.shm_slots):
             raise ConfigError("shm_slots", "the shm transport needs at least one slot")
+        if self.bind_host not in BIND_MODES:
+            check_host(self.bind_host, "transfer.bind_host")
+        if self.advertise_host:
+            check_host(self.advertise_host, "transfer.advertise_host")
+        if self.pair_failures < 1 or not self.pair_retry_s > 0:
+            raise ConfigError("transfer.pair_failures", "pair_failures must be >= 1 and pair_retry_s > 0")
         if not self.transfer_deadline_s > 0 or not self.reservation_ttl_s > 0:
             raise ConfigError("transfer_deadline_s", "deadlines must be positive")

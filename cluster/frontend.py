@@ -22,13 +22,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
 
 from cluster.admission import Admission, AdmissionConfig, Ticket
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.metrics import EdgeMetrics
 from cluster.node_status import NodeCollector, NodeStatus, collect_nodes
+from cluster.pair_health import ReportsPairs
 from cluster.tenants import Tenant, TenantLimits
 from cluster.tracing import NO_TRACE, OFF, RequestTrace, Tracing, first_token
 from engine.async_engine import AsyncEngine
@@ -162,6 +163,7 @@ class Frontend:
             "gateway": {"waiting": adm.num_waiting, "inflight": adm.num_inflight,
                         "requests": self.metrics.outcomes()},
             "nodes": [n.to_json() for n in nodes],
+            "pairs": [asdict(p) for p in self.engine.pairs.views()] if isinstance(self.engine, ReportsPairs) else [],
         }  # fmt: skip
 
     # -- before the engine ------------------------------------------------------------------

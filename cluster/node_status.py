@@ -47,6 +47,7 @@ class NodeStatus:
     cache: CacheReport = CacheReport()
     age_s: float = 0.0  # since its last report
     preemptions: int = 0  # requests its engine preempted (recomputed later) since start
+    host: str = ""  # its node's address (Ray's node IP); "" in one process
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -157,7 +157,7 @@ class PrefillActor(KVPublisher, Registered):
 
         device = self.worker.engine.device
         return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(), device.type == "cuda",
-                           has_nccl=nccl_usable(device))  # fmt: skip
+                           has_nccl=nccl_usable(device), host=ray.util.get_node_ip_address())  # fmt: skip
 
     async def route(self, address: str, transport: str, rendezvous: tuple[str, bytes] | None = None) -> str:
         """Push to the decode worker at `address` by `transport` ("grpc", "shm" or "nccl": then

@@ -52,6 +52,7 @@ from cluster.global_index import NO_HIT, GlobalIndex
 from cluster.membership import EventKind, Membership, MembershipLagged, WorkerInfo
 from cluster.membership import Role as MemberRole
 from cluster.node_status import NodeStatus
+from cluster.pair_health import PairHealth, PairRoute
 from cluster.placement import Placement, PlacementConfig, PlacementKind, Placer, Role, WorkerStats
 from cluster.ray_workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.tracing import NO_SPAN, RequestTrace, Span, first_token, trace_of
@@ -102,13 +103,15 @@ class RayFront:
         self, model: ModelView, prefills: Sequence[PrefillHandle], decodes: Sequence[DecodeHandle], cfg: DisaggConfig,
         fingerprint: bytes = b"", page_size: int = 16, max_running: int = 64, page_bytes: int = 1 << 20,
         placement: PlacementConfig | None = None, membership: Membership | None = None, registry: Any = None,
-        registry_name: str = "", spawner: Spawner | None = None,
+        registry_name: str = "", spawner: Spawner | None = None, routes: Sequence[PairRoute] = (),
     ) -> None:
         self.model = model  # ray_launch.GatewayModel: the tokenizer and config, no weights
         self.prefills = list(prefills)
         self.decodes = list(decodes)
         self.cfg = cfg
         self.metrics = TransferMetrics()
+        self.pairs = PairHealth(cfg.pair_failures, cfg.pair_retry_s)  # which pairs' transfers work
+        self.pairs.routed(routes)
         self.fingerprint = fingerprint  # the engines' (page hashes carry it)
         self.page_size = page_size
         self.max_running = max_running  # a decode worker's batch limit (max_num_seqs)
@@ -157,7 +160,7 @@ class RayFront:
 
     def nodes(self) -> list[NodeStatus]:
         """Every worker, from the stats already polled (cluster.node_status)."""
-        now, nodes = time.monotonic(), []
+        now, nodes, hosts = time.monotonic(), [], self.pairs.hosts()
         for p in self.prefills:
             s = p.stats
             health = ("down" if not p.is_alive else "stalled" if p.is_stalled else "left" if not p.is_member
@@ -167,6 +170,7 @@ class RayFront:
                 s.num_pending_tokens if s else 0, 0, s.num_pinned_pages if s else 0,
                 s.num_transfers if s else 0, s.num_failed_transfers if s else 0,
                 s.cache if s else CacheReport(), now - p.reported_at if s else 0.0, s.num_preempted if s else 0,
+                hosts.get(p.name, ""),
             ))  # fmt: skip
         for d in self.decodes:
             t = d.stats
@@ -176,6 +180,7 @@ class RayFront:
                 d.name, "decode", health, d.epoch, t.num_running if t else 0, t.num_waiting if t else 0, 0,
                 t.num_reserved_pages if t else 0, cache=t.cache if t else CacheReport(),
                 age_s=now - d.heartbeat if t else 0.0, preemptions=t.num_preempted if t else 0,
+                host=hosts.get(d.name, ""),
             ))  # fmt: skip
         return nodes
 
@@ -270,7 +275,7 @@ class RayFront:
         prefilling = decoding = NO_SPAN  # this attempt's prefill; decode from the first token on
         num_tokens = 0
         try:
-            paths = self._paths(placement)  # None: local
+            paths = self._paths(placement, decode.name)  # None: local
             for prefill in paths:
                 prefilling = trace.span("baton.prefill", req_id=req_id)
                 try:
@@ -388,7 +393,10 @@ class RayFront:
                     self.metrics.failures.labels(failed).inc()
                 logger.info("%s: transfer %s failed (%s); re-dispatching", job.req_id, placed.transfer_id, failed)
                 transfer.fail(_reason(failed))
+                if placed.prefill.is_alive:  # a dead worker is not its link's fault
+                    self.pairs.failed(placed.prefill.name, decode.name, failed)
                 raise _Redispatch
+            self.pairs.succeeded(placed.prefill.name, decode.name)
 
     # -- workers ----------------------------------------------------------------------------------
 
@@ -425,13 +433,14 @@ class RayFront:
         return Placement(PlacementKind.DISAGGREGATED, decode, order[0], NO_HIT, None, 0, len(job.prompt_ids), 0,
                          None, 0.0, 0, tuple(order[1:]))  # fmt: skip
 
-    def _paths(self, p: Placement) -> list[PrefillHandle | None]:
-        """The prefill workers to try in order (the placement's, then its fallbacks), then
-        decode-local (None). A LOCAL placement is local at once."""
+    def _paths(self, p: Placement, decode: str) -> list[PrefillHandle | None]:
+        """The prefill workers to try in order (the placement's, then its fallbacks) whose pair
+        with `decode` moves pages (cluster.pair_health), then decode-local (None). A LOCAL
+        placement is local at once."""
         if p.kind == PlacementKind.LOCAL:
             return [None]
         named = [self._prefill_of[w] for w in (p.prefill_id, *p.fallbacks) if w in self._prefill_of]
-        return [*(h for h in named if h.is_routable), None]
+        return [*(h for h in named if h.is_routable and self.pairs.can_route(h.name, decode)), None]
 
     async def _ensure_stats(self) -> None:
         """A decode worker's first stats (until its output stream reports): free pages matter."""
@@ -627,11 +636,11 @@ class RayFront:
                 epoch: int = await _ray_await(handle.actor.join.remote(self.cfg.membership, self.registry_name,
                                                                       handle.name))  # fmt: skip
                 if isinstance(handle, DecodeHandle):
-                    await route([p.actor for p in self.prefills if p.is_alive], [handle.actor], [address],
-                                self.cfg.transport)  # fmt: skip
+                    routes = await route([(p.name, p.actor) for p in self.prefills if p.is_alive],
+                                         [(handle.name, handle.actor, address)], self.cfg.transport)  # fmt: skip
                 else:
-                    live = [d for d in self.decodes if d.is_alive]
-                    await route([handle.actor], [d.actor for d in live], [d.address for d in live], self.cfg.transport)
+                    routes = await route([(handle.name, handle.actor)], self._live_decodes(), self.cfg.transport)
+                self.pairs.routed(routes)
         except ray.exceptions.ActorUnavailableError as exc:  # restarting: the next health period asks again
             logger.info("%s worker %s is not back yet: %s", role, handle.name, type(exc).__name__)
             return
@@ -651,6 +660,9 @@ class RayFront:
         self.index.add_worker(handle.name, epoch)  # its cache is empty: stale until its snapshot
         self.metrics.restarts.labels(role).inc()
         logger.warning("%s worker %s restarted and rejoined (epoch %d)", role, handle.name, epoch)
+
+    def _live_decodes(self) -> list[tuple[str, Any, str]]:
+        return [(d.name, d.actor, d.address) for d in self.decodes if d.is_alive]
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -710,14 +722,14 @@ class RayFront:
         try:
             actor = ray.get_actor(info.address)
             if info.role == MemberRole.PREFILL:
-                live = [d for d in self.decodes if d.is_alive]
-                await route([actor], [d.actor for d in live], [d.address for d in live], self.cfg.transport)
+                self.pairs.routed(await route([(info.worker_id, actor)], self._live_decodes(), self.cfg.transport))
                 prefill = PrefillHandle(info.worker_id, actor, info.epoch)
                 self.prefills.append(prefill)
                 self._prefill_of[info.worker_id] = prefill
             else:
                 address: str = await asyncio.wait_for(_ray_await(actor.start.remote()), STOP_S)
-                await route([p.actor for p in self.prefills if p.is_alive], [actor], [address], self.cfg.transport)
+                self.pairs.routed(await route([(p.name, p.actor) for p in self.prefills if p.is_alive],
+                                              [(info.worker_id, actor, address)], self.cfg.transport))  # fmt: skip
                 decode = DecodeHandle(info.worker_id, actor, address, self.cfg.poll_wait_s, epoch=info.epoch,
                                       watchdog_s=self.cfg.watchdog_s)  # fmt: skip
                 self.decodes.append(decode)

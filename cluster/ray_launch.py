@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.disagg_config import DisaggConfig
+from cluster.pair_health import PairRoute
 from cluster.ray_actors import spawn_decode, spawn_prefill
 from cluster.ray_front import RayFront
 from cluster.ray_workers import DecodeHandle, PrefillHandle
@@ -36,7 +37,7 @@ from engine.config import ModelConfig
 from engine.engine_config import EngineConfig
 from engine.tokenizer import Tokenizer
 from kvcache.tiers import TierConfig
-from kvtransfer.select import TransportKind, choose_transport
+from kvtransfer.select import TransportKind, pair_transport
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
     async with asyncio.timeout(ACTOR_START_S):
         addresses: list[str] = await asyncio.gather(*(d.start.remote() for d in decodes))
         await asyncio.gather(*(p.ping.remote() for p in prefills))
-        await route(prefills, decodes, addresses, cfg.transport)
+        routes = await route([(f"prefill-{i}", p) for i, p in enumerate(prefills)],
+                             [(f"decode-{i}", d, a) for i, (d, a) in enumerate(zip(decodes, addresses, strict=True))],
+                             cfg.transport)  # fmt: skip
         # Each worker registers itself (its lease is its own); the gateway follows membership.
         prefill_epochs: list[int] = await asyncio.gather(
             *(p.join.remote(cfg.membership, registry_name, f"prefill-{i}") for i, p in enumerate(prefills)))
@@ -97,7 +100,7 @@ async def launch(engine_cfg: EngineConfig, cfg: DisaggConfig, shared_prefix_text
          for i, (actor, addr, epoch)
          in enumerate(zip(decodes, addresses, decode_epochs, strict=True))],
         cfg, fingerprint, engine_cfg.page_size, engine_cfg.max_num_seqs, page_bytes,
-        membership=membership, registry=registry, registry_name=registry_name, spawner=spawner,
+        membership=membership, registry=registry, registry_name=registry_name, spawner=spawner, routes=routes,
     )  # fmt: skip
 
 
@@ -119,6 +122,7 @@ class Spawner:
             local_prefill_tokens=cfg.local_prefill_tokens, resources=cfg.decode_resources,
             num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport in ("grpc", "nccl") else cfg.shm_slots,
             shm_slot_pages=cfg.pages_per_chunk, pin_slot=pin_slot, max_restarts=cfg.max_restarts,
+            bind_host=cfg.bind_host, advertise_host=cfg.advertise_host,
         )  # fmt: skip
 
     def prefill(self, index: int, pin_slot: int | None = None) -> Any:
@@ -142,30 +146,40 @@ class Spawner:
         return actor
 
 
-async def route(prefills: list[Any], decodes: list[Any], addresses: list[str], transport: str) -> None:
-    """Tell each prefill worker how to reach each decode worker: kvtransfer.select's choice for
-    the pair (nccl between CUDA pools, shm on one host, else gRPC), or the configured transport.
-    An nccl pair opens its channel here: the decode worker listens, the prefill worker joins."""
-    prefill_places = await asyncio.gather(*(p.place_of.remote() for p in prefills))
-    decode_places = await asyncio.gather(*(d.place_of.remote() for d in decodes))
+async def route(
+    prefills: Sequence[tuple[str, Any]], decodes: Sequence[tuple[str, Any, str]], transport: str
+) -> list[PairRoute]:
+    """Tell each prefill worker (name, actor) how to reach each decode worker (name, actor, KV
+    address): kvtransfer.select's choice for the pair (nccl between CUDA pools, shm on one node,
+    else gRPC), or the configured transport where the pair allows it. An nccl pair opens its
+    channel here: the decode worker listens, the prefill worker joins. A pair whose pages
+    cannot move (kvtransfer.select.pair_transport says why) is not routed: the prefill worker
+    is never told the address, and the gateway's PairHealth marks it unroutable."""
+    prefill_places = await asyncio.gather(*(p.place_of.remote() for _, p in prefills))
+    decode_places = await asyncio.gather(*(d.place_of.remote() for _, d, _ in decodes))
+    routes: list[PairRoute] = []
     calls = []
-    for prefill, p_place in zip(prefills, prefill_places, strict=True):
-        for decode, address, d_place in zip(decodes, addresses, decode_places, strict=True):
-            kind = TransportKind(transport) if transport != "auto" else choose_transport(p_place, d_place)
-            if kind is TransportKind.LOCAL:
-                kind = TransportKind.GRPC  # local needs one process: actors are two
+    for (p_name, prefill), p_place in zip(prefills, prefill_places, strict=True):
+        for (d_name, decode, address), d_place in zip(decodes, decode_places, strict=True):
+            kind = pair_transport(transport, p_place, d_place, address)
+            if not isinstance(kind, TransportKind):
+                routes.append(PairRoute(p_name, d_name, "", p_place.host, d_place.host, error=kind))
+                continue
+            routes.append(PairRoute(p_name, d_name, kind.value, p_place.host, d_place.host))
             calls.append(_route_pair(prefill, decode, address, kind))
-    await asyncio.gather(*calls)
+    used = await asyncio.gather(*calls)
+    it = iter(used)
+    return [replace(r, transport=next(it)) if not r.error else r for r in routes]
 
 
-async def _route_pair(prefill: Any, decode: Any, address: str, kind: TransportKind) -> None:
+async def _route_pair(prefill: Any, decode: Any, address: str, kind: TransportKind) -> str:
     if kind is not TransportKind.NCCL:
-        await prefill.route.remote(address, kind.value)
-        return
+        return str(await prefill.route.remote(address, kind.value))
     rendezvous = await decode.nccl_listen.remote()
-    used = await prefill.route.remote(address, kind.value, rendezvous)
+    used = str(await prefill.route.remote(address, kind.value, rendezvous))
     if used != kind.value:
         logger.warning("the pair to %s fell back to %s", address, used)
+    return used
 
 
 def _decode_cfg(cfg: EngineConfig, index: int, count: int) -> EngineConfig:

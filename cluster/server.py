@@ -35,6 +35,7 @@ from cluster.disagg_config import DisaggConfig
 from cluster.frontend import Frontend
 from cluster.http_api import HttpConfig, create_app
 from cluster.metrics import watch_loop_lag
+from cluster.pair_health import PairCollector
 from cluster.pd import PDFront
 from cluster.tenants import ApiKeys
 from cluster.tracing import TracingConfig, configure
@@ -121,6 +122,7 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s, configure(cfg.tracing))
     if ray_front is not None:
         ray_front.metrics.register(frontend.metrics.registry, ray_front)
+        frontend.metrics.registry.register(PairCollector(ray_front.pairs))
     keys = load_api_keys(cfg.api_keys_file)
     app = create_app(frontend, keys, cfg.http)
     grpc_server = await _start_grpc(frontend, keys, cfg)

@@ -4,6 +4,9 @@
     NODE      ROLE     HEALTH  EPOCH  RUN  WAIT  HIT%   DEVICE used/cached/total  HOST cached/total  DISK ...
     decode-0  decode   ok          1    3     0  42.1%  120/30/512                -                  -
 
+    KV ROUTES
+      prefill-0 (10.0.0.2) -> decode-0 (10.0.0.3)  grpc  ok 118  failed 0
+
 HIT% is token-weighted and cumulative: prompt tokens served from any tier of the node's
 prefix cache over prompt tokens looked up (by tier: `baton status --json` or /metrics).
 """
@@ -41,7 +44,21 @@ def render_status(body: dict[str, Any]) -> str:
         lines.append("  ".join(cells).rstrip())
     if len(rows) == 1:
         lines.append("(no nodes)")
+    lines += _pairs(body.get("pairs", []))
     return "\n".join(lines)
+
+
+def _pairs(pairs: list[dict[str, Any]]) -> list[str]:
+    """The KV routes between prefill and decode workers; an unroutable pair says why."""
+    if not pairs:
+        return []
+    lines = ["", "KV ROUTES"]
+    for p in pairs:
+        route = f"{p['prefill']} ({p['prefill_host'] or '?'}) -> {p['decode']} ({p['decode_host'] or '?'})"
+        state = (f"{p['transport'] or '-'}  ok {p['transfers']}  failed {p['total_failures']}" if p["routable"]
+                 else f"UNROUTABLE  {p['transport'] or '-'}  failed {p['total_failures']}: {p['reason']}")  # fmt: skip
+        lines.append(f"  {route}  {state}")
+    return lines
 
 
 def _lower(tier: dict[str, Any] | None) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvtransfer.listen import host_of, is_loopback
+
 
 class TransportKind(StrEnum):
     LOCAL = "local"
@@ -31,6 +33,7 @@ class WorkerPlace:
     is_cuda: bool = False  # its KV pages live on a CUDA device
     has_nccl: bool = False  # CuPy with NCCL is usable there
     has_shm: bool = False  # it serves KVTransfer.PushShm from an shm region (decode side)
+    host: str = ""  # the node's address (Ray's node IP): what /status shows
 
 
 def choose_transport(prefill: WorkerPlace, decode: WorkerPlace) -> TransportKind:
@@ -42,3 +45,23 @@ def choose_transport(prefill: WorkerPlace, decode: WorkerPlace) -> TransportKind
     if same_node and decode.has_shm:
         return TransportKind.SHM
     return TransportKind.GRPC
+
+
+def pair_transport(requested: str, prefill: WorkerPlace, decode: WorkerPlace, address: str) -> TransportKind | str:
+    """The transport for a pair of Ray actors, or why pages cannot move between them: `requested`
+    is the configured one ("auto": choose_transport's). Two actors are two processes (local
+    becomes gRPC); shm needs one node, as does nccl's CPU stand-in (gloo's rendezvous is a
+    file), so across nodes those become gRPC; a decode worker whose KV address is loopback
+    cannot be reached from another node at all."""
+    same_node = prefill.node_id == decode.node_id
+    if not same_node and is_loopback(host_of(address)):
+        return (f"{decode.host or 'the decode node'}'s KV listener is on loopback ({address}), unreachable from "
+                f"{prefill.host or 'another node'}: set transfer.bind_host (auto or node)")  # fmt: skip
+    kind = choose_transport(prefill, decode) if requested == "auto" else TransportKind(requested)
+    if kind is TransportKind.LOCAL:
+        return TransportKind.GRPC
+    if not same_node and kind is TransportKind.SHM:
+        return TransportKind.GRPC
+    if not same_node and kind is TransportKind.NCCL and not (prefill.is_cuda and decode.is_cuda):
+        return TransportKind.GRPC
+    return kind

@@ -35,6 +35,7 @@ from cluster.membership_etcd import EtcdConfig
 from cluster.server import ServerConfig
 from kvcache.pool import DevicePool, KVLayout
 from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.listen import listen_address
 from kvtransfer.shm import ShmRegion, shm_handler
 from kvtransfer.transport import PoolReceiver, ReservationBook
 from tests.cluster.conftest import ServerHandle, free_port
@@ -146,7 +147,11 @@ def test_every_configuration_surface_defaults_to_loopback() -> None:
     assert from_yaml.http.host == "127.0.0.1"
     assert from_yaml.disagg is None or from_yaml.disagg.membership.etcd_host == "127.0.0.1"
     assert EtcdConfig().host == "127.0.0.1"
-    assert inspect.signature(DecodeActor.__init__).parameters["host"].default == "127.0.0.1"
+    # the decode KV listener: loopback on a one-node Ray, and only an address the other nodes
+    # can reach on more (kvtransfer.listen, tests/kvtransfer/test_listen.py)
+    assert inspect.signature(DecodeActor.__init__).parameters["bind_host"].default == "auto"
+    assert listen_address("auto", "", "10.0.0.5", num_nodes=1).bind == "127.0.0.1"
+    assert from_yaml.disagg is None or from_yaml.disagg.bind_host == "auto"
     assert inspect.signature(start_kv_server).parameters["address"].default.startswith("127.0.0.1:")
 
 
