@@ -8,6 +8,7 @@
     baton status [--url URL] [--json] a running gateway's workers: role, health, load, cache by tier
     baton generate --model M --prompt P
     baton model create {tiny,small} DIR
+    baton dev hosts N                 N network-namespaced hosts, each its own Ray node, until Ctrl-C (root)
     baton bench ...                   from the `baton.commands` entry point (bench/)
 
 Errors meant for the user (BatonError) print one line and exit 2, never a traceback.
@@ -95,6 +96,18 @@ def _build_parser() -> argparse.ArgumentParser:
     create.add_argument("name", choices=["tiny", "small"])
     create.add_argument("dir", type=Path)
     create.set_defaults(func=_cmd_model_create)
+
+    dev = sub.add_parser("dev", help="developer tools")
+    dev_sub = dev.add_subparsers(metavar="ACTION")
+    hosts = dev_sub.add_parser("hosts", help="N network-namespaced hosts on this machine, each its own Ray node, "
+                                             "until Ctrl-C (root; cluster.devhosts)")
+    hosts.add_argument("n", type=int, nargs="?", default=3, help="how many hosts (default 3)")
+    hosts.add_argument("--prefill-host", type=int, default=None,
+                       help="the host with the baton_prefill resource (default 1 when N >= 3)")
+    hosts.add_argument("--decode-host", type=int, default=None,
+                       help="the host with the baton_decode resource (default 2 when N >= 3)")
+    hosts.add_argument("--sweep", action="store_true", help="only remove what killed runs left behind")
+    hosts.set_defaults(func=_cmd_dev_hosts)
 
     for ep in entry_points(group="baton.commands"):
         ep.load()(sub)
@@ -341,6 +354,40 @@ def _cmd_model_create(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     path = create_model(BUILTIN_SPECS[f"baton-{args.name}"], args.dir)
     print(f"wrote baton-{args.name} to {path} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _cmd_dev_hosts(args: argparse.Namespace) -> int:
+    """Bring the hosts up, say how to use them, and hold them until Ctrl-C or SIGTERM."""
+    import signal
+
+    from cluster import devhosts
+
+    if reason := devhosts.available():
+        raise BatonError(reason)
+    if args.sweep:
+        print(f"removed: {', '.join(devhosts.sweep_stale()) or 'nothing'}")
+        return 0
+    given = {r: i for r, i in (("prefill", args.prefill_host), ("decode", args.decode_host)) if i is not None}
+    roles = {**({"prefill": 1, "decode": 2} if args.n >= 3 else {}), **given}
+    if any(not 0 <= i < args.n for i in roles.values()):
+        raise BatonError(f"--prefill-host and --decode-host name a host in 0..{args.n - 1}")
+    resources: dict[int, dict[str, float]] = {}
+    for role, i in roles.items():
+        resources.setdefault(i, {})[f"baton_{role}"] = 100.0
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    print(f"baton: starting {args.n} hosts ...", file=sys.stderr)
+    with devhosts.DevHosts(args.n, resources=resources) as hosts:
+        print(devhosts.describe(hosts, roles, str(Path(sys.executable).parent / "baton")), flush=True)
+        try:
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            print("baton: stopping the hosts ...", file=sys.stderr)
     return 0
 
 

@@ -176,10 +176,13 @@ def actor_port(actor: Any) -> RegistryPort:
 
 def spawn_registry(name: str, ttl_s: float = 10.0) -> Any:
     """The registry as a named actor of this Ray cluster (it lives as long as its creator, the
-    gateway); workers find it by name (`ray.get_actor(name)`)."""
+    gateway); workers find it by name (`ray.get_actor(name)`). It runs on the gateway's node:
+    on another it would go down with that host and take membership with it."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.remote(num_cpus=0)(Registry).options(name=name).remote(ttl_s)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0)(Registry).options(name=name, scheduling_strategy=here).remote(ttl_s)
 
 
 class RayStats(NamedTuple):

@@ -276,7 +276,7 @@ class RayFront:
         num_tokens = 0
         try:
             paths = self._paths(placement, decode.name)  # None: local
-            for prefill in paths:
+            for step, prefill in enumerate(paths):
                 prefilling = trace.span("baton.prefill", req_id=req_id)
                 try:
                     placed = await self._place(job, decode, prefill, prefilling)
@@ -293,8 +293,8 @@ class RayFront:
                             return
                     await self._hand_over(job, decode, placed, trace)
                     break
-                except _Redispatch:
-                    self.metrics.redispatches.labels("prefill" if self._healthy_prefills() else "local").inc()
+                except _Redispatch:  # to the next path: another prefill worker, or decode-local
+                    self.metrics.redispatches.labels("local" if paths[step + 1] is None else "prefill").inc()
             prefill = None
             # A local re-run's first token was already sent by a prefill worker.
             async for out in self._stream(decode, queue, is_local and sent_first, prefilling):
@@ -509,9 +509,6 @@ class RayFront:
             epoch, seq, entries = snap
             self.index.load_snapshot(name, epoch, seq, entries)
             self._kv_after[name] = max(after, seq)
-
-    def _healthy_prefills(self) -> list[PrefillHandle]:
-        return sorted((p for p in self.prefills if p.is_routable), key=lambda p: p.num_inflight)
 
     async def _prefill_call(self, prefill: PrefillHandle, ref: Any) -> PrefillResult:
         """The prefill's first token, bounded by the reservation; _Stalled as soon as the

@@ -34,11 +34,17 @@ def _message_options(limits: CodecLimits) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]
 
 
+# A link that was cut comes back within seconds; gRPC's own reconnect backoff grows to 120 s,
+# which would keep a pair failing (and unroutable) for minutes after the network healed.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 2000))  # fmt: skip
+
+
 class Channels:
     """A sender's grpc.aio channels, one per KV address, reused across transfers."""
 
     def __init__(self, options: Sequence[tuple[str, int]] = ()) -> None:
-        self._options = list(options)
+        self._options = [*options, *RECONNECT_OPTIONS]
         self._by_address: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:

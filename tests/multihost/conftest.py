@@ -1,0 +1,79 @@
+"""Fixtures of the multi-host suite: dev hosts (cluster.devhosts), network namespaces on this
+machine, each with its own address, /dev/shm and Ray node.
+
+    three_hosts         session-scoped DevHosts(3) with Ray up: baton_prefill on host 1,
+                        baton_decode on host 2, baton_host_<i> on each; drive it from host 0
+    devhosts_factory    make(n, **kw) -> a DevHosts not yet up; any still up at the end of
+                        the test is torn down
+
+They need root (`cluster.devhosts.available()`); elsewhere these tests skip with its one-line
+reason, except where BATON_REQUIRE_MULTIHOST=1 (CI), where they fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.devhosts import DevHosts, available
+from tests.multihost.gateway import Gateway
+
+REQUIRE_ENV = "BATON_REQUIRE_MULTIHOST"
+TIMEOUT_S = 120  # per test, set-up included: the session's cluster comes up inside the first one
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test of this directory gets a timeout unless it sets its own."""
+    for item in items:
+        if item.path.is_relative_to(HERE) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIMEOUT_S))
+
+
+def require_devhosts() -> None:
+    """Skip (or, under BATON_REQUIRE_MULTIHOST=1, fail) where dev hosts cannot be made."""
+    reason = available()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def three_hosts() -> Iterator[DevHosts]:
+    require_devhosts()
+    with DevHosts(3, resources={1: {"baton_prefill": 100}, 2: {"baton_decode": 100}}) as hosts:
+        yield hosts
+
+
+@pytest.fixture
+def devhosts_factory() -> Iterator[Callable[..., DevHosts]]:
+    require_devhosts()
+    made: list[DevHosts] = []
+
+    def make(n: int, **kw: Any) -> DevHosts:
+        hosts = DevHosts(n, **kw)
+        made.append(hosts)
+        return hosts
+
+    yield make
+    for hosts in made:
+        hosts.down()
+
+
+@pytest.fixture(scope="session")
+def spread(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[tuple[DevHosts, Gateway]]:
+    """baton across three hosts (tests/multihost/gateway.py): the gateway on host 0, the prefill
+    worker and one decode worker on host 1, the other decode worker on host 2 (one baton_decode
+    unit on each, so Ray must put one there and one here). test_across_hosts uses it first,
+    test_host_faults then breaks and mends it."""
+    require_devhosts()
+    resources = {1: {"baton_prefill": 100, "baton_decode": 1}, 2: {"baton_decode": 1}}
+    with DevHosts(3, resources=resources) as hosts:
+        with Gateway.start(hosts, tmp_path_factory.mktemp("across"), tiny_model_dir) as gw:
+            yield hosts, gw
