@@ -44,8 +44,10 @@ class EtcdServer:
     """One etcd on loopback, started and stopped by its own PID (restartable: the same data dir
     and ports)."""
 
-    def __init__(self, binary: str, data_dir: Path, port: int, peer_port: int, name: str = "baton") -> None:
+    def __init__(self, binary: str, data_dir: Path, port: int, peer_port: int, name: str = "baton",
+                 host: str = "127.0.0.1") -> None:  # fmt: skip
         self.binary = binary
+        self.host = host  # loopback, or a test's own private address (tests/multihost: the bridge)
         self.name = name
         self.data_dir = data_dir
         self.port = port
@@ -54,12 +56,12 @@ class EtcdServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def launch(cls, tmp_dir: Path, name: str = "baton") -> EtcdServer:
-        """etcd with its data in tmp_dir/etcd-data (log: tmp_dir/etcd-data.log), free ports."""
+    def launch(cls, tmp_dir: Path, name: str = "baton", host: str = "127.0.0.1") -> EtcdServer:
+        """etcd with its data in tmp_dir/etcd-data (log: tmp_dir/etcd-data.log), free ports on `host`."""
         binary = shutil.which("etcd")
         if binary is None:
             raise EtcdMissing(INSTALL_HINT)
-        server = cls(binary, tmp_dir / "etcd-data", free_port(), free_port(), name)
+        server = cls(binary, tmp_dir / "etcd-data", free_port(host), free_port(host), name, host)
         server.start()
         return server
 
@@ -69,7 +71,7 @@ class EtcdServer:
 
     def start(self, timeout_s: float = 15.0) -> None:
         assert self.proc is None or self.proc.poll() is not None, "etcd is already running"
-        peer, client = f"http://127.0.0.1:{self.peer_port}", f"http://127.0.0.1:{self.port}"
+        peer, client = f"http://{self.host}:{self.peer_port}", f"http://{self.host}:{self.port}"
         args = [
             self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -93,7 +95,7 @@ class EtcdServer:
 
     def is_healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as resp:
+            with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=1) as resp:
                 return b'"true"' in resp.read()
         except OSError:
             return False
@@ -102,11 +104,27 @@ class EtcdServer:
         """Keys under `prefix` (etcd's JSON gateway, /v3/kv/range); None if etcd does not answer."""
         end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
         body = {"key": _b64(prefix), "range_end": _b64(end), "count_only": True}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v3/kv/range", json.dumps(body).encode(),
+        req = urllib.request.Request(f"http://{self.host}:{self.port}/v3/kv/range", json.dumps(body).encode(),
                                      method="POST")  # fmt: skip
         try:
             with urllib.request.urlopen(req, timeout=2) as resp:
                 return int(json.load(resp).get("count", 0))
+        except OSError:
+            return None
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Write one key (etcd's JSON gateway, /v3/kv/put); False if etcd does not answer."""
+        body = {"key": _b64(key), "value": base64.b64encode(value).decode()}
+        return self._post("/v3/kv/put", body) is not None
+
+    def delete(self, key: str) -> bool:
+        return self._post("/v3/kv/deleterange", {"key": _b64(key)}) is not None
+
+    def _post(self, path: str, body: dict[str, str]) -> dict[str, object] | None:
+        req = urllib.request.Request(f"http://{self.host}:{self.port}{path}", json.dumps(body).encode(), method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=2) as resp:
+                return dict(json.load(resp))
         except OSError:
             return None
 

@@ -36,10 +36,15 @@ from cluster.membership import (
 logger = logging.getLogger(__name__)
 
 # gRPC's reconnect backoff grows to 120 s by default: cap it so a restarted etcd is found soon.
+# Keepalive pings find a connection whose packets vanish (a cut link, a lost host: no reset
+# ever arrives) within time + timeout, so the watch resumes on a new one; etcd accepts pings
+# every 5 s (its --grpc-keepalive-min-time).
 _CHANNEL_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
 }
 _UNREACHABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, TimeoutError)
 

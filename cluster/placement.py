@@ -10,13 +10,15 @@ gateway and the simulator (`baton sim`) run the same code.
                   equally long holders the m start at a random one, so none is a hot spot)
       cost(W)     queue(W) + recomputed tokens x W's s/token + host, disk bytes / W's bandwidth
                   (+ pages fetched from a peer holding more / peer bandwidth, when cheaper)
-      remote      min cost(P) over prefill candidates + the prompt's pages / transfer bandwidth
+      remote(D)   min over prefill candidates P of cost(P) + the prompt's pages / the P -> D
+                  link's measured bandwidth (cluster.links; transfer_bytes_per_s until measured)
       local(D)    cost(D) + the stall it imposes: its compute time x D's running requests (as
                   reported, or booked here since, whichever is more)
       total(D)    decode(D) + local(D) if the uncached part is short, or no prefill worker is
                   healthy, or local is cheaper than every remote one; else remote; the least
                   total wins; SATURATED when no decode worker has room, or when every healthy
-                  prefill worker is queued past the bound and the uncached part is long
+                  prefill worker is queued past the bound and the uncached part is long;
+                  on a tie, the decode worker on the prefill worker's host, then the freer one
     release_prefill(req_id), finish(req_id)   the in-flight book (queue, fairness)
 
 Costs are seconds of latency the choice adds, summed over the requests it affects: this
@@ -54,6 +56,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
 from cluster.global_index import NO_HIT, GlobalIndex, PrefixHit, PrefixMatch
+from cluster.links import Links
 
 _K = TypeVar("_K")
 
@@ -210,6 +213,7 @@ class Placer:
         self.cfg = cfg
         self.rng = rng or random.Random()
         self.clock = clock
+        self.links = Links(cfg.transfer_bytes_per_s)  # per (prefill, decode): measured push bandwidth
         self.stats = PlacerStats()
         self._workers: dict[str, WorkerStats] = {}
         self._pools = {Role.PREFILL: _Pool(), Role.DECODE: _Pool()}
@@ -260,18 +264,19 @@ class Placer:
             key=lambda o: o.cost_s,  # stable: ties go to the earlier candidate, in random order
         )
         num_pages = -(-num_tokens // cfg.page_size)
-        transfer_s = num_pages * cfg.page_bytes / cfg.transfer_bytes_per_s
         best: _Best | None = None
+        best_key: tuple[float, bool, int] | None = None
         for d in decodes:
             if d.num_free_pages < num_pages or d.num_waiting > d.max_running:
                 continue  # no room: reserving would fail or queue behind a whole batch
-            path, is_local = self._path(d, remote, bool(prefills), transfer_s, hits, num_tokens, tenant, best_id,
-                                        best_pages)  # fmt: skip
+            path, is_local = self._path(d, remote, bool(prefills), num_pages * cfg.page_bytes, hits, num_tokens,
+                                        tenant, best_id, best_pages)  # fmt: skip
             if path is None:
                 continue
             total = self._decode_cost(d) + path.cost_s
-            if best is None or (total, -d.num_free_pages) < (best.total_s, -best.decode.num_free_pages):
-                best = _Best(total, d, path, is_local)
+            far = not is_local and not self.links.is_same_host(path.worker_id, d.worker_id)
+            if best_key is None or (total, far, -d.num_free_pages) < best_key:
+                best, best_key = _Best(total, d, path, is_local), (total, far, -d.num_free_pages)
         num_examined = len(prefills) + len(decodes)
         if best is None:
             self.stats.num_saturated += 1
@@ -280,25 +285,27 @@ class Placer:
         return self._record(req_id, tenant, best, remote, best_pages, best_id, num_examined)
 
     def _path(
-        self, d: WorkerStats, remote: list[_Option], has_prefill: bool, transfer_s: float, hits: PrefixMatch,
+        self, d: WorkerStats, remote: list[_Option], has_prefill: bool, num_bytes: int, hits: PrefixMatch,
         num_tokens: int, tenant: str, best_id: str | None, best_pages: int,
     ) -> tuple[_Option | None, bool]:
-        """Local prefill on `d`, or the cheapest remote one: (the option, is it local).
+        """Local prefill on `d`, or the cheapest remote one with its push of `num_bytes` over
+        its link to `d`: (the option, is it local).
 
         With healthy prefill workers that are all queued past the bound (`has_prefill` and no
         `remote`), only a short uncached part goes local: a long one would stall d's whole
         batch for its compute time, so the request waits for room (SATURATED) instead."""
+        pushed = [o._replace(cost_s=o.cost_s + num_bytes / self.links.bytes_per_s(o.worker_id, d.worker_id))
+                  for o in remote]  # fmt: skip
+        cheapest = min(pushed, key=lambda o: o.cost_s) if pushed else None
         local = self._option(d, hits, num_tokens, tenant, best_id, best_pages)
         if local is not None:
             # the batch it stalls: what d reported, or what this placer sent it since
             running = max(d.num_running, self._decodes.get(d.worker_id, 0))
             local = local._replace(cost_s=local.cost_s + local.compute_s * running * self.cfg.stall_weight)
             is_short = local.num_recompute_tokens <= self.cfg.local_prefill_tokens
-            if is_short or (not remote and not has_prefill) or (remote and local.cost_s <= remote[0].cost_s + transfer_s):
+            if is_short or (cheapest is None and not has_prefill) or (cheapest and local.cost_s <= cheapest.cost_s):
                 return local, True
-        if not remote:
-            return None, False
-        return remote[0]._replace(cost_s=remote[0].cost_s + transfer_s), False
+        return cheapest, False
 
     def _option(
         self, w: WorkerStats, hits: PrefixMatch, num_tokens: int, tenant: str,

@@ -344,6 +344,7 @@ class PrefillActor(KVPublisher, Registered):
     async def _push(self, dest: KVDestination, feed: _Feed, transport: str) -> TransferReport:
         first = await feed.next_batch()  # no stream is open until there is a page to send
         start = time.perf_counter()
+        waited = _Stopwatch()
         try:
             source = feed.stream(first)
             fault = next((p for p in TRANSFER_FAULTS if self.worker.engine.faults.take(p)), None)
@@ -352,7 +353,9 @@ class PrefillActor(KVPublisher, Registered):
             async with asyncio.timeout(None) as timer:  # the deadline, once the first token is out
                 feed.watch(timer)
                 # wire chunks for grpc and shm, device chunks for nccl: the worker made them per route
-                chunks = cast(AsyncIterator[WireChunk], self._paced(source) if self.chunk_pause_s else source)
+                # what the chunks wait for (pages being computed, a drill's pause) is not the link's
+                paced = self._paced(source) if self.chunk_pause_s else source
+                chunks = cast(AsyncIterator[WireChunk], waited.around(paced))
                 sent = self._senders[transport].send(dest, chunks, self.stream_limit_s)
                 try:
                     result = await sent
@@ -374,7 +377,8 @@ class PrefillActor(KVPublisher, Registered):
         self.num_failed += not accepted
         seconds = time.perf_counter() - start  # first chunk to ack: with the prefill it overlapped
         return TransferReport(dest.transfer_id, transport, accepted, len(dest.dest_page_ids),
-                              feed.num_bytes if accepted else 0, seconds, error)
+                              feed.num_bytes if accepted else 0, seconds, error,
+                              wire_seconds=max(0.0, seconds - waited.seconds))
 
     async def _faulty(self, chunks: AsyncIterator[Chunk], fault: str) -> AsyncIterator[Chunk]:
         """The push as a damaged link or a wedged sender would make it (engine.faults)."""
@@ -401,4 +405,24 @@ class PrefillActor(KVPublisher, Registered):
     async def _paced(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         async for chunk in chunks:
             await asyncio.sleep(self.chunk_pause_s)
+            yield chunk
+
+
+class _Stopwatch:
+    """Time a push spends waiting for its next chunk: its pages being computed (and the chunk
+    encoded), as opposed to sending (what the link costs: cluster.links)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    async def around(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+        it = aiter(chunks)
+        while True:
+            start = time.perf_counter()
+            try:
+                chunk = await anext(it)
+            except StopAsyncIteration:
+                return
+            finally:
+                self.seconds += time.perf_counter() - start
             yield chunk

@@ -111,7 +111,6 @@ class RayFront:
         self.cfg = cfg
         self.metrics = TransferMetrics()
         self.pairs = PairHealth(cfg.pair_failures, cfg.pair_retry_s)  # which pairs' transfers work
-        self.pairs.routed(routes)
         self.fingerprint = fingerprint  # the engines' (page hashes carry it)
         self.page_size = page_size
         self.max_running = max_running  # a decode worker's batch limit (max_num_seqs)
@@ -120,6 +119,7 @@ class RayFront:
             page_size=page_size, page_bytes=page_bytes, local_prefill_tokens=cfg.local_prefill_tokens))
         self._prefill_of = {p.name: p for p in self.prefills}
         self._decode_of = {d.name: d for d in self.decodes}
+        self._routed(routes)
         self._kv_after: dict[str, int] = {}  # worker -> the last event seq read from it
         self._turn = 0  # the round_robin placement's (DisaggConfig.placement)
         for p in self.prefills:
@@ -369,17 +369,19 @@ class RayFront:
         wait_s = self.cfg.transfer_deadline_s
         admit = decode.actor.admit.remote(job, placed.dest, placed.first, wait_s)  # waits there
         failed: str | None = None
+        report: TransferReport | None = None
+        got: TransferReport
         with trace.span("baton.transfer", req_id=job.req_id, prefill_worker=placed.prefill.name,
                         decode_worker=decode.name) as transfer:  # fmt: skip
             self.metrics.inflight.inc()
             try:
                 call = placed.prefill.actor.push_result.remote(placed.transfer_id)
-                report: TransferReport = await asyncio.wait_for(_ray_await(call), wait_s + 1)
-                self.metrics.observe(report)
-                transfer.set(transport=report.transport, bytes=report.num_bytes, pages=report.num_pages,
-                             seconds=report.seconds)  # fmt: skip
-                if not report.accepted:
-                    failed = report.error
+                report = got = await asyncio.wait_for(_ray_await(call), wait_s + 1)
+                self.metrics.observe(got)
+                transfer.set(transport=got.transport, bytes=got.num_bytes, pages=got.num_pages,
+                             seconds=got.seconds)  # fmt: skip
+                if not got.accepted:
+                    failed = got.error
                     self.metrics.failures.labels(_reason(failed)).inc()
             except Exception as exc:
                 failed = self._prefill_failed(placed.prefill, job, exc)  # counted there
@@ -397,6 +399,8 @@ class RayFront:
                     self.pairs.failed(placed.prefill.name, decode.name, failed)
                 raise _Redispatch
             self.pairs.succeeded(placed.prefill.name, decode.name)
+            if report is not None:  # what the push measured of the link
+                self.placer.links.observe(placed.prefill.name, decode.name, report.num_bytes, report.wire_seconds)
 
     # -- workers ----------------------------------------------------------------------------------
 
@@ -637,7 +641,7 @@ class RayFront:
                                          [(handle.name, handle.actor, address)], self.cfg.transport)  # fmt: skip
                 else:
                     routes = await route([(handle.name, handle.actor)], self._live_decodes(), self.cfg.transport)
-                self.pairs.routed(routes)
+                self._routed(routes)
         except ray.exceptions.ActorUnavailableError as exc:  # restarting: the next health period asks again
             logger.info("%s worker %s is not back yet: %s", role, handle.name, type(exc).__name__)
             return
@@ -657,6 +661,13 @@ class RayFront:
         self.index.add_worker(handle.name, epoch)  # its cache is empty: stale until its snapshot
         self.metrics.restarts.labels(role).inc()
         logger.warning("%s worker %s restarted and rejoined (epoch %d)", role, handle.name, epoch)
+
+    def _routed(self, routes: Sequence[PairRoute]) -> None:
+        """Pairs (re)routed: their health starts over; placement learns which share a host."""
+        self.pairs.routed(routes)
+        for r in routes:
+            self.placer.links.set_same_host(r.prefill, r.decode, bool(r.prefill_host) and
+                                            r.prefill_host == r.decode_host)  # fmt: skip
 
     def _live_decodes(self) -> list[tuple[str, Any, str]]:
         return [(d.name, d.actor, d.address) for d in self.decodes if d.is_alive]
@@ -719,13 +730,13 @@ class RayFront:
         try:
             actor = ray.get_actor(info.address)
             if info.role == MemberRole.PREFILL:
-                self.pairs.routed(await route([(info.worker_id, actor)], self._live_decodes(), self.cfg.transport))
+                self._routed(await route([(info.worker_id, actor)], self._live_decodes(), self.cfg.transport))
                 prefill = PrefillHandle(info.worker_id, actor, info.epoch)
                 self.prefills.append(prefill)
                 self._prefill_of[info.worker_id] = prefill
             else:
                 address: str = await asyncio.wait_for(_ray_await(actor.start.remote()), STOP_S)
-                self.pairs.routed(await route([(p.name, p.actor) for p in self.prefills if p.is_alive],
+                self._routed(await route([(p.name, p.actor) for p in self.prefills if p.is_alive],
                                               [(info.worker_id, actor, address)], self.cfg.transport))  # fmt: skip
                 decode = DecodeHandle(info.worker_id, actor, address, self.cfg.poll_wait_s, epoch=info.epoch,
                                       watchdog_s=self.cfg.watchdog_s)  # fmt: skip

@@ -33,6 +33,7 @@ class TransferReport:
     num_bytes: int  # payload bytes sent
     seconds: float
     error: str  # why not, when not accepted ("aborted", "deadline exceeded", ...)
+    wire_seconds: float = 0.0  # of `seconds`, the part not spent waiting for pages to be computed
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,3 +295,41 @@ def test_a_stuck_holder_shows_in_how_long_its_booked_work_has_waited() -> None:
     placer.release_prefill("r2")  # it moved again
     placer.finish("r3")
     assert placer.place("r4", history, 24 * PS + 5).prefill_id == "hot"
+
+
+def test_the_measured_link_decides_between_decode_workers_and_a_tie_stays_on_the_host() -> None:
+    # d0 shares p0's host, d1 is across a link; both idle and equally free
+    tokens = 2000  # 125 pages of 64 KiB: 8 MB to push
+    placer = _fleet([_prefill("p0"), _decode("d0"), _decode("d1")])
+    placer.links.set_same_host("p0", "d0", True)
+    for seed in range(8):  # costs tie (no link measured yet): the same-host decode worker wins
+        placer.rng = random.Random(seed)
+        got = placer.place(f"t{seed}", _pages(f"t{seed}", 125), tokens)
+        placer.finish(f"t{seed}")
+        assert (got.prefill_id, got.decode_id) == ("p0", "d0")
+    # measured: p0 -> d0 moves 0.1 GB/s (a slow path), p0 -> d1 2 GB/s; the push is 8 MB
+    for _ in range(4):
+        placer.links.observe("p0", "d0", 8 << 20, (8 << 20) / 1e8)
+        placer.links.observe("p0", "d1", 8 << 20, (8 << 20) / 2e9)
+    assert placer.links.bytes_per_s("p0", "d0") == pytest.approx(1e8)
+    got = placer.place("r1", _pages("r1", 125), tokens)
+    assert (got.prefill_id, got.decode_id) == ("p0", "d1")
+    decode_s = CFG.expected_output_tokens * 0.01 * (1 + 8 / 64)  # the horizon at d1's ITL and fill
+    push_s = 125 * CFG.page_bytes / 2e9  # over the measured link, not transfer_bytes_per_s
+    assert got.cost_s == pytest.approx(decode_s + tokens * SPT + push_s, rel=1e-9)
+
+
+def test_links_skip_pushes_too_small_to_measure_and_follow_a_changed_link() -> None:
+    from cluster.links import MIN_BYTES, Links
+
+    links = Links(1e9)
+    links.observe("p", "d", MIN_BYTES - 1, 1e-6)  # latency, not bandwidth
+    assert links.bytes_per_s("p", "d") == 1e9
+    for _ in range(20):
+        links.observe("p", "d", 1 << 20, (1 << 20) / 4e8)
+    assert links.bytes_per_s("p", "d") == pytest.approx(4e8)
+    for _ in range(24):  # shaped to a tenth: followed within a few half-lives
+        links.observe("p", "d", 1 << 20, (1 << 20) / 4e7)
+    assert links.bytes_per_s("p", "d") < 5e7
+    links.forget("d")
+    assert links.bytes_per_s("p", "d") == 1e9

@@ -36,9 +36,12 @@ from tests.cluster.test_ray_serving import (
 
 ray = pytest.importorskip("ray")
 
-# 12 pages of LONG in chunks of 2, 0.25 s apart: each push takes ~1.5 s. Pages over gRPC.
+# 12 pages of LONG in chunks of 2, 0.25 s apart: each push takes ~1.5 s. Pages over gRPC. The
+# drills below fail both pairs' pushes on purpose, one after another: with the default
+# pair_failures (3) both pairs would turn unroutable (cluster.pair_health, tested on its own
+# and across hosts), and the tests after them would find no pair to kill a transfer on.
 SLOW_PUSH = DisaggConfig(num_prefill=2, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.25, transport="grpc",
-                         transfer_deadline_s=5.0)
+                         transfer_deadline_s=5.0, pair_failures=1000)
 
 
 @pytest.fixture(scope="module")

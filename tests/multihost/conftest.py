@@ -12,13 +12,17 @@ reason, except where BATON_REQUIRE_MULTIHOST=1 (CI), where they fail instead.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
+from bench.etcd_proc import INSTALL_HINT, EtcdServer
 from cluster.devhosts import DevHosts, available
 from tests.multihost.gateway import Gateway
 
@@ -66,14 +70,34 @@ def devhosts_factory() -> Iterator[Callable[..., DevHosts]]:
         hosts.down()
 
 
+class Spread(NamedTuple):
+    hosts: DevHosts
+    gw: Gateway
+    etcd: EtcdServer
+    etcd_ip: str  # a second address of this machine on the bridge: only etcd listens there
+
+
 @pytest.fixture(scope="session")
-def spread(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[tuple[DevHosts, Gateway]]:
+def spread(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Spread]:
     """baton across three hosts (tests/multihost/gateway.py): the gateway on host 0, the prefill
     worker and one decode worker on host 1, the other decode worker on host 2 (one baton_decode
-    unit on each, so Ray must put one there and one here). test_across_hosts uses it first,
-    test_host_faults then breaks and mends it."""
+    unit on each, so Ray must put one there and one here), membership in a real etcd on this
+    machine's own address on the bridge (its own, so that cutting host 0 from etcd leaves this
+    process's path to the gateway alone). test_across_hosts uses it first, test_host_faults
+    then breaks and mends it."""
     require_devhosts()
+    if shutil.which("etcd") is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
     resources = {1: {"baton_prefill": 100, "baton_decode": 1}, 2: {"baton_decode": 1}}
     with DevHosts(3, resources=resources) as hosts:
-        with Gateway.start(hosts, tmp_path_factory.mktemp("across"), tiny_model_dir) as gw:
-            yield hosts, gw
+        etcd_ip = str(ipaddress.ip_address(hosts.bridge_ip) - 1)
+        bridge = f"{hosts.tag}br"  # goes, with this address, when the hosts do
+        subprocess.run(["ip", "addr", "add", f"{etcd_ip}/24", "dev", bridge], check=True, timeout=10)
+        etcd = EtcdServer.launch(tmp_path_factory.mktemp("etcd-bridge"), host=etcd_ip)
+        try:
+            membership = {"membership": {"backend": "etcd", "lease_ttl_s": 3,
+                                         "etcd": {"host": etcd_ip, "port": etcd.port}}}  # fmt: skip
+            with Gateway.start(hosts, tmp_path_factory.mktemp("across"), tiny_model_dir, extra=membership) as gw:
+                yield Spread(hosts, gw, etcd, etcd_ip)
+        finally:
+            etcd.stop()

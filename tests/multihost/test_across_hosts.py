@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.devhosts import DevHosts
 from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
+from tests.multihost.conftest import Spread
 from tests.multihost.gateway import Gateway
 
 MAX_TOKENS = 8
@@ -37,9 +37,9 @@ def reference(model_dir: Path, batch: list[list[int]]) -> list[list[int]]:
 
 
 def test_pages_cross_hosts_by_grpc_and_stay_on_a_node_by_shm(
-    spread: tuple[DevHosts, Gateway], tiny_model_dir: Path
+    spread: Spread, tiny_model_dir: Path
 ) -> None:
-    hosts, gw = spread
+    hosts, gw = spread.hosts, spread.gw
     status = gw.status()
     where = {n["name"]: n["host"] for n in status["nodes"]}
     assert where["prefill-0"] == hosts.hosts[1].ip

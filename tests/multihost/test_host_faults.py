@@ -6,6 +6,8 @@ gateway on host 0, the prefill worker and decode worker N (near) on host 1, deco
         transfers to F fail within the transfer deadline, those requests prefill on F itself
         with the same tokens, the pair turns unroutable, and nothing stays reserved or pinned;
         the path back, a probe makes the pair routable and pages cross again
+    the gateway cut from etcd (a blackhole route on host 0) for twice the lease
+        it serves on the members it knew, none expires; back, it catches up with what changed
     host 2 lost (its link down, every process on it SIGKILLed) mid-stream
         the stream on F moves to N and completes token for token, the gateway keeps serving,
         membership drops F when its lease runs out
@@ -21,6 +23,7 @@ a returning host's worker serves within RETURN_S of its Ray node joining.
 from __future__ import annotations
 
 import errno
+import json
 import sys
 import time
 from pathlib import Path
@@ -33,12 +36,17 @@ from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
+from tests.multihost.conftest import Spread
 from tests.multihost.gateway import Gateway
 
 DEADLINE_S = 5.0  # transfer.deadline_s in gateway.cluster_yaml
 SLACK_S = 10.0  # a loaded 2-core machine: scheduling, not the bound, is what this absorbs
 RETURN_S = 120.0
 LONG_TOKENS = 400  # a stream still running when its host goes (the first of them read)
+LEASE_S = 3.0  # membership.lease_ttl_s in tests/multihost/conftest.py's spread
+WATCH_RESUME_S = 30.0  # keepalive (10 s + 5 s) finds a dead watch; then it resumes from the last revision
+PROBE = {"worker_id": "probe-0", "role": "decode", "address": "baton-nobody", "node_id": "nowhere",
+         "kv_address": "", "num_pages": 0, "page_size": 0, "max_num_seqs": 0}
 
 
 def prompts(model_dir: Path, n: int, seed: int, lengths: tuple[int, int] = (40, 100)) -> list[list[int]]:
@@ -79,18 +87,18 @@ def held_pages(gw: Gateway) -> float:
     return gw.metric("baton_kv_reserved_pages") + gw.metric("baton_kv_pinned_pages")
 
 
-def connect_errno(hosts: DevHosts, host: int, ip: str) -> int:
-    """The errno of a TCP connect from `host` to ip:9 (nothing listens there: a reachable host
-    answers ECONNREFUSED)."""
-    code = (f"import socket\ntry:\n    socket.create_connection(({ip!r}, 9), 2)\n    print(0)\n"
+def connect_errno(hosts: DevHosts, host: int, ip: str, port: int = 9) -> int:
+    """The errno of a TCP connect from `host` to ip:port, 0 when it connects (nothing listens on
+    port 9: a reachable host answers ECONNREFUSED)."""
+    code = (f"import socket\ntry:\n    socket.create_connection(({ip!r}, {port}), 2)\n    print(0)\n"
             "except OSError as e:\n    print(e.errno or -1)")  # fmt: skip
     return int(hosts.run(host, [sys.executable, "-c", code], timeout_s=10, capture_output=True,
                          text=True).stdout.strip())  # fmt: skip
 
 
 @pytest.mark.timeout(180)
-def test_the_prefill_to_decode_path_cut_and_back(spread: tuple[DevHosts, Gateway], tiny_model_dir: Path) -> None:
-    hosts, gw = spread
+def test_the_prefill_to_decode_path_cut_and_back(spread: Spread, tiny_model_dir: Path) -> None:
+    hosts, gw = spread.hosts, spread.gw
     near, far = placed(gw, hosts)
     far_ip = hosts.hosts[2].ip
     assert connect_errno(hosts, 1, far_ip) == errno.ECONNREFUSED  # reachable before
@@ -138,9 +146,45 @@ def test_the_prefill_to_decode_path_cut_and_back(spread: tuple[DevHosts, Gateway
     wait_for("reserved and pinned pages back", lambda: held_pages(gw) == 0, 15)
 
 
+@pytest.mark.timeout(120)
+def test_the_gateway_cut_from_etcd_past_the_lease_serves_on_and_catches_up(spread: Spread, tiny_model_dir: Path) -> None:
+    hosts, gw, etcd = spread.hosts, spread.gw, spread.etcd
+    joins0 = gw.metric("baton_membership_changes_total", kind="join")
+    leaves0 = gw.metric("baton_membership_changes_total", kind="leave")
+    route = ["ip", "route", "add", "blackhole", f"{spread.etcd_ip}/32"]
+    assert hosts.run(0, route, timeout_s=10).returncode == 0
+    probe = "/baton/workers/probe-0"  # a member nobody runs: the gateway must see it come and go
+    try:
+        # the fault: the gateway's host cannot reach etcd; the workers' hosts still can
+        assert connect_errno(hosts, 0, spread.etcd_ip, etcd.port) not in (0, errno.ECONNREFUSED)
+        assert connect_errno(hosts, 1, spread.etcd_ip, etcd.port) == 0
+        batch = prompts(tiny_model_dir, 4, seed=51)
+        want = reference(tiny_model_dir, batch, 6)
+        end = time.monotonic() + 2 * LEASE_S  # past the lease: nothing the gateway sees may expire it
+        got = [gw.complete(p, 6) for p in batch]
+        assert etcd.put(probe, json.dumps(PROBE).encode())  # while the gateway cannot see it
+        while time.monotonic() < end:
+            time.sleep(0.25)
+        assert got == want
+        health = {n["name"]: n["health"] for n in gw.status()["nodes"]}
+        assert set(health.values()) == {"ok"}, health  # served on the last-known members
+        assert gw.metric("baton_membership_changes_total", kind="leave") == leaves0
+    finally:
+        hosts.run(0, ["ip", "route", "del", "blackhole", f"{spread.etcd_ip}/32"], timeout_s=10)
+    assert connect_errno(hosts, 0, spread.etcd_ip, etcd.port) == 0
+    # caught up: what changed while it was cut off arrives (the watch resumes where it was)
+    wait_for("the probe member's join", lambda: gw.metric("baton_membership_changes_total", kind="join") > joins0,
+             WATCH_RESUME_S)  # fmt: skip
+    assert etcd.delete(probe)
+    wait_for("the probe member's leave", lambda: gw.metric("baton_membership_changes_total", kind="leave") > leaves0,
+             WATCH_RESUME_S)  # fmt: skip
+    again = prompts(tiny_model_dir, 2, seed=52)
+    assert [gw.complete(p, 6) for p in again] == reference(tiny_model_dir, again, 6)
+
+
 @pytest.mark.timeout(180)
-def test_a_decode_host_lost_mid_stream_then_back(spread: tuple[DevHosts, Gateway], tiny_model_dir: Path) -> None:
-    hosts, gw = spread
+def test_a_decode_host_lost_mid_stream_then_back(spread: Spread, tiny_model_dir: Path) -> None:
+    hosts, gw = spread.hosts, spread.gw
     near, far = placed(gw, hosts)
     far_epoch = next(n["epoch"] for n in gw.status()["nodes"] if n["name"] == far)
     batch = prompts(tiny_model_dir, 2, seed=41, lengths=(40, 60))
