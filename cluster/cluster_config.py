@@ -16,7 +16,8 @@ value of the wrong type or out of its range. An example with every key is exampl
     scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk, async_scheduling (auto: on
                 with CUDA graphs; true/on; false/off)
     transfer:   transport (auto, grpc, shm, nccl), deadline_s, reservation_ttl_s, pages_per_chunk,
-                shm_slots, bind_host (auto, node or an IP), advertise_host, pair_failures, pair_retry_s
+                shm_slots, bind_host (auto, node or an IP), advertise_host, pair_failures, pair_retry_s,
+                tls_cert, tls_key, tls_ca (mutual TLS between the workers' KV ports)
     recovery:   max_migrations, watchdog_s, max_restarts
     placement:  policy (cache, round_robin), local_prefill_tokens
     membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port}
@@ -109,6 +110,10 @@ class TransferSection(_Section):
     advertise_host: str | None = None
     pair_failures: int = Field(default=3, ge=1, le=1000)  # consecutive failed transfers: the pair is unroutable
     pair_retry_s: float = Field(default=30.0, gt=0, le=3600)  # then one transfer probes it this often
+    # mutual TLS between the workers' KV ports (kvtransfer.tls): the same files on every node
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
 
 class RecoverySection(_Section):
@@ -236,6 +241,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
     from cluster.tracing import TracingConfig
     from engine.engine_config import EngineConfig
     from kvcache.tiers import TierConfig
+    from kvtransfer.tls import KVTlsPaths
 
     w, kv, t = f.workers, f.kv_cache, f.transfer
     if (f.api.tls_cert is None) != (f.api.tls_key is None):
@@ -269,6 +275,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             reservation_ttl_s=t.reservation_ttl_s, num_threads=w.prefill.threads, pages_per_chunk=t.pages_per_chunk,
             transport=t.transport, shm_slots=t.shm_slots, bind_host=t.bind_host,
             advertise_host=t.advertise_host or "", pair_failures=t.pair_failures, pair_retry_s=t.pair_retry_s,
+            kv_tls=KVTlsPaths(t.tls_cert or "", t.tls_key or "", t.tls_ca or ""),
             pin_cores=w.pin_cores, placement=f.placement.policy,
             max_migrations=f.recovery.max_migrations, watchdog_s=f.recovery.watchdog_s,
             max_restarts=f.recovery.max_restarts,

@@ -43,6 +43,7 @@ from kvtransfer.nccl import nccl_usable
 from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler
+from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
 from prefill.worker import PrefillJob
 
@@ -87,8 +88,10 @@ class DecodeActor(KVPublisher, Registered):
         pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
         epoch: int = 1,  # of its KV events (a restarted worker gets a new one)
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
+        tls: KVTlsPaths = NO_TLS,  # mutual TLS on the KV server (kvtransfer.tls)
     ) -> None:
         self.exit_on_failure = exit_on_failure
+        self.tls = KVTls.load(tls)
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self._settled = _Signal()
@@ -120,7 +123,7 @@ class DecodeActor(KVPublisher, Registered):
                 self._region = ShmRegion(self.shm_slots, chunk_pages(page_bytes, self.shm_slot_pages) * page_bytes)
                 extra.append(shm_handler(receiver, self._region))
             listen = listen_address(self.bind_host, self.advertise_host, *_node())
-            self._server, port = await start_kv_server(receiver, listen.bind_at(0), extra_handlers=extra)
+            self._server, port = await start_kv_server(receiver, listen.bind_at(0), extra_handlers=extra, tls=self.tls)
             self.worker.address = listen.advertise_at(port)
             logger.info("KV server on %s, advertised as %s", listen.bind_at(port), self.worker.address)
             self._loop = asyncio.create_task(self._run())

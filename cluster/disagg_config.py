@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
 from kvtransfer.listen import BIND_MODES, check_host
+from kvtransfer.tls import NO_TLS, KVTlsPaths
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class DisaggConfig:
     advertise_host: str = ""  # what senders dial ("": the bound address, or the node's)
     pair_failures: int = 3  # consecutive failed transfers after which a (prefill, decode) pair is unroutable
     pair_retry_s: float = 30.0  # an unroutable pair gets one probing transfer this often (cluster.pair_health)
+    kv_tls: KVTlsPaths = NO_TLS  # mutual TLS between workers' KV ports (kvtransfer.tls); off by default
     pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.cpu)
     placement: str = "cache"  # cache: the cost model (cluster.placement); round_robin: for comparison (P7)
     prefill_resources: ActorResources = ActorResources()

@@ -46,6 +46,7 @@ from kvtransfer.nccl import nccl_usable
 from kvtransfer.nccl_link import NcclSender
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmSender
+from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination, KVSender
 from prefill.worker import AbortedIds, Chunk, PrefillDone, PrefillJob, PrefillWorker
 
@@ -119,14 +120,16 @@ class PrefillActor(KVPublisher, Registered):
         pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
         reservation_ttl_s: float = 30.0,  # the decode side's reserve -> complete bound
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
+        tls: KVTlsPaths = NO_TLS,  # mutual TLS to the decode workers' KV servers (kvtransfer.tls)
     ) -> None:
         self.exit_on_failure = exit_on_failure
+        self.tls = KVTls.load(tls)
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
         self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         self.fingerprint_bytes = self.worker.engine.fingerprint
-        self._senders: dict[str, KVSender] = {"grpc": GrpcSender()}
+        self._senders: dict[str, KVSender] = {"grpc": GrpcSender(tls=self.tls)}
         self._nccl: NcclSender | None = None  # its channels, once a route asks for nccl
         self._routes: dict[str, str] = {}  # decode address -> transport ("grpc" when unset)
         self.push_deadline_s = push_deadline_s
@@ -167,7 +170,7 @@ class PrefillActor(KVPublisher, Registered):
             if rendezvous is None:
                 raise ValueError("an nccl route needs the decode side's rendezvous")
             if self._nccl is None:
-                self._nccl = self._senders["nccl"] = NcclSender(self.worker.engine.device)
+                self._nccl = self._senders["nccl"] = NcclSender(self.worker.engine.device, tls=self.tls)
             try:
                 await self._nccl.connect(address, *rendezvous)
             except TransferError as err:
@@ -176,7 +179,7 @@ class PrefillActor(KVPublisher, Registered):
         elif transport not in self._senders:
             if transport != "shm":
                 raise ValueError(f"unknown transport {transport!r}")
-            self._senders["shm"] = ShmSender()
+            self._senders["shm"] = ShmSender(tls=self.tls)
         self._routes[address] = transport
         return transport
 

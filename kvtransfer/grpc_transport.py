@@ -15,6 +15,7 @@ import grpc
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import CodecLimits, WireChunk, frame, unframe
+from kvtransfer.tls import KVTls
 from kvtransfer.transport import (
     Chunks,
     KVDestination,
@@ -43,14 +44,19 @@ RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reco
 class Channels:
     """A sender's grpc.aio channels, one per KV address, reused across transfers."""
 
-    def __init__(self, options: Sequence[tuple[str, int]] = ()) -> None:
-        self._options = [*options, *RECONNECT_OPTIONS]
+    def __init__(self, options: Sequence[tuple[str, int]] = (), tls: KVTls | None = None) -> None:
+        self._options: list[tuple[str, int | str]] = [*options, *RECONNECT_OPTIONS]
+        self._tls = tls  # mutual TLS to the KV servers (kvtransfer.tls); None: plaintext
         self._by_address: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._by_address.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            if self._tls is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._tls.channel_credentials(),
+                                                  options=[*self._options, *self._tls.channel_options()])
             self._by_address[address] = channel
         return channel
 
@@ -81,9 +87,11 @@ async def start_kv_server(
     address: str = "127.0.0.1:0",
     limits: CodecLimits | None = None,
     extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
+    tls: KVTls | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started server hosting KVTransfer.Push for `receiver`, and the port it bound;
-    `extra_handlers` add methods next to it (KVTransfer.PushShm: kvtransfer.shm.shm_handler)."""
+    `extra_handlers` add methods next to it (KVTransfer.PushShm: kvtransfer.shm.shm_handler);
+    with `tls`, only clients holding the deployment's certificate connect (kvtransfer.tls)."""
     limits = limits or CodecLimits()
 
     async def push(request_iterator: AsyncIterator[WireChunk], context: object) -> pb.PushAck:
@@ -97,7 +105,10 @@ async def start_kv_server(
     )  # fmt: skip
     server = grpc.aio.server(options=_message_options(limits))
     server.add_generic_rpc_handlers((handler, *extra_handlers))
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.server_credentials())
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     await server.start()
@@ -107,9 +118,9 @@ async def start_kv_server(
 class GrpcSender:
     """A KVSender over gRPC; one channel per destination address, reused across transfers."""
 
-    def __init__(self, limits: CodecLimits | None = None) -> None:
+    def __init__(self, limits: CodecLimits | None = None, tls: KVTls | None = None) -> None:
         self.limits = limits or CodecLimits()
-        self._channels = Channels(_message_options(self.limits))
+        self._channels = Channels(_message_options(self.limits), tls)
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
         push = self._channels.get(dest.address).stream_unary(

@@ -45,6 +45,7 @@ from kvtransfer.nccl import (
     make_uid,
     open_comm,
 )
+from kvtransfer.tls import KVTls
 from kvtransfer.transport import (
     Chunks,
     KVDestination,
@@ -210,11 +211,11 @@ class NcclSender:
     """A KVSender over the channels this prefill worker opened, one per decode address; the
     chunks are DeviceChunks (PrefillWorker makes them for an nccl route)."""
 
-    def __init__(self, device: torch.device, connect: Connect = open_comm) -> None:
+    def __init__(self, device: torch.device, connect: Connect = open_comm, tls: KVTls | None = None) -> None:
         self.device = device
         self._connect = connect
         self._links: dict[str, _Link] = {}
-        self._headers = Channels()  # headers only: no raised limits
+        self._headers = Channels(tls=tls)  # headers only: no raised limits
 
     async def connect(self, address: str, name: str, uid: bytes, deadline_s: float = RENDEZVOUS_S) -> None:
         """Join the channel the decode worker at `address` listens on (rank 0)."""

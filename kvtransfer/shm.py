@@ -55,6 +55,7 @@ from google.protobuf.message import DecodeError
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import MAX_HEADER_BYTES, CodecLimits, TransferError, WireChunk
 from kvtransfer.grpc_transport import SERVICE, Channels, failed_call
+from kvtransfer.tls import KVTls
 from kvtransfer.transport import (
     Chunks,
     KVDestination,
@@ -313,9 +314,9 @@ class ShmSender:
     (the region is mode 0600); one channel and one mapping per address, reused across
     transfers."""
 
-    def __init__(self, directory: str = REGION_DIR) -> None:
+    def __init__(self, directory: str = REGION_DIR, tls: KVTls | None = None) -> None:
         self.directory = directory
-        self._channels = Channels()  # small messages only: no raised limits
+        self._channels = Channels(tls=tls)  # small messages only: no raised limits
         self._maps: dict[str, tuple[str, mmap.mmap]] = {}  # address -> (region name, mapping)
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:

@@ -24,6 +24,7 @@ import pytest
 
 from bench.etcd_proc import INSTALL_HINT, EtcdServer
 from cluster.devhosts import DevHosts, available
+from kvtransfer.tls import SERVER_NAME, KVTlsPaths
 from tests.multihost.gateway import Gateway
 
 REQUIRE_ENV = "BATON_REQUIRE_MULTIHOST"
@@ -83,7 +84,8 @@ def spread(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     worker and one decode worker on host 1, the other decode worker on host 2 (one baton_decode
     unit on each, so Ray must put one there and one here), membership in a real etcd on this
     machine's own address on the bridge (its own, so that cutting host 0 from etcd leaves this
-    process's path to the gateway alone). test_across_hosts uses it first, test_host_faults
+    process's path to the gateway alone), and mutual TLS on the KV ports (kvtransfer.tls: with
+    one side's credential missing, no page would cross). test_across_hosts uses it first, test_host_faults
     then breaks and mends it."""
     require_devhosts()
     if shutil.which("etcd") is None:
@@ -95,9 +97,22 @@ def spread(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
         subprocess.run(["ip", "addr", "add", f"{etcd_ip}/24", "dev", bridge], check=True, timeout=10)
         etcd = EtcdServer.launch(tmp_path_factory.mktemp("etcd-bridge"), host=etcd_ip)
         try:
-            membership = {"membership": {"backend": "etcd", "lease_ttl_s": 3,
-                                         "etcd": {"host": etcd_ip, "port": etcd.port}}}  # fmt: skip
-            with Gateway.start(hosts, tmp_path_factory.mktemp("across"), tiny_model_dir, extra=membership) as gw:
+            tls = kv_credential(tmp_path_factory.mktemp("kv-tls"))  # pages cross hosts over mutual TLS
+            extra = {"membership": {"backend": "etcd", "lease_ttl_s": 3, "etcd": {"host": etcd_ip, "port": etcd.port}},
+                     "transfer": {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}}  # fmt: skip
+            with Gateway.start(hosts, tmp_path_factory.mktemp("across"), tiny_model_dir, extra=extra) as gw:
                 yield Spread(hosts, gw, etcd, etcd_ip)
         finally:
             etcd.stop()
+
+
+def kv_credential(directory: Path) -> KVTlsPaths:
+    """The deployment's KV credential: a self-signed certificate naming SERVER_NAME, its own CA."""
+    cert, key = directory / "kv.pem", directory / "kv.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=baton-kv",
+         "-addext", f"subjectAltName=DNS:{SERVER_NAME}"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return KVTlsPaths(str(cert), str(key), str(cert))

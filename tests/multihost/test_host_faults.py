@@ -42,7 +42,7 @@ from tests.multihost.gateway import Gateway
 DEADLINE_S = 5.0  # transfer.deadline_s in gateway.cluster_yaml
 SLACK_S = 10.0  # a loaded 2-core machine: scheduling, not the bound, is what this absorbs
 RETURN_S = 120.0
-LONG_TOKENS = 400  # a stream still running when its host goes (the first of them read)
+LONG_TOKENS = 400  # a stream still running when its host goes (killed right after its first token)
 LEASE_S = 3.0  # membership.lease_ttl_s in tests/multihost/conftest.py's spread
 WATCH_RESUME_S = 30.0  # keepalive (10 s + 5 s) finds a dead watch; then it resumes from the last revision
 PROBE = {"worker_id": "probe-0", "role": "decode", "address": "baton-nobody", "node_id": "nowhere",
@@ -81,6 +81,14 @@ def wait_for(what: str, check: object, timeout_s: float) -> float:
             raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
         time.sleep(0.25)
     return time.monotonic() - start
+
+
+def went_far(gw: Gateway, prompt: list[int]) -> bool:
+    """Complete a short request; True when it was decoded on host 2 (its pages came by gRPC,
+    where host 1's decode worker takes them by shm)."""
+    before = gw.metric("baton_kv_transfers_total", outcome="ok", transport="grpc")
+    gw.complete(prompt, 2)
+    return gw.metric("baton_kv_transfers_total", outcome="ok", transport="grpc") > before
 
 
 def held_pages(gw: Gateway) -> float:
@@ -191,10 +199,12 @@ def test_a_decode_host_lost_mid_stream_then_back(spread: Spread, tiny_model_dir:
     want = reference(tiny_model_dir, batch, LONG_TOKENS)
     moved0 = gw.metric("baton_request_migrations_total")
     leaves0 = gw.metric("baton_membership_changes_total", kind="leave")
-    streams = [gw.stream(p, LONG_TOKENS) for p in batch]  # round robin: one on N, one on F
-    got = [next(s) for s in streams]  # both running
-
+    probes = iter(prompts(tiny_model_dir, 2, seed=44))
+    while not went_far(gw, next(probes)):  # round robin: after one on F, the next goes to N
+        pass
+    streams = [gw.stream(p, LONG_TOKENS) for p in batch]  # the first on N, the second on F
     restarts0 = gw.metric("baton_worker_restarts_total", role="decode")
+    got = [next(s) for s in streams]  # both running: F's killed right after its first token
     hosts.kill_host(2)
     assert hosts.pids(2) == []  # the fault: nothing runs on host 2, and its link is down
     assert connect_errno(hosts, 1, hosts.hosts[2].ip) != errno.ECONNREFUSED
@@ -203,7 +213,7 @@ def test_a_decode_host_lost_mid_stream_then_back(spread: Spread, tiny_model_dir:
         for ids in s:
             tokens += ids
     assert got == want  # the stream on F moved to N and went on, token for token
-    assert gw.metric("baton_request_migrations_total") - moved0 == 1
+    assert gw.metric("baton_request_migrations_total") - moved0 == 1, "F's stream ended before its host did"
     health = {n["name"]: n["health"] for n in gw.status()["nodes"]}
     assert health[far] in ("down", "stalled") and health[near] == "ok"
     fresh = prompts(tiny_model_dir, 2, seed=42)
