@@ -25,41 +25,50 @@ Drivers belong on host 0: Ray 2.60 finds a driver's raylet with `ps`, which sees
 Children run without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (cluster.ray_runtime sets it to 0, which
 keeps every listener on loopback and makes a second node refuse to join) and with a fresh
 token (RAY_AUTH_MODE=token). Root only: `available()` says why not. A killed owner's leftovers
-are removed by `sweep_stale()`, which every `up()` runs first.
+are removed by `sweep_stale()`, which every `up()` runs first (cluster/devhosts_footprint.py:
+what a DevHosts owns and how it goes away).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import ipaddress
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from engine.errors import BatonError
+from cluster.devhosts_footprint import (
+    STATE_DIR,
+    DevHostsError,
+    Footprint,
+    claimed_subnets,
+    locked,
+    pids_in,
+    remove,
+    sh,
+    stop_processes,
+    sweep_stale,
+)
 
 logger = logging.getLogger(__name__)
 
-STATE_DIR = Path("/tmp/baton-devhosts")
+__all__ = ["STATE_DIR", "DevHosts", "DevHostsError", "Host", "available", "cluster_yaml", "describe", "sweep_stale"]
+
 RAY_PORT = 6379  # each namespace has its own ports: the same one on every head never collides
 OBJECT_STORE_BYTES = 128 << 20  # Ray's minimum is 75 MiB; KV pages do not travel through it
 SUBNETS = range(200, 251)  # 10.R.0.0/24 candidates
 START_TIMEOUT_S = 90.0
-_TAG = re.compile(r"bt[0-9a-f]{6}")
 _MAX_ROOT_CHARS = 40  # + "/h12/session_<date>_<pid>/sockets/plasma_store" stays under 107
 # Runs after `ip netns exec` has given the command a mount namespace of its own: bind the host's
 # tmpfs over /dev/shm there, then become the command.
@@ -85,10 +94,6 @@ while True:
 """
 
 
-class DevHostsError(BatonError):
-    """A step of making or running the dev hosts failed; the message names it (and a log tail)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Host:
     index: int
@@ -103,45 +108,6 @@ class Host:
         return f"{self.temp_dir}/shm"
 
 
-@dataclass(frozen=True, slots=True)
-class Footprint:
-    """Everything one DevHosts makes, recorded before it is made: down() and sweep_stale()
-    remove exactly this, whatever step a failure or a SIGKILL interrupted."""
-
-    tag: str
-    owner_pid: int
-    owner_start: int  # the owner's start time in clock ticks: a reused pid is not the owner
-    subnet: int
-    netns: tuple[str, ...]
-    links: tuple[str, ...]  # veths first, then the bridge
-    mounts: tuple[str, ...]
-    dirs: tuple[str, ...]
-
-    @staticmethod
-    def plan(tag: str, subnet: int, n: int, root: Path) -> Footprint:
-        pid = os.getpid()
-        return Footprint(
-            tag, pid, _start_ticks(pid), subnet,
-            netns=tuple(f"{tag}-h{i}" for i in range(n)),
-            links=(*(f"{tag}h{i}" for i in range(n)), f"{tag}br"),
-            mounts=tuple(f"{root}/h{i}/shm" for i in range(n)),
-            dirs=(str(root),),
-        )  # fmt: skip
-
-    @staticmethod
-    def from_json(text: str) -> Footprint:
-        """Parse a state file, refusing any name outside its own tag (never remove another's)."""
-        raw: dict[str, Any] = json.loads(text)
-        fp = Footprint(str(raw["tag"]), int(raw["owner_pid"]), int(raw["owner_start"]), int(raw["subnet"]),
-                       *(tuple(str(x) for x in raw[k]) for k in ("netns", "links", "mounts", "dirs")))
-        names = (*fp.netns, *fp.links)
-        paths = (*fp.mounts, *fp.dirs)
-        if (not _TAG.fullmatch(fp.tag) or not all(x.startswith(fp.tag) for x in names)
-                or not all(f"/{fp.tag}" in p and p.startswith("/") and ".." not in p for p in paths)):
-            raise ValueError(f"state file of {fp.tag!r} names something outside its tag")
-        return fp
-
-
 def available() -> str | None:
     """None when dev hosts can be made here (root, `ip netns`, mount); else a one-line reason."""
     if not sys.platform.startswith("linux"):
@@ -152,30 +118,11 @@ def available() -> str | None:
     if missing:
         return f"dev hosts need {', '.join(missing)} on PATH"
     probe = f"bt{secrets.token_hex(3)}-probe"
-    made = _sh(["ip", "netns", "add", probe], check=False)
-    _sh(["ip", "netns", "del", probe], check=False)
+    made = sh(["ip", "netns", "add", probe], check=False)
+    sh(["ip", "netns", "del", probe], check=False)
     if made.returncode != 0:
         return f"`ip netns add` fails here: {made.stderr.strip() or made.returncode}"
     return None
-
-
-def sweep_stale() -> list[str]:
-    """Remove what DevHosts left behind whose owner process is gone (SIGKILL, a crash); those
-    of live owners stay. Returns the tags removed."""
-    removed = []
-    for path in sorted(STATE_DIR.glob("bt*.json")):
-        try:
-            fp = Footprint.from_json(path.read_text())
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            logger.warning("dev hosts: ignoring unreadable state file %s: %s", path, exc)
-            continue
-        if _is_alive(fp.owner_pid, fp.owner_start):
-            continue
-        logger.info("dev hosts: removing %s, left by dead owner %d", fp.tag, fp.owner_pid)
-        _remove(fp)
-        path.unlink(missing_ok=True)
-        removed.append(fp.tag)
-    return removed
 
 
 class DevHosts:
@@ -255,7 +202,7 @@ class DevHosts:
         if fp is None:
             return
         started = time.monotonic()
-        _remove(fp)
+        remove(fp)
         for proc in self._nodes.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
@@ -284,7 +231,7 @@ class DevHosts:
         return subprocess.run(self.command(host, argv), timeout=timeout_s, check=False, **kw)
 
     def pids(self, host: int) -> list[int]:
-        return _pids_in([self.hosts[host].netns])
+        return pids_in([self.hosts[host].netns])
 
     # ---- faults ----
 
@@ -301,19 +248,19 @@ class DevHosts:
         burst = max(64 << 10, int(rate_bytes * 0.01))  # >= a GSO packet; ~10 ms of traffic
         tbf = ["root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
         h = self.hosts[host]
-        _sh(["tc", "qdisc", "replace", "dev", h.veth, *tbf])
-        _sh(["tc", "-n", h.netns, "qdisc", "replace", "dev", "eth0", *tbf])
+        sh(["tc", "qdisc", "replace", "dev", h.veth, *tbf])
+        sh(["tc", "-n", h.netns, "qdisc", "replace", "dev", "eth0", *tbf])
 
     def unshape(self, host: int) -> None:
         h = self.hosts[host]
-        _sh(["tc", "qdisc", "del", "dev", h.veth, "root"], check=False)  # none there: fine
-        _sh(["tc", "-n", h.netns, "qdisc", "del", "dev", "eth0", "root"], check=False)
+        sh(["tc", "qdisc", "del", "dev", h.veth, "root"], check=False)  # none there: fine
+        sh(["tc", "-n", h.netns, "qdisc", "del", "dev", "eth0", "root"], check=False)
 
     def kill_host(self, host: int) -> None:
         """A lost machine: its link goes down first (peers get no FIN or RST, only silence),
         then every process on it is SIGKILLed. Its /dev/shm keeps what they left."""
         self.link_down(host)
-        _stop_processes([self.hosts[host].netns], grace_s=0.0)
+        stop_processes([self.hosts[host].netns], grace_s=0.0)
         node = self._nodes.pop(host, None)
         if node is not None:
             node.wait(timeout=5)
@@ -341,9 +288,9 @@ class DevHosts:
         """Sweep, pick a free subnet and record the footprint, under one lock so that two
         owners never pick the same subnet."""
         STATE_DIR.mkdir(mode=0o700, exist_ok=True)
-        with _locked(STATE_DIR / ".lock"):
+        with locked(STATE_DIR / ".lock"):
             sweep_stale()
-            fp = Footprint.plan(self.tag, _pick_subnet(_claimed_subnets()), self.n, self.root)
+            fp = Footprint.plan(self.tag, _pick_subnet(claimed_subnets()), self.n, self.root)
             tmp = STATE_DIR / f".{self.tag}.tmp"
             tmp.write_text(json.dumps(asdict(fp)))
             os.replace(tmp, STATE_DIR / f"{self.tag}.json")
@@ -364,7 +311,7 @@ class DevHosts:
         _ip("-n", h.netns, "link", "set", "eth0", "up")
         _ip("-n", h.netns, "link", "set", "lo", "up")
         os.makedirs(h.shm_dir, exist_ok=True)
-        _sh(["mount", "-t", "tmpfs", "-o", "mode=1777", f"{self.tag}-shm", h.shm_dir])
+        sh(["mount", "-t", "tmpfs", "-o", "mode=1777", f"{self.tag}-shm", h.shm_dir])
 
     def _start_cluster(self) -> None:
         self._spawn_ray(0)
@@ -470,85 +417,6 @@ def describe(hosts: DevHosts, roles: Mapping[str, int], baton: str) -> str:
     ])  # fmt: skip
 
 
-# ---- tearing down (shared by down() and sweep_stale()) ----
-
-
-def _remove(fp: Footprint) -> None:
-    _stop_processes(list(fp.netns), grace_s=5.0)
-    for link in fp.links:  # a veth goes with its namespace too, but asynchronously: delete it now
-        _sh(["ip", "link", "del", link], check=False)
-    for ns in fp.netns:
-        _sh(["ip", "netns", "del", ns], check=False)
-    for mount in fp.mounts:
-        if os.path.ismount(mount):
-            _sh(["umount", "-l", mount], check=False)
-    for d in fp.dirs:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _stop_processes(netns: list[str], grace_s: float, timeout_s: float = 15.0) -> None:
-    """Stop every process in these namespaces, bounded. SIGTERM first to those no `ray start
-    --block` started: the caller's (a gateway drains its actors) and the `ray start` processes
-    themselves (each stops its node in order, ~2 s; a raylet or GCS that gets a SIGTERM of its
-    own meanwhile makes that hang). Then to what is left, SIGKILL after grace_s, and wait until
-    none is left."""
-    start = time.monotonic()
-    signalled: set[int] = set()
-    while time.monotonic() - start < timeout_s:
-        pids = _pids_in(netns)
-        if not pids:
-            return
-        late = time.monotonic() - start >= grace_s
-        parents = {p: int(f[1]) for p in pids if len(f := _stat(p)) > 1}
-        leaders = {p for p in pids if _is_ray_start(p)}
-        first = [p for p in pids if not _is_under(p, leaders, parents)]
-        for pid in pids if late or not leaders else first:
-            if late or pid not in signalled:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL if late else signal.SIGTERM)
-                signalled.add(pid)
-        time.sleep(0.1)
-    logger.warning("dev hosts: processes %s outlived SIGKILL in %s", _pids_in(netns), netns)
-
-
-def _is_under(pid: int, ancestors: set[int], parents: Mapping[int, int]) -> bool:
-    seen = {pid}
-    while (parent := parents.get(pid, 0)) and parent not in seen:
-        if parent in ancestors:
-            return True
-        seen.add(parent)
-        pid = parent
-    return False
-
-
-def _is_ray_start(pid: int) -> bool:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"start" in args[1:3] and any(a == b"ray" or a.endswith(b"/ray") for a in args[:2])
-
-
-def _pids_in(netns: Sequence[str]) -> list[int]:
-    """Live processes whose network namespace is one of these (as `ip netns pids` finds them;
-    a zombie has none and is not listed)."""
-    inodes = set()
-    for ns in netns:
-        with contextlib.suppress(OSError):
-            st = os.stat(f"/run/netns/{ns}")
-            inodes.add((st.st_dev, st.st_ino))
-    if not inodes:
-        return []
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                st = os.stat(f"/proc/{entry.name}/ns/net")
-                if (st.st_dev, st.st_ino) in inodes:
-                    found.append(int(entry.name))
-    return found
-
-
 # ---- small helpers ----
 
 
@@ -563,7 +431,7 @@ def _pick_subnet(taken: set[int]) -> int:
     """The first 10.R.0.0/24 that overlaps no address or route here nor another owner's."""
     used = []
     for what in ("addr", "route"):
-        for entry in json.loads(_sh(["ip", "-4", "-j", what]).stdout or "[]"):
+        for entry in json.loads(sh(["ip", "-4", "-j", what]).stdout or "[]"):
             if what == "addr":
                 used += [f"{a['local']}/{a['prefixlen']}" for a in entry.get("addr_info", [])]
             elif entry.get("dst", "default") != "default":
@@ -575,57 +443,13 @@ def _pick_subnet(taken: set[int]) -> int:
     raise DevHostsError(f"no free subnet among 10.{SUBNETS[0]}..10.{SUBNETS[-1]}.0.0/24")
 
 
-def _claimed_subnets() -> set[int]:
-    taken = set()
-    for path in STATE_DIR.glob("bt*.json"):
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            taken.add(Footprint.from_json(path.read_text()).subnet)
-    return taken
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _stat(pid: int) -> list[str]:
-    """/proc/<pid>/stat from field 3 (state, ppid, ...); [] for a process gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()  # comm may hold spaces
-    except OSError:
-        return []
-
-
-def _start_ticks(pid: int) -> int:
-    fields = _stat(pid)
-    return int(fields[19]) if len(fields) > 19 else 0  # field 22, starttime
-
-
-def _is_alive(pid: int, start_ticks: int) -> bool:
-    """The owner still runs: same start time (not a reused pid) and not a zombie."""
-    fields = _stat(pid)
-    return len(fields) > 19 and fields[0] != "Z" and int(fields[19]) == start_ticks
-
-
 def _ray_bin() -> str:
     beside = Path(sys.executable).parent / "ray"
     return str(beside) if beside.exists() else shutil.which("ray") or "ray"
 
 
 def _ip(*args: str) -> None:
-    _sh(["ip", *args])
-
-
-def _sh(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    if check and proc.returncode != 0:
-        raise DevHostsError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
+    sh(["ip", *args])
 
 
 def _tail(path: Path, num_bytes: int = 3000) -> str:
