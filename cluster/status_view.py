@@ -1,8 +1,10 @@
 """`baton status`: the gateway's GET /status JSON (cluster.node_status) as a table.
 
     baton-tiny  ready  up 2m05s  waiting 0  inflight 3  requests: ok 120, cancelled 2
-    NODE      ROLE     HEALTH  EPOCH  RUN  WAIT  HIT%   DEVICE used/cached/total  HOST cached/total  DISK ...
-    decode-0  decode   ok          1    3     0  42.1%  120/30/512                -                  -
+    NODE      ROLE     ADDRESS   HEALTH  EPOCH  RUN  WAIT  HIT%   DEVICE used/cached/total  HOST cached/total ...
+    decode-0  decode   10.0.0.3  ok          1    3     0  42.1%  120/30/512                -
+
+ADDRESS is the node's (Ray's node IP; "-" in one process); HOST is the host-RAM tier.
 
     KV ROUTES
       prefill-0 (10.0.0.2) -> decode-0 (10.0.0.3)  grpc  ok 118  failed 0
@@ -22,7 +24,7 @@ def render_status(body: dict[str, Any]) -> str:
     state = "draining" if body.get("draining") else "ready" if body.get("ready") else "not ready"
     lines = [f"{body.get('model', '?')}  {state}  up {_duration(float(body.get('uptime_s', 0)))}  "
              f"waiting {gw.get('waiting', 0)}  inflight {gw.get('inflight', 0)}  requests: {outcomes}"]  # fmt: skip
-    header = ["NODE", "ROLE", "HEALTH", "EPOCH", "RUN", "WAIT", "HIT%",
+    header = ["NODE", "ROLE", "ADDRESS", "HEALTH", "EPOCH", "RUN", "WAIT", "HIT%",
               "DEVICE used/cached/total", "HOST cached/total", "DISK cached/total"]  # fmt: skip
     rows = [header]
     for n in body.get("nodes", []):
@@ -31,13 +33,14 @@ def render_status(body: dict[str, Any]) -> str:
         query, hit = cache.get("query_tokens", 0), cache.get("hit_tokens", 0)
         device = tiers.get("device")
         rows.append([
-            str(n.get("name")), str(n.get("role")), str(n.get("health")), str(n.get("epoch", 0)),
+            str(n.get("name")), str(n.get("role")), str(n.get("host") or "-"), str(n.get("health")),
+            str(n.get("epoch", 0)),
             str(n.get("running", 0)), str(n.get("waiting", 0)), f"{100 * hit / query:.1f}%" if query else "-",
             f"{device['pages_used']}/{device['pages_cached']}/{device['pages_total']}" if device else "-",
             _lower(tiers.get("host")), _lower(tiers.get("disk")),
         ])  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    numeric = {3, 4, 5, 6}
+    numeric = {4, 5, 6, 7}
     for r in rows:
         cells = [c.rjust(w) if i in numeric and r is not header else c.ljust(w)
                  for i, (c, w) in enumerate(zip(r, widths, strict=True))]  # fmt: skip

@@ -58,9 +58,9 @@ def test_baton_status_prints_the_table(server: ServerHandle) -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("baton-tiny  ready")
-    assert lines[1].split()[:3] == ["NODE", "ROLE", "HEALTH"]
+    assert lines[1].split()[:4] == ["NODE", "ROLE", "ADDRESS", "HEALTH"]
     row = lines[2].split()
-    assert row[:3] == ["engine-0", "colocated", "ok"] and row[6].endswith("%")
+    assert row[:4] == ["engine-0", "colocated", "-", "ok"] and row[7].endswith("%")  # one process: no address
 
 
 def test_status_needs_the_key_when_keys_are_set(make_server: Any, tmp_path: Path) -> None:
@@ -86,14 +86,14 @@ def test_unreachable_gateway_is_one_line() -> None:
 
 def test_render_marks_down_nodes_and_lower_tiers() -> None:
     body = {"model": "m", "ready": True, "uptime_s": 3725, "gateway": {"requests": {"ok": 3}},
-            "nodes": [{"name": "decode-0", "role": "decode", "health": "down", "epoch": 7,
+            "nodes": [{"name": "decode-0", "role": "decode", "health": "down", "epoch": 7, "host": "10.0.0.3",
                        "cache": {"query_tokens": 200, "hit_tokens": 50,
                                  "tiers": {"device": {"pages_used": 1, "pages_cached": 2, "pages_total": 8},
                                            "host": {"pages_cached": 5, "pages_total": 64}}}}]}  # fmt: skip
     text = render_status(body)
     assert "up 1h02m" in text and "requests: ok 3" in text
     row = text.splitlines()[2].split()
-    assert row == ["decode-0", "decode", "down", "7", "0", "0", "25.0%", "1/2/8", "5/64", "-"]
+    assert row == ["decode-0", "decode", "10.0.0.3", "down", "7", "0", "0", "25.0%", "1/2/8", "5/64", "-"]
 
 
 def test_drain_refuses_new_work_and_finishes_inflight(make_server: Any) -> None:

@@ -42,6 +42,7 @@ from tests.multihost.gateway import Gateway
 DEADLINE_S = 5.0  # transfer.deadline_s in gateway.cluster_yaml
 SLACK_S = 10.0  # a loaded 2-core machine: scheduling, not the bound, is what this absorbs
 RETURN_S = 120.0
+WATCHDOG_S = 5.0  # recovery.watchdog_s in gateway.cluster_yaml
 LONG_TOKENS = 400  # a stream still running when its host goes (killed right after its first token)
 LEASE_S = 3.0  # membership.lease_ttl_s in tests/multihost/conftest.py's spread
 WATCH_RESUME_S = 30.0  # keepalive (10 s + 5 s) finds a dead watch; then it resumes from the last revision
@@ -206,13 +207,18 @@ def test_a_decode_host_lost_mid_stream_then_back(spread: Spread, tiny_model_dir:
     restarts0 = gw.metric("baton_worker_restarts_total", role="decode")
     got = [next(s) for s in streams]  # both running: F's killed right after its first token
     hosts.kill_host(2)
+    killed = time.monotonic()
     assert hosts.pids(2) == []  # the fault: nothing runs on host 2, and its link is down
     assert connect_errno(hosts, 1, hosts.hosts[2].ip) != errno.ECONNREFUSED
 
-    for tokens, s in zip(got, streams, strict=True):
-        for ids in s:
-            tokens += ids
+    for ids in streams[0]:  # N's, untouched
+        got[0] += ids
+    resumed_s = None
+    for ids in streams[1]:  # F's: silent until the watchdog moves it to N
+        resumed_s = resumed_s or time.monotonic() - killed
+        got[1] += ids
     assert got == want  # the stream on F moved to N and went on, token for token
+    assert resumed_s is not None and resumed_s < WATCHDOG_S + 1.0 + SLACK_S  # + the long-poll
     assert gw.metric("baton_request_migrations_total") - moved0 == 1, "F's stream ended before its host did"
     health = {n["name"]: n["health"] for n in gw.status()["nodes"]}
     assert health[far] in ("down", "stalled") and health[near] == "ok"
