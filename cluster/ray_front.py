@@ -794,6 +794,8 @@ class RayFront:
             logger.debug("%s exited: %r", name, exc)
         self.index.remove_worker(name)
         self.placer.remove_worker(name)
+        self.placer.links.forget(name)
+        self.pairs.forget(name)  # gone from /status's routes and baton_kv_pair_*
         self._kv_after.pop(name, None)
         self._spawned.pop(name, None)
         logger.info("drained and removed %s in %.2f s (%d abandoned)", name, report.seconds, report.abandoned)

@@ -197,12 +197,14 @@ def test_the_planners_add_and_drain_serve_every_request(pd3: ServerHandle) -> No
     assert isinstance(front, RayFront)
     name = on_loop(pd3, front.add_worker("prefill"), 180)
     assert name == "prefill-1" and front._prefill_of[name].is_routable
+    assert any(v.prefill == name and v.routable for v in front.pairs.views())  # the adopted worker is routed
     load = Load(pd3)
     try:
         wait_for(lambda: sum(p == name for _, _, p in load.placed) >= 2, "the new prefill worker got no work", 60)
         report = on_loop(pd3, front.drain_worker(name), 120)
         assert report.abandoned == 0
         assert name not in front._prefill_of and all(n.name != name for n in front.nodes())
+        assert all(v.prefill != name for v in front.pairs.views())  # and its routes are gone
         served_after = load.ok
         wait_for(lambda: load.ok >= served_after + 6, "the load stopped after the drain")
     finally:
