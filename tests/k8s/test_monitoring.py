@@ -29,6 +29,7 @@ DASHBOARD = K8S / "monitoring" / "dashboards" / "baton.json"
 REQUIRED_ALERTS = {
     "BatonPrefixCacheHitRateCollapse",
     "BatonKVTransferFailures",
+    "BatonKVPairUnroutable",
     "BatonQueueGrowing",
     "BatonWorkerDown",
     "BatonKVReservedPagesNotReturning",
@@ -47,6 +48,7 @@ REQUIRED_VIEWS = {
         "baton_kv_transfer_bytes_total",
         "baton_kv_transfer_failures_total",
     },
+    "unroutable KV pairs": {"baton_kv_pair_unroutable", "baton_kv_pair_failures_total"},
     "TTFT and ITL": {"baton_ttft_seconds_bucket", "baton_itl_seconds_bucket"},
     "requests by outcome": {"baton_requests_total"},
     "locality given up": {"baton_placement_locality_given_up_pages_total"},
