@@ -213,7 +213,7 @@ class Placer:
         self.cfg = cfg
         self.rng = rng or random.Random()
         self.clock = clock
-        self.links = Links(cfg.transfer_bytes_per_s)  # per (prefill, decode): measured push bandwidth
+        self.links = Links(cfg.transfer_bytes_per_s, clock)  # per (prefill, decode): measured push bandwidth
         self.stats = PlacerStats()
         self._workers: dict[str, WorkerStats] = {}
         self._pools = {Role.PREFILL: _Pool(), Role.DECODE: _Pool()}

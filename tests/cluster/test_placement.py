@@ -301,22 +301,43 @@ def test_the_measured_link_decides_between_decode_workers_and_a_tie_stays_on_the
     # d0 shares p0's host, d1 is across a link; both idle and equally free
     tokens = 2000  # 125 pages of 64 KiB: 8 MB to push
     placer = _fleet([_prefill("p0"), _decode("d0"), _decode("d1")])
+    placer.links.clock = lambda: 100.0
     placer.links.set_same_host("p0", "d0", True)
     for seed in range(8):  # costs tie (no link measured yet): the same-host decode worker wins
         placer.rng = random.Random(seed)
         got = placer.place(f"t{seed}", _pages(f"t{seed}", 125), tokens)
         placer.finish(f"t{seed}")
         assert (got.prefill_id, got.decode_id) == ("p0", "d0")
-    # measured: p0 -> d0 moves 0.1 GB/s (a slow path), p0 -> d1 2 GB/s; the push is 8 MB
+    # measured: p0 -> d1 moves 2 GB/s (faster than the configured 1 GB/s); the same-host
+    # pushes, slowed by a busy CPU (0.01 GB/s), are not a link's measure
     for _ in range(4):
-        placer.links.observe("p0", "d0", 8 << 20, (8 << 20) / 1e8)
+        placer.links.observe("p0", "d0", 8 << 20, (8 << 20) / 1e7)
         placer.links.observe("p0", "d1", 8 << 20, (8 << 20) / 2e9)
-    assert placer.links.bytes_per_s("p0", "d0") == pytest.approx(1e8)
+    assert placer.links.bytes_per_s("p0", "d0") == CFG.transfer_bytes_per_s
+    assert placer.links.bytes_per_s("p0", "d1") == pytest.approx(2e9)
     got = placer.place("r1", _pages("r1", 125), tokens)
     assert (got.prefill_id, got.decode_id) == ("p0", "d1")
     decode_s = CFG.expected_output_tokens * 0.01 * (1 + 8 / 64)  # the horizon at d1's ITL and fill
     push_s = 125 * CFG.page_bytes / 2e9  # over the measured link, not transfer_bytes_per_s
     assert got.cost_s == pytest.approx(decode_s + tokens * SPT + push_s, rel=1e-9)
+
+
+def test_a_link_measured_slow_is_tried_again_once_its_measure_ages() -> None:
+    """Placement sends nothing over a link it judges slow, so no push would revise that: an
+    unused link's time per byte goes back toward the configured rate, half the way per
+    AGE_HALF_LIFE_S."""
+    from cluster.links import AGE_HALF_LIFE_S, Links
+
+    now = [0.0]
+    links = Links(1e9, clock=lambda: now[0])
+    links.observe("p", "d", 8 << 20, (8 << 20) / 1e7)  # a burst of contention: 10 MB/s
+    assert links.bytes_per_s("p", "d") == pytest.approx(1e7)
+    now[0] = AGE_HALF_LIFE_S
+    assert links.bytes_per_s("p", "d") == pytest.approx(1 / (0.5 / 1e7 + 0.5 / 1e9))
+    now[0] = 20 * AGE_HALF_LIFE_S
+    assert links.bytes_per_s("p", "d") == pytest.approx(1e9, rel=1e-3)
+    links.observe("p", "d", 8 << 20, (8 << 20) / 1e8)  # a push again: measured from here
+    assert links.bytes_per_s("p", "d") < 1e8
 
 
 def test_links_skip_pushes_too_small_to_measure_and_follow_a_changed_link() -> None:

@@ -34,9 +34,11 @@ from tests.faults.conftest import MODEL, disaggregated, front_of
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(120)
 
-# A long prompt's pages move in 2-page chunks 0.3 s apart: a push takes a few seconds.
+# A long prompt's pages move in 2-page chunks 0.3 s apart: a push takes a few seconds. Round
+# robin: every long prompt goes through the prefill worker, whatever the cost model would make
+# of this (loaded) machine's measured rates: these tests are about a client leaving.
 SLOW = DisaggConfig(num_prefill=1, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.3, transport="grpc",
-                    transfer_deadline_s=4.0)
+                    transfer_deadline_s=4.0, placement="round_robin")
 STATES = ["queued", "transferring", "decoding", "finishing"]
 
 
