@@ -33,7 +33,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any, NamedTuple
+from collections.abc import Iterator
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from kvtransfer.codec import WireChunk
 
 KV_PORT, RAW_PORT = 50051, 50052  # inside host 1's own namespace: nothing else binds there
 CONTROL = "bench.link.Control"
@@ -141,7 +145,7 @@ async def _serve(model: str, bind: str) -> None:
 
 class _Push(NamedTuple):
     seconds: float  # encode, stream, the receiver's decode/verify/store, its ack
-    encode_s: float  # of which build_chunks (encode + checksum), before the first byte moves
+    encode_s: float  # of which encoding chunks (layout + checksum), each while the one before moves
     pages_verified: int
 
 
@@ -190,22 +194,33 @@ class _Sender:
 
     async def push(self, req_id: str) -> _Push:
         """One full KV push into a fresh reservation."""
-        from kvtransfer.transport import KVDestination, build_chunks
+        from kvtransfer.transport import KVDestination, iter_chunks
 
         got = await self._call("Reserve", {"req_id": req_id, "num_tokens": len(self.kv) * self.engine.cfg.page_size})
         if "error" in got:
             raise RuntimeError(f"reserve: {got['error']}")
         dest = KVDestination(got["address"], got["req_id"], got["transfer_id"], bytes.fromhex(got["token"]),
                              got["epoch"], tuple(got["dest_page_ids"]))
+        encode_s = 0.0
+
+        def chunks() -> Iterator[WireChunk]:  # as a prefill worker's push: encoded as they go
+            nonlocal encode_s
+            made = iter_chunks(dest, self.kv, 1, self.pages_per_chunk)
+            while True:
+                t = time.perf_counter()
+                chunk = next(made, None)
+                encode_s += time.perf_counter() - t
+                if chunk is None:
+                    return
+                yield chunk
+
         start = time.perf_counter()
-        chunks = build_chunks(dest, self.kv, 1, self.pages_per_chunk)  # encode + checksum, all chunks
-        encoded = time.perf_counter()
-        result = await self.kv_sender.send(dest, chunks, PUSH_DEADLINE_S)
+        result = await self.kv_sender.send(dest, chunks(), PUSH_DEADLINE_S)
         end = time.perf_counter()
         done = await self._call("Release", {"transfer_id": dest.transfer_id, "page_digests": self.digests})
         if not result.accepted or not done["complete"]:
             raise RuntimeError(f"push {req_id} failed: {result.error or 'incomplete'}")
-        return _Push(end - start, encoded - start, int(done["pages_verified"]))
+        return _Push(end - start, encode_s, int(done["pages_verified"]))
 
     async def stream_raw(self, num_bytes: int, message_bytes: int) -> float:
         """The same bytes as opaque messages through a bare client-streaming call."""

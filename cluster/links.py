@@ -63,7 +63,7 @@ class Links:
         link = self._links.get((prefill, decode))
         if link is None or not link.seconds > 0:
             return self.default_bytes_per_s
-        fresh = 0.5 ** (max(0.0, self.clock() - link.last_seen) / AGE_HALF_LIFE_S)
+        fresh: float = 0.5 ** (max(0.0, self.clock() - link.last_seen) / AGE_HALF_LIFE_S)
         s_per_byte = fresh * link.seconds / link.num_bytes + (1 - fresh) / self.default_bytes_per_s
         return 1 / s_per_byte
 

@@ -22,6 +22,7 @@ from kvtransfer.transport import (
     KVReceiver,
     PushResult,
     as_async,
+    read_ahead,
     receive_push,
 )
 
@@ -95,7 +96,11 @@ async def start_kv_server(
     limits = limits or CodecLimits()
 
     async def push(request_iterator: AsyncIterator[WireChunk], context: object) -> pb.PushAck:
-        return await receive_push(receiver, request_iterator, limits)
+        chunks = read_ahead(request_iterator)  # the next chunk arrives while this one is stored
+        try:
+            return await receive_push(receiver, chunks, limits)
+        finally:
+            await chunks.aclose()
 
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
@@ -115,6 +120,11 @@ async def start_kv_server(
     return server, port
 
 
+async def _framed(chunks: Chunks) -> AsyncIterator[bytes]:
+    async for chunk in as_async(chunks):
+        yield frame(chunk)
+
+
 class GrpcSender:
     """A KVSender over gRPC; one channel per destination address, reused across transfers."""
 
@@ -124,9 +134,10 @@ class GrpcSender:
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
         push = self._channels.get(dest.address).stream_unary(
-            PUSH, request_serializer=frame, response_deserializer=pb.PushAck.FromString
+            PUSH, request_serializer=None, response_deserializer=pb.PushAck.FromString
         )
-        call = push(as_async(chunks), timeout=deadline_s)
+        # framed one chunk ahead: grpc asks for a message only once the one before is written
+        call = push(read_ahead(_framed(chunks)), timeout=deadline_s)
         try:
             ack: pb.PushAck = await call
         except grpc.aio.AioRpcError as err:

@@ -22,9 +22,18 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -32,6 +41,7 @@ from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from kvcache.pool import DevicePool
 from kvcache.upload import upload
 from kvtransfer.codec import (
+    INT_VIEWS,
     ChunkMeta,
     CodecLimits,
     TransferError,
@@ -46,6 +56,7 @@ DEFAULT_DEADLINE_S = 10.0
 TOKEN_BYTES = 16
 
 Chunks = AsyncIterable[WireChunk] | Iterable[WireChunk]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,11 +208,19 @@ class PoolReceiver:
         if tuple(pages.shape[2:]) != self._page_tail or pages.dtype != self.pool.kv.dtype:
             raise TransferError("page shape or dtype does not match this pool")
         kv = self.pool.kv
+        layers = slice(header.layer_start, header.layer_end)
+        if kv.device.type == "cpu":
+            # numpy copies on this thread; torch's index_copy_ here ran on its OpenMP pool, whose
+            # worker then spun for a core that the gRPC threads and the sender needed (profiled)
+            ints = INT_VIEWS[kv.element_size()]
+            dst = kv.view(ints).numpy()
+            dst[layers, :, list(header.dest_page_ids)] = pages.view(ints).numpy().transpose(1, 2, 0, 3, 4, 5)
+            return self.book.mark(header)
         # One indexed copy per chunk; a copy per page was a kernel launch per page on a GPU
         # (64 a chunk: most of the NCCL transport's time in the 2026-11-29 H200 run).
         index = upload(header.dest_page_ids, torch.int64, kv.device)  # not waiting for a decode step
         src = pages.to(kv.device, non_blocking=True).movedim(0, 2)  # [layers, 2, n, page_size, ...]
-        kv[header.layer_start : header.layer_end].index_copy_(2, index, src)
+        kv[layers].index_copy_(2, index, src)
         return self.book.mark(header)
 
     def is_complete(self, transfer_id: str) -> bool:
@@ -220,9 +239,20 @@ def build_chunks(
 ) -> list[WireChunk]:
     """All of `pages` (one per dest page, all layers; a list or a page-major block) as chunks
     for `dest`, the last flagged."""
+    return list(iter_chunks(dest, pages, sender_epoch, pages_per_chunk, page_hashes))
+
+
+def iter_chunks(
+    dest: KVDestination,
+    pages: Sequence[torch.Tensor] | torch.Tensor,
+    sender_epoch: int,
+    pages_per_chunk: int = 32,
+    page_hashes: Sequence[bytes] = (),
+) -> Iterator[WireChunk]:
+    """build_chunks, each chunk encoded when it is asked for: a sender encodes the next one
+    while the one before is on the wire."""
     if len(pages) != len(dest.dest_page_ids):
         raise ValueError(f"{len(pages)} pages for {len(dest.dest_page_ids)} reserved")
-    chunks = []
     for start in range(0, len(pages), pages_per_chunk):
         end = min(start + pages_per_chunk, len(pages))
         meta = ChunkMeta(
@@ -230,8 +260,7 @@ def build_chunks(
             dest.dest_page_ids[start:end], tuple(page_hashes[start:end]),
             is_last=end == len(pages),
         )  # fmt: skip
-        chunks.append(encode_chunk(meta, pages[start:end]))
-    return chunks
+        yield encode_chunk(meta, pages[start:end])
 
 
 @dataclass(slots=True)
@@ -277,7 +306,7 @@ async def receive_push(
     async def body() -> None:
         async for chunk in chunks:
             state.same_transfer(chunk.header)
-            pages = decode_chunk(chunk, limits)
+            pages = decode_chunk(chunk, limits)  # bounds, checksum; a view over a gRPC message's bytes
             if not receiver.accept(chunk.header):
                 raise TransferError("refused")  # no detail: the token may be a guess
             state.transfer_id = chunk.header.transfer_id
@@ -286,6 +315,29 @@ async def receive_push(
                 break  # complete: the transfer stands, whatever the stream still carries
 
     return await settle_push(receiver, state, body())
+
+
+async def read_ahead(items: AsyncIterator[T]) -> AsyncGenerator[T, None]:
+    """`items`, the next one already being made while the caller works on this one.
+
+    A push's receiver reads one chunk ahead: over gRPC a pending read keeps the stream's
+    flow-control window open, so the next chunk crosses the wire while this one is verified
+    and stored (without it the sender stalled for each chunk's decode). Its sender frames one
+    chunk ahead, while the one before is on the wire. One ahead: memory stays bounded. Not for
+    payloads that live in a shared buffer: a shm slot is handed back when its next chunk is read."""
+    pending = asyncio.ensure_future(anext(items))
+    try:
+        while True:
+            try:
+                item = await pending
+            except StopAsyncIteration:
+                return
+            pending = asyncio.ensure_future(anext(items))
+            yield item
+    finally:
+        if pending.done() and not pending.cancelled():
+            pending.exception()  # retrieved: the stream's end or error is no longer anyone's
+        pending.cancel()
 
 
 async def as_async(chunks: Chunks) -> AsyncIterator[WireChunk]:

@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\xa3\x02\n\x0fPageChunkHeader\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x14\n\x0csender_epoch\x18\x04 \x01(\x04\x12\x13\n\x0bpage_hashes\x18\x05 \x03(\x0c\x12\x15\n\rdest_page_ids\x18\x06 \x03(\r\x12\x13\n\x0blayer_start\x18\x07 \x01(\r\x12\x11\n\tlayer_end\x18\x08 \x01(\r\x12 \n\x05\x64type\x18\t \x01(\x0e\x32\x11.baton.v1.KVDtype\x12\r\n\x05shape\x18\n \x03(\r\x12\x15\n\rpayload_bytes\x18\x0b \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x0c \x01(\r\x12\x0f\n\x07is_last\x18\r \x01(\x08\"U\n\x08ShmChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.baton.v1.PageChunkHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"z\n\x08ShmReply\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x02 \x01(\x04\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x66ree_offsets\x18\x04 \x03(\x04\x12\x1e\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x11.baton.v1.PushAck\"W\n\x07PushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x16\n\x0epages_received\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"G\n\tNcclChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.baton.v1.PageChunkHeader\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\"7\n\tNcclReply\x12\n\n\x02go\x18\x01 \x01(\x08\x12\x1e\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x11.baton.v1.PushAck*f\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/kvtransfer.proto\x12\x08\x62\x61ton.v1\"\xa9\x02\n\x0fPageChunkHeader\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x14\n\x0csender_epoch\x18\x04 \x01(\x04\x12\x13\n\x0bpage_hashes\x18\x05 \x03(\x0c\x12\x15\n\rdest_page_ids\x18\x06 \x03(\r\x12\x13\n\x0blayer_start\x18\x07 \x01(\r\x12\x11\n\tlayer_end\x18\x08 \x01(\r\x12 \n\x05\x64type\x18\t \x01(\x0e\x32\x11.baton.v1.KVDtype\x12\r\n\x05shape\x18\n \x03(\r\x12\x15\n\rpayload_bytes\x18\x0b \x01(\x04\x12\x0f\n\x07is_last\x18\r \x01(\x08\x12\x10\n\x08\x63hecksum\x18\x0e \x01(\x06J\x04\x08\x0c\x10\r\"U\n\x08ShmChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.baton.v1.PageChunkHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"z\n\x08ShmReply\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x02 \x01(\x04\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x66ree_offsets\x18\x04 \x03(\x04\x12\x1e\n\x03\x61\x63k\x18\x05 \x01(\x0b\x32\x11.baton.v1.PushAck\"W\n\x07PushAck\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x16\n\x0epages_received\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"G\n\tNcclChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.baton.v1.PageChunkHeader\x12\x0f\n\x07\x63hannel\x18\x02 \x01(\t\"7\n\tNcclReply\x12\n\n\x02go\x18\x01 \x01(\x08\x12\x1e\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x11.baton.v1.PushAck*f\n\x07KVDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.kvtransfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVDTYPE']._serialized_start=763
-  _globals['_KVDTYPE']._serialized_end=865
+  _globals['_KVDTYPE']._serialized_start=769
+  _globals['_KVDTYPE']._serialized_end=871
   _globals['_PAGECHUNKHEADER']._serialized_start=40
-  _globals['_PAGECHUNKHEADER']._serialized_end=331
-  _globals['_SHMCHUNK']._serialized_start=333
-  _globals['_SHMCHUNK']._serialized_end=418
-  _globals['_SHMREPLY']._serialized_start=420
-  _globals['_SHMREPLY']._serialized_end=542
-  _globals['_PUSHACK']._serialized_start=544
-  _globals['_PUSHACK']._serialized_end=631
-  _globals['_NCCLCHUNK']._serialized_start=633
-  _globals['_NCCLCHUNK']._serialized_end=704
-  _globals['_NCCLREPLY']._serialized_start=706
-  _globals['_NCCLREPLY']._serialized_end=761
+  _globals['_PAGECHUNKHEADER']._serialized_end=337
+  _globals['_SHMCHUNK']._serialized_start=339
+  _globals['_SHMCHUNK']._serialized_end=424
+  _globals['_SHMREPLY']._serialized_start=426
+  _globals['_SHMREPLY']._serialized_end=548
+  _globals['_PUSHACK']._serialized_start=550
+  _globals['_PUSHACK']._serialized_end=637
+  _globals['_NCCLCHUNK']._serialized_start=639
+  _globals['_NCCLCHUNK']._serialized_end=710
+  _globals['_NCCLREPLY']._serialized_start=712
+  _globals['_NCCLREPLY']._serialized_end=767
 # @@protoc_insertion_point(module_scope)

@@ -59,8 +59,8 @@ class PageChunkHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
-    CHECKSUM_FIELD_NUMBER: _builtins.int
     IS_LAST_FIELD_NUMBER: _builtins.int
+    CHECKSUM_FIELD_NUMBER: _builtins.int
     req_id: _builtins.str
     transfer_id: _builtins.str
     transfer_token: _builtins.bytes
@@ -71,11 +71,12 @@ class PageChunkHeader(_message.Message):
     layer_end: _builtins.int
     dtype: Global___KVDtype.ValueType
     payload_bytes: _builtins.int
-    checksum: _builtins.int
-    """zlib.crc32 of this header (serialized deterministically with checksum = 0), continued over
-    the payload: a flipped shape, dtype or page id is caught as surely as a flipped byte.
-    """
     is_last: _builtins.bool
+    checksum: _builtins.int
+    """XXH3-64 (xxhash) of this header (serialized deterministically with checksum = 0), then the
+    payload: a flipped shape, dtype or page id is caught as surely as a flipped byte. Integrity
+    against damage, not an authenticator: the transfer token and epoch fence who may write.
+    """
     @_builtins.property
     def page_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """one per page (may be empty for unhashed tail pages)"""
@@ -102,8 +103,8 @@ class PageChunkHeader(_message.Message):
         dtype: Global___KVDtype.ValueType = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
         payload_bytes: _builtins.int = ...,
-        checksum: _builtins.int = ...,
         is_last: _builtins.bool = ...,
+        checksum: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
