@@ -72,6 +72,10 @@ class RandomModelSpec:
     # Std of the LM head (or of the embeddings when tied): large, so that the top-1/top-2
     # logit margins are wide and parity tests rarely meet a near-tie.
     lm_head_std: float = 0.5
+    # Std of the layers' projections (and of untied embeddings). With tied embeddings, large
+    # projections keep the layers' sum from being drowned by the token's own embedding (which
+    # makes a model that echoes its input whatever attention computes).
+    linear_std: float = _LINEAR_STD
 
     @property
     def resolved_head_dim(self) -> int:
@@ -172,15 +176,15 @@ def _layer_tensors(
     for proj, out_features in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
         yield (
             f"{prefix}.self_attn.{proj}.weight",
-            stream.uniform((out_features, hidden), _LINEAR_STD),
+            stream.uniform((out_features, hidden), spec.linear_std),
         )
         if spec.attention_bias:
             yield f"{prefix}.self_attn.{proj}.bias", stream.uniform((out_features,), _BIAS_STD)
-    yield f"{prefix}.self_attn.o_proj.weight", stream.uniform((hidden, q_out), _LINEAR_STD)
+    yield f"{prefix}.self_attn.o_proj.weight", stream.uniform((hidden, q_out), spec.linear_std)
     inter = spec.intermediate_size
-    yield f"{prefix}.mlp.gate_proj.weight", stream.uniform((inter, hidden), _LINEAR_STD)
-    yield f"{prefix}.mlp.up_proj.weight", stream.uniform((inter, hidden), _LINEAR_STD)
-    yield f"{prefix}.mlp.down_proj.weight", stream.uniform((hidden, inter), _LINEAR_STD)
+    yield f"{prefix}.mlp.gate_proj.weight", stream.uniform((inter, hidden), spec.linear_std)
+    yield f"{prefix}.mlp.up_proj.weight", stream.uniform((inter, hidden), spec.linear_std)
+    yield f"{prefix}.mlp.down_proj.weight", stream.uniform((hidden, inter), spec.linear_std)
     norm = np.full((hidden,), _NORM_VALUE, dtype=np.float32)
     yield f"{prefix}.input_layernorm.weight", norm
     yield f"{prefix}.post_attention_layernorm.weight", norm.copy()
@@ -223,7 +227,7 @@ def generate_weights(spec: RandomModelSpec) -> dict[str, Float32Array]:
     """All tensors, Hugging Face names, drawn in a fixed order from the spec's seed."""
     stream = _WeightStream(spec.seed)
     hidden = spec.hidden_size
-    embed_std = spec.lm_head_std if spec.tie_word_embeddings else _LINEAR_STD
+    embed_std = spec.lm_head_std if spec.tie_word_embeddings else spec.linear_std
     tensors = {"model.embed_tokens.weight": stream.uniform((spec.vocab_size, hidden), embed_std)}
     for layer in range(spec.num_hidden_layers):
         tensors.update(_layer_tensors(spec, stream, layer))

@@ -8,7 +8,12 @@ mismatch fails.
 
 Each model runs four ways: (a) one request at a time, (b) 16 at once with staggered arrivals,
 (c) with chunked prefill (chunk 64), (d) under page pressure that forces preemption (the test
-checks preemption happened).
+checks preemption happened). Beyond the tokens, each decode step's logprobs (the sampled
+token's and its alternatives') must match the reference's within LOGPROB_ATOL.
+
+The comparison must be able to fail: every model's reference sequences have several distinct
+tokens (a model that echoes its prompt would pass with attention broken), and references
+computed with attention zeroed or RoPE's theta changed fail it (`test_a_broken_reference_fails`).
 """
 
 from __future__ import annotations
@@ -31,10 +36,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MARGIN_EPS = 1e-3  # logits: near-tie threshold on the reference top-1 minus top-2 (~30x the first-step error)
 MAX_EARLY_SHARE = 0.10  # of sequences per model and scenario
 FIRST_LOGITS_ATOL = 2e-3  # max |baton - transformers| over the first step's logits
+LOGPROB_ATOL = 2e-3  # max |baton - transformers| over decode steps' logprobs, before a near-tie
+TOP_LOGPROBS = 5
+MIN_DISTINCT = 3  # distinct tokens in every reference sequence: neither an echo nor a two-token loop
 NEW_TOKENS = 64
 PROMPT_LENS = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 255, 400, 640, 900, 1200, 1500)
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
+# Tied embeddings: with the default stds (embeddings 0.5, projections 0.02) the token's own
+# embedding outweighs what the layers add, and every reference sequence was the prompt's last
+# token 64 times whatever attention computed. Smaller embeddings, larger projections: the
+# layers decide.
 QWEN2_STYLE = RandomModelSpec(
     architecture="qwen2",
     hidden_size=256,
@@ -47,6 +59,8 @@ QWEN2_STYLE = RandomModelSpec(
     rope_theta=1_000_000.0,
     rms_norm_eps=1e-6,
     seed=7,
+    lm_head_std=0.2,
+    linear_std=0.1,
 )
 
 
@@ -55,6 +69,7 @@ class Reference:
     tokens: list[int]
     margins: list[float]
     first_logits: torch.Tensor
+    top_logprobs: list[dict[int, float]]  # per step: the TOP_LOGPROBS most likely tokens' logprobs
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,7 @@ class ParityCase:
 
 
 def _reference(model: torch.nn.Module, prompt: list[int]) -> Reference:
-    tokens, margins = [], []
+    tokens, margins, tops = [], [], []
     with torch.inference_mode():
         out = model(torch.tensor([prompt]), use_cache=True)
         first = out.logits[0, -1].float().clone()
@@ -73,13 +88,15 @@ def _reference(model: torch.nn.Module, prompt: list[int]) -> Reference:
         for _ in range(NEW_TOKENS):
             top = torch.topk(logits, 2)
             margins.append(float(top.values[0] - top.values[1]))
+            best = torch.topk(torch.log_softmax(logits, -1), TOP_LOGPROBS)
+            tops.append(dict(zip(best.indices.tolist(), best.values.tolist(), strict=True)))
             token = int(top.indices[0])
             tokens.append(token)
             out = model(
                 torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
             )
             logits = out.logits[0, -1].float()
-    return Reference(tokens, margins, first)
+    return Reference(tokens, margins, first, tops)
 
 
 @pytest.fixture(scope="module", params=["baton-tiny", "qwen2-style"])
@@ -96,7 +113,10 @@ def case(
     model.eval()
     rng = np.random.default_rng(1234)
     prompts = [rng.integers(4, 16_384, size=n).tolist() for n in PROMPT_LENS]
-    return ParityCase(model_dir, prompts, [_reference(model, p) for p in prompts])
+    refs = [_reference(model, p) for p in prompts]
+    distinct = [len(set(r.tokens)) for r in refs]
+    assert min(distinct) >= MIN_DISTINCT, f"{request.param}: an echo model ({distinct} distinct tokens)"
+    return ParityCase(model_dir, prompts, refs)
 
 
 def _engine(case: ParityCase, **overrides: int) -> Engine:
@@ -150,6 +170,53 @@ def test_first_step_logits_match(case: ParityCase) -> None:
         worst = max(worst, diff)
     print(f"[parity] first-step logits: max |diff| = {worst:.2e}")
     assert worst <= FIRST_LOGITS_ATOL
+
+
+def test_decode_step_logprobs_match(case: ParityCase) -> None:
+    """Each step's sampled token and alternatives, as logprobs, up to the first near-tie."""
+    engine = _engine(case)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    worst, compared = 0.0, 0
+    for idx, (prompt, ref) in enumerate(zip(case.prompts, case.refs, strict=True)):
+        engine.add_request("lp", prompt, params)
+        steps = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                steps.extend(out.logprobs)
+        for pos, (got, margin) in enumerate(zip(steps, ref.margins, strict=False)):
+            if margin < MARGIN_EPS:
+                break
+            assert got.token_id == ref.tokens[pos], f"prompt {idx} differs at token {pos}"
+            for token_id, logprob in ((got.token_id, got.logprob), *got.top):
+                if token_id in ref.top_logprobs[pos]:
+                    worst = max(worst, abs(logprob - ref.top_logprobs[pos][token_id]))
+                    compared += 1
+    print(f"[parity] decode-step logprobs: {compared} compared, max |diff| = {worst:.2e}")
+    assert compared >= len(case.prompts) * NEW_TOKENS  # at least the sampled token's, mostly more
+    assert worst <= LOGPROB_ATOL
+
+
+def test_a_broken_reference_fails(case: ParityCase, tmp_path: Path) -> None:
+    """The comparison can fail: references from the same weights with attention zeroed, or
+    with RoPE's theta changed, disagree with the true ones on most sequences."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(case.model_dir)
+    rope = getattr(config, "rope_parameters", None)
+    if rope:
+        rope["rope_theta"] = rope.get("rope_theta", 10_000.0) * 7.0
+    else:
+        config.rope_theta *= 7.0
+    other_rope = AutoModelForCausalLM.from_pretrained(case.model_dir, config=config, dtype=torch.float32).eval()
+    no_attention = AutoModelForCausalLM.from_pretrained(case.model_dir, dtype=torch.float32).eval()
+    for layer in no_attention.model.layers:
+        torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+    for label, model in (("RoPE theta x7", other_rope), ("attention zeroed", no_attention)):
+        broken = [_reference(model, p).tokens for p in case.prompts]
+        differ = sum(b != r.tokens for b, r in zip(broken, case.refs, strict=True))
+        assert differ >= len(case.prompts) // 2, f"{label}: only {differ} sequences changed"
+        with pytest.raises(AssertionError, match="differs at token"):
+            _compare(case, broken, label)
 
 
 def test_one_at_a_time(case: ParityCase) -> None:
