@@ -18,9 +18,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     RAY_USAGE_STATS_ENABLED=0
 
 # wget: KubeRay's default probes on the Ray containers call it (and the dashboard agent that
-# ray[default] brings, on port 52365).
+# ray[default] brings, on port 52365). gcc and libc6-dev: the CPU decode attention kernel
+# (engine/csrc) is compiled on the node it runs on, at first use (-march=native: an image
+# built elsewhere cannot carry a build for every CPU); without them the torch path runs.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends wget ca-certificates \
+ && apt-get install -y --no-install-recommends wget ca-certificates gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --gid 1000 baton \

@@ -10,7 +10,11 @@ sequence's whole context (cached prefix + new tokens) back from its pages. So a 
 a cached prefix and a chunk of a long prompt are the same case: queries at positions
 [ctx - n, ctx) attend causally to keys [0, ctx).
 
-Decode is the hot path: one query per sequence. Two backends, chosen per call:
+Decode is the hot path: one query per sequence. Three backends, chosen per engine:
+
+- `cpu` (CPU float32, the default there where a C compiler is found): engine.cpu_kernels'
+  compiled kernel reads K/V in place through the page table, a shared prefix's pages once for
+  all the rows that start with them, long contexts split across cores; no gather, no mask.
 
 - `torch` (CPU, and the reference): gather every sequence's pages with one index op per
   layer and attend with one masked SDPA call, GQA expressed as a reshape (no repeat of K/V).
@@ -31,9 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import DecodePlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +145,11 @@ class AttnMetadata:
     decode_page_table: torch.Tensor  # [B_d, max_pages] int64, padded with any valid page id
     decode_seq_lens: torch.Tensor  # [B_d] int64: keys each decode attends (its context length)
     scale: float
-    decode_backend: str = "torch"  # "torch" | "triton"
+    decode_backend: str = "torch"  # "torch" | "triton" | "cpu"
     # torch path: the decode rows in runs of similar length; () builds one run of every row
     # in each layer (tests; the runner builds them once per step)
     decode_runs: tuple[DecodeRun, ...] = ()
+    cpu_plan: DecodePlan | None = None  # cpu path: the step's kernel items (engine.cpu_kernels)
 
     @property
     def num_decodes(self) -> int:
@@ -182,6 +191,13 @@ def paged_attention(
 
             dst = out[meta.num_prefill_tokens :]  # written in place: rows of `out` are contiguous
             paged_decode(qd, k_cache, v_cache, meta.decode_page_table, meta.decode_seq_lens, meta.scale, out=dst)
+        elif meta.decode_backend == "cpu":
+            from engine import cpu_kernels
+
+            kernel = cpu_kernels.load()
+            assert kernel is not None and meta.cpu_plan is not None  # the engine chose cpu: it loaded
+            dst = out[meta.num_prefill_tokens :]
+            cpu_kernels.paged_decode(kernel, qd, k_cache, v_cache, meta.cpu_plan, meta.scale, dst)
         else:
             runs = meta.decode_runs or decode_runs(
                 meta.decode_page_table, meta.decode_seq_lens, k_cache.shape[1], q.dtype

@@ -100,7 +100,7 @@ class Engine:
         )
         # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
-        backend = cfg.resolve_attention_backend()
+        backend = cfg.resolve_attention_backend(self.model.dtype)
         self.model.fused = backend == "triton" and self.device.type == "cuda"
         graphs = None
         if self.device.type == "cuda" and backend == "triton" and cfg.cuda_graph_max_batch > 0:

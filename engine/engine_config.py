@@ -35,8 +35,9 @@ class EngineConfig:
     shared_prefixes: tuple[tuple[int, ...], ...] = ()
     seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None
-    # Decode attention: "torch" (the reference, CPU), "triton" (paged kernel, CUDA), or "auto"
-    # (triton on CUDA when Triton is installed, else torch).
+    # Decode attention: "torch" (the reference), "cpu" (engine.cpu_kernels: compiled, pages
+    # read in place; CPU float32), "triton" (paged kernel, CUDA), or "auto" (triton on CUDA when
+    # Triton is installed; cpu on CPU in float32 where the kernel builds; else torch).
     attention_backend: str = "auto"
     # CUDA only: capture decode steps in CUDA graphs for batches up to this size (0: eager).
     cuda_graph_max_batch: int = 128
@@ -58,8 +59,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(name, f"must be a positive integer or unset, got {value!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError("attention_backend", f"use auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
+            raise ConfigError("attention_backend", f"use auto, torch, cpu or triton, got {self.attention_backend!r}")
+        if self.attention_backend == "cpu" and not self.device.startswith("cpu"):
+            raise ConfigError("attention_backend", "cpu is the CPU kernel; on CUDA use triton or torch")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
             raise ConfigError("cuda_graph_max_batch", f"must be 0 or a positive integer, got {self.cuda_graph_max_batch!r}")
         if self.async_scheduling not in (None, True, False):
@@ -79,11 +82,25 @@ class EngineConfig:
             raise ConfigError("dtype", "float16 is not supported on CPU; use float32 or bfloat16")
         return dtype
 
-    def resolve_attention_backend(self) -> str:
+    def resolve_attention_backend(self, dtype: torch.dtype = torch.float32) -> str:
+        """The decode attention backend for a model computing in `dtype`."""
+        if self.attention_backend == "cpu":
+            from engine import cpu_kernels
+
+            if dtype != torch.float32:
+                raise ConfigError("attention_backend", "the cpu kernel reads float32 KV; use torch for bfloat16")
+            if cpu_kernels.load() is None:
+                raise ConfigError("attention_backend", "the cpu kernel could not be built (a C compiler, cc)")
+            return "cpu"
         if self.attention_backend != "auto":
             return self.attention_backend
-        if self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None:
-            return "triton"
+        if self.device.startswith("cuda"):
+            return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+        if dtype == torch.float32:
+            from engine import cpu_kernels
+
+            if cpu_kernels.load() is not None:
+                return "cpu"
         return "torch"
 
     def kv_bytes(self, device: torch.device) -> int:

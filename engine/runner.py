@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import AttnMetadata, DecodeRun, PrefillSeq, decode_groups, decode_runs
+from engine.cpu_kernels import DecodePlan
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.request import Request
@@ -103,7 +104,7 @@ class ModelRunner:
         prefills = [s for s in out.scheduled if s.num_new > 1]
         decodes = [s for s in out.scheduled if s.num_new == 1]
         keys: list[int] = []  # the torch path's prefix keys, one per decode row (order_decodes)
-        if self.decode_backend == "torch":
+        if self.decode_backend in ("torch", "cpu"):
             decodes, keys = order_decodes(decodes)
         ordered = prefills + decodes
         sample_idx: list[int] = []
@@ -191,10 +192,16 @@ class ModelRunner:
             seqs.append(PrefillSeq(start, num_new, context, page_ids))
             start += num_new
         max_pages = max((len(r.page_ids) for r, _ in decodes), default=0)
-        table = [r.page_ids + [0] * (max_pages - len(r.page_ids)) for r, _ in decodes]
+        if self.decode_backend == "cpu":  # the plan carries the pages; the table's rows count decodes
+            max_pages = 0
+        table = [r.page_ids[:max_pages] + [0] * (max_pages - len(r.page_ids)) for r, _ in decodes]
         page_table = self._tensor(table).view(len(decodes), max_pages)
         seq_lens = self._tensor([r.num_computed_tokens + 1 for r, _ in decodes])
         runs: tuple[DecodeRun, ...] = ()
+        plan: DecodePlan | None = None
+        if self.decode_backend == "cpu" and decodes:  # once per step, not once per layer
+            rows = [(r.page_ids, r.num_computed_tokens + 1) for r, _ in decodes]
+            plan = DecodePlan.build(rows, keys, self.page_size, self.model.cfg.num_heads, self.model.cfg.head_dim)
         if self.decode_backend == "torch" and decodes:  # once per step, not once per layer
             widths = [-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes]
             groups = decode_groups(widths, keys)
@@ -209,6 +216,7 @@ class ModelRunner:
             scale=self.model.scale,
             decode_backend=self.decode_backend,
             decode_runs=runs,
+            cpu_plan=plan,
         )
 
     def sampling_row(self, request: Request) -> SamplingRow:

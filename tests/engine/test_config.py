@@ -418,11 +418,19 @@ def test_from_dir_errors_name_the_file(tmp_path: Path) -> None:
 
 
 def test_attention_backend_resolves_by_device_and_is_validated() -> None:
+    import torch
+
     from engine.engine_config import EngineConfig
 
-    assert EngineConfig().resolve_attention_backend() == "torch"
+    assert EngineConfig().resolve_attention_backend(torch.float32) == "cpu"  # the kernel builds here
+    assert EngineConfig().resolve_attention_backend(torch.bfloat16) == "torch"
+    assert EngineConfig(attention_backend="torch").resolve_attention_backend() == "torch"
     assert EngineConfig(attention_backend="triton").resolve_attention_backend() == "triton"
     with pytest.raises(ConfigError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
+    with pytest.raises(ConfigError, match="attention_backend"):
+        EngineConfig(attention_backend="cpu", device="cuda")
+    with pytest.raises(ConfigError, match="bfloat16"):
+        EngineConfig(attention_backend="cpu").resolve_attention_backend(torch.bfloat16)
     with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
         EngineConfig(cuda_graph_max_batch=-1)

@@ -15,7 +15,7 @@ from engine.sampling import SamplingParams
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def _engine(model_dir: Path, cache: bool, **kw: int) -> Engine:
+def _engine(model_dir: Path, cache: bool, **kw: int | str) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), dtype="float32", enable_prefix_cache=cache, **kw))
 
 
@@ -128,27 +128,36 @@ def test_an_operator_shared_prefix_is_shared_across_tenants(tiny_model_dir: Path
     assert on == off
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_concurrent_rows_of_one_cached_prefix_decode_in_cascade_with_the_same_tokens(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    """Decode rows that share cached pages attend in cascade (engine.attention); their greedy
-    tokens are the ones each prompt gets alone with no cache."""
+    """Decode rows that share cached pages attend in cascade (engine.attention's torch path;
+    the cpu kernel reads the shared pages once for all of them); their greedy tokens are the
+    ones each prompt gets alone with no cache."""
     import engine.attention as attention
+    import engine.cpu_kernels as cpu_kernels
 
     rng = np.random.default_rng(11)
     system = rng.integers(4, 16_384, size=150).tolist()  # 9 full pages + 6 tokens
     prompts = [system + rng.integers(4, 16_384, size=n).tolist() for n in (3, 9, 17, 30)]
-    alone, _ = _run(_engine(tiny_model_dir, cache=False), prompts)
+    alone, _ = _run(_engine(tiny_model_dir, cache=False, attention_backend="torch"), prompts)
 
     cascades: list[int] = []
-    real = attention._decode_cascade
+    real, real_plan = attention._decode_cascade, cpu_kernels.DecodePlan.build
 
     def counted(*args: object, **kwargs: object) -> object:
         cascades.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
+    def planned(*args: object, **kwargs: object) -> object:
+        plan = real_plan(*args, **kwargs)  # type: ignore[arg-type]
+        cascades.extend([1] if plan.num_shared_pages else [])
+        return plan
+
     monkeypatch.setattr(attention, "_decode_cascade", counted)
-    engine = _engine(tiny_model_dir, cache=True)
+    monkeypatch.setattr(cpu_kernels.DecodePlan, "build", planned)
+    engine = _engine(tiny_model_dir, cache=True, attention_backend=backend)
     _run(engine, [system + [5]])  # caches the system prompt's full pages
     for i, prompt in enumerate(prompts):
         engine.add_request(f"c{i}", prompt, GREEDY)

@@ -1,0 +1,203 @@
+"""Compiled CPU attention (engine/csrc/paged_attention.c): decode reads K/V in place in the pool.
+
+The torch path (engine.attention) gathers every decode row's pages into a fresh tensor per
+layer and step and masks the padding; on the bursty long-prefix traffic baton serves that
+gather was most of a step (issue 21's profile: 55% of samples in decode attention, 24% in its
+gathers). This kernel reads the pages through the page table, shares a prefix's pages among
+the rows that start with them (read once per page for all of them: the cascade, generalised),
+and splits long contexts so every core has work.
+
+    kernel = load()                      None where no C compiler is found (torch path then)
+    plan = DecodePlan.build(rows, page_size, num_heads, head_dim)   once per step
+    paged_decode(kernel, q, k_cache, v_cache, plan, scale, out)      once per layer
+
+Built on first use with the system's C compiler (`cc`, -O3 -march=native -fopenmp) into the
+baton cache dir, keyed by the source, the flags and this CPU's feature flags, so a cache shared
+between machines never loads a build for another CPU; an atomic rename makes concurrent
+builds safe. OpenMP resolves to the libgomp that torch loaded: one thread pool, torch's size.
+The torch path stays the reference: tests compare the two on random pools.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.env import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-std=c11")  # fmt: skip
+SPLIT_PAGES = 32  # a part's pages at most: long contexts split so both cores work on one row
+MIN_SHARED_PAGES = 1  # leading pages shared by two or more rows: read once for all of them
+_ITEM_FIELDS = 5  # row_start, row_end, page_offset, num_keys, slot (the C item_t)
+
+_lock = threading.Lock()
+_kernel: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(target: Path) -> None:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+        os.replace(partial, target)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-2000:]}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None (logged once) where it cannot be built."""
+    global _kernel, _tried
+    with _lock:
+        if _tried:
+            return _kernel
+        _tried = True
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+        target = cache_dir() / "kernels" / f"paged_attention-{platform.machine()}-{key}.so"
+        try:
+            if not target.exists():
+                _build(target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            logger.warning("CPU attention kernel unavailable (%s): decode attention uses the torch path", exc)
+            return None
+        fn = lib.baton_paged_decode
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
+        _kernel = lib
+        return _kernel
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """One step's decode rows as the kernel's items (see csrc/paged_attention.c): built once per
+    step, read by every layer. Arrays are numpy, kept alive here while the kernel reads them."""
+
+    items: np.ndarray  # [num_items, 5] int32
+    pages: np.ndarray  # [n] int64: every item's page ids, one after another
+    row_ptr: np.ndarray  # [B + 1] int32
+    row_slots: np.ndarray  # [num_slots] int32
+    partials: np.ndarray  # [num_slots, heads, head_dim + 2] float32: scratch, reused by every layer
+    num_rows: int
+    num_shared_pages: int  # pages read once for several rows (the step's saving, for profiles)
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[tuple[Sequence[int], int]], keys: Sequence[int], page_size: int, num_heads: int,
+        head_dim: int,
+    ) -> DecodePlan:  # fmt: skip
+        """rows: each decode row's (page ids, keys attended = context length), in batch order;
+        keys: per row a prefix key (engine.runner.prefix_keys) — rows with the same key >= 0
+        stand together and may share leading pages."""
+        items: list[tuple[int, int, int, int, int]] = []
+        pages: list[int] = []
+        slots_of: list[list[int]] = [[] for _ in rows]
+        next_slot = 0
+        num_shared = 0
+
+        def emit(first: int, end: int, ids: Sequence[int], num_keys: int) -> None:
+            nonlocal next_slot
+            per = SPLIT_PAGES * page_size
+            for start in range(0, num_keys, per):
+                n = min(per, num_keys - start)
+                first_page = start // page_size
+                items.append((first, end, len(pages), n, next_slot))
+                pages.extend(ids[first_page : first_page + -(-n // page_size)])
+                for r in range(first, end):
+                    slots_of[r].append(next_slot + r - first)
+                next_slot += end - first
+
+        row = 0
+        while row < len(rows):
+            end = row + 1
+            while end < len(rows) and keys[row] >= 0 and keys[end] == keys[row]:
+                end += 1
+            shared = _shared_pages([rows[r] for r in range(row, end)], page_size) if end - row > 1 else 0
+            if shared:
+                emit(row, end, rows[row][0], shared * page_size)
+                num_shared += shared
+            for r in range(row, end):
+                ids, length = rows[r]
+                emit(r, r + 1, ids[shared:], length - shared * page_size)
+            row = end
+        row_ptr = np.zeros(len(rows) + 1, dtype=np.int32)
+        row_ptr[1:] = np.cumsum([len(s) for s in slots_of])
+        return cls(
+            np.asarray(items, dtype=np.int32).reshape(-1, _ITEM_FIELDS),
+            np.asarray(pages, dtype=np.int64),
+            row_ptr,
+            np.asarray([s for slots in slots_of for s in slots], dtype=np.int32),
+            np.empty((max(next_slot, 1), num_heads, head_dim + 2), dtype=np.float32),
+            len(rows),
+            num_shared,
+        )
+
+
+def _shared_pages(rows: Sequence[tuple[Sequence[int], int]], page_size: int) -> int:
+    """Leading page ids all of `rows` have in common, counting only pages wholly before each
+    row's last key (every row keeps a key of its own); 0 below MIN_SHARED_PAGES."""
+    shared = min((length - 1) // page_size for _, length in rows)
+    first = list(rows[0][0][:shared])
+    for ids, _ in rows[1:]:
+        head = list(ids[:shared])
+        if head != first[:shared]:  # compared in C; the first difference found only when there is one
+            shared = next(i for i, (a, b) in enumerate(zip(head, first, strict=False)) if a != b)
+    return shared if shared >= MIN_SHARED_PAGES else 0
+
+
+def paged_decode(
+    kernel: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+    scale: float, out: torch.Tensor,
+) -> None:  # fmt: skip
+    """out [B, heads, head_dim] = attention of q [B, heads, head_dim] over each row's pages
+    (k_cache, v_cache: [pages, page_size, kv_heads, head_dim], float32, contiguous)."""
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_decode needs contiguous q, out and caches")
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or batch != plan.num_rows:
+        raise ValueError("paged_decode takes float32 and the plan's rows")
+    rc = kernel.baton_paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.items.ctypes.data, len(plan.items),
+        plan.pages.ctypes.data, plan.row_ptr.ctypes.data, plan.row_slots.ctypes.data, plan.partials.ctypes.data,
+        out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, page_size, scale,
+    )  # fmt: skip
+    if rc == -2:
+        raise MemoryError("paged_decode: out of memory for an item's queries")
+    if rc != 0:
+        raise ValueError(f"paged_decode: unsupported shape (heads {num_heads}, kv heads {num_kv_heads}, "
+                         f"page size {page_size}, head_dim {head_dim})")  # fmt: skip
