@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -253,10 +254,112 @@ class TieredWorkload(Workload):
         return self.num_active
 
 
+@dataclass(frozen=True, slots=True)
+class BurstAgentWorkload(Workload):
+    """Agent fan-out in bursts (issue 21's shape, built here; the held-out traces stay out of
+    the repository): every burst is one task handed to `fanout` agents at once. Each agent's
+    prompt is the fleet's system prompt and tool schema (shared by all), the task's context
+    (shared by its burst) and the agent's own instruction: ~4.4k tokens of which ~88% another
+    request already sent. Bursts start at Poisson times (`bursts_per_s`), the agents of a burst
+    within `spread_s` of each other. Replayed on those times (run it with neither
+    --concurrency nor --rate); deterministic from the seed."""
+
+    name: ClassVar[str] = "burst-agent"
+    system_len: int = 1500
+    tools_len: int = 1000
+    task_len: int = 1400
+    own_len: int = 500
+    fanout: int = 8
+    bursts_per_s: float = 0.25
+    spread_s: float = 0.5
+    output_len: int = 64
+
+    def _session(self, seed: str, burst: int, agent: int) -> Session:
+        parts = (
+            Segment(f"{seed}/burst-agent/system", self.system_len),
+            Segment(f"{seed}/burst-agent/tools", self.tools_len),
+            Segment(f"{seed}/burst-agent/{burst}/task", self.task_len),
+            Segment(f"{seed}/burst-agent/{burst}/{agent}", self.own_len),
+        )
+        return _single(f"burst-{burst}-agent-{agent}", parts, self.output_len)
+
+    def sessions(self, seed: str) -> Iterator[Session]:
+        for burst in itertools.count():
+            for agent in range(self.fanout):
+                yield self._session(seed, burst, agent)
+
+    def timed(self, seed: str) -> Iterator[tuple[float, Session]]:
+        if self.bursts_per_s <= 0 or self.fanout < 1:
+            return
+        rng = random.Random(f"{seed}/burst-agent/times")  # str seeds hash with SHA-512: stable
+        start = 0.0  # the first burst at once, then Poisson gaps
+        for burst in itertools.count():
+            offsets = sorted(rng.uniform(0.0, self.spread_s) for _ in range(self.fanout))
+            for agent, offset in enumerate(offsets):
+                yield start + offset, self._session(seed, burst, agent)
+            start += rng.expovariate(self.bursts_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRagWorkload(Workload):
+    """Multi-tenant RAG with bursty arrivals (issue 21's shape, built here): `tenants` tenants,
+    each with its own system prompt and `docs` documents; a request is its tenant's system
+    prompt, `per_request` documents drawn by popularity (Zipf, exponent `skew`: a few hot
+    documents, a long tail) and a unique question, ~4.4k tokens. Arrivals are a Poisson
+    process whose rate switches between `rate` and `burst_rate` (on for `burst_s` every
+    `period_s`). Tagged by tenant; deterministic from the seed."""
+
+    name: ClassVar[str] = "tenant-rag"
+    tenants: int = 4
+    system_len: int = 400
+    docs: int = 12
+    doc_len: int = 1300
+    per_request: int = 3
+    question_len: int = 100
+    skew: float = 1.2
+    rate: float = 1.0
+    burst_rate: float = 6.0
+    period_s: float = 20.0
+    burst_s: float = 4.0
+    output_len: int = 64
+
+    def _session(self, seed: str, rng: random.Random, i: int) -> Session:
+        tenant = rng.randrange(self.tenants)
+        weights = [1.0 / (rank + 1) ** self.skew for rank in range(self.docs)]
+        picked: list[int] = []
+        while len(picked) < min(self.per_request, self.docs):
+            doc = rng.choices(range(self.docs), weights)[0]
+            if doc not in picked:
+                picked.append(doc)
+        parts = (
+            Segment(f"{seed}/tenant-rag/{tenant}/system", self.system_len),
+            *(Segment(f"{seed}/tenant-rag/{tenant}/doc/{d}", self.doc_len) for d in sorted(picked)),
+            Segment(f"{seed}/tenant-rag/question/{i}", self.question_len),
+        )
+        return Session(f"tenant-rag-{i}", (Turn(parts, self.output_len),), tag=f"t{tenant}", tenant=f"t{tenant}")
+
+    def sessions(self, seed: str) -> Iterator[Session]:
+        rng = random.Random(f"{seed}/tenant-rag/picks")
+        for i in itertools.count():
+            yield self._session(seed, rng, i)
+
+    def timed(self, seed: str) -> Iterator[tuple[float, Session]]:
+        if self.rate <= 0:
+            return
+        times = random.Random(f"{seed}/tenant-rag/times")
+        picks = random.Random(f"{seed}/tenant-rag/picks")
+        t = 0.0
+        for i in itertools.count():
+            bursting = self.period_s > 0 and t % self.period_s < self.burst_s
+            t += times.expovariate(self.burst_rate if bursting and self.burst_rate > 0 else self.rate)
+            yield t, self._session(seed, picks, i)
+
+
 WORKLOADS: dict[str, type[Workload]] = {
     w.name: w
     for w in (
-        RandomWorkload, RagWorkload, MultiturnWorkload, AgentWorkload, CodeWorkload, MixedWorkload, TieredWorkload
+        RandomWorkload, RagWorkload, MultiturnWorkload, AgentWorkload, CodeWorkload, MixedWorkload, TieredWorkload,
+        BurstAgentWorkload, TenantRagWorkload,
     )
 }
 

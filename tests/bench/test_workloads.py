@@ -19,8 +19,10 @@ from bench.prompts import (
 )
 from bench.workloads import (
     AgentWorkload,
+    BurstAgentWorkload,
     MixedWorkload,
     MultiturnWorkload,
+    TenantRagWorkload,
     TieredWorkload,
     Workload,
     make_workload,
@@ -39,7 +41,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("name", ["random", "rag", "multiturn", "agent", "code", "mixed", "tiered"])
+@pytest.mark.parametrize("name", ["random", "rag", "multiturn", "agent", "code", "mixed", "tiered", "burst-agent",
+                                  "tenant-rag"])
 def test_same_seed_same_prompts_other_seed_other_prompts(name: str) -> None:
     w = make_workload(name)
     assert first_prompts(w, "s1", 4) == first_prompts(make_workload(name), "s1", 4)
@@ -110,6 +113,37 @@ def test_mixed_sends_long_prompts_on_a_timer_and_zero_turns_them_off() -> None:
     assert [t for t, _ in timed] == [3.0, 6.0, 9.0]
     assert all(s.tag == "long" and s.nominal_prompt_len(0) == 4000 for _, s in timed)
     assert list(make_workload("mixed", ["long_interval_s=0"]).timed("s")) == []
+
+
+def test_burst_agent_fans_each_task_out_at_once_over_a_shared_fleet_prefix() -> None:
+    w = BurstAgentWorkload()
+    timed = list(itertools.islice(w.timed("s"), 3 * w.fanout))
+    assert timed == list(itertools.islice(BurstAgentWorkload().timed("s"), 3 * w.fanout))  # from the seed
+    assert [t for t, _ in timed] == sorted(t for t, _ in timed)
+    bursts = [timed[i * w.fanout : (i + 1) * w.fanout] for i in range(3)]
+    for burst in bursts:  # a burst's agents arrive within spread_s of each other
+        assert burst[-1][0] - burst[0][0] <= w.spread_s
+    assert bursts[0][0][0] < w.spread_s  # the first burst at once
+    prompts = [TOKENS.render(s.prompt_parts(0, [])) for _, s in timed]
+    assert all(isinstance(p, list) and len(p) == 4400 for p in prompts)
+    fleet = w.system_len + w.tools_len
+    same_burst = common_prefix(prompts[0], prompts[1])  # type: ignore[arg-type]
+    other_burst = common_prefix(prompts[0], prompts[w.fanout])  # type: ignore[arg-type]
+    assert (same_burst, other_burst) == (fleet + w.task_len, fleet)
+
+
+def test_tenant_rag_draws_hot_documents_per_tenant_in_bursts() -> None:
+    w = TenantRagWorkload()
+    timed = list(itertools.islice(w.timed("s"), 400))
+    assert [(t, s.session_id) for t, s in timed] == [(t, s.session_id) for t, s in itertools.islice(w.timed("s"), 400)]
+    assert {s.tenant for _, s in timed} == {f"t{i}" for i in range(w.tenants)}
+    assert all(s.nominal_prompt_len(0) == 400 + 3 * 1300 + 100 for _, s in timed)
+    docs = [seg.key for _, s in timed for seg in s.turns[0].new_parts if "/doc/" in seg.key]
+    hot = max(docs.count(d) for d in set(docs))
+    assert hot > 3 * len(docs) / len(set(docs))  # Zipf: the hottest document is far above the mean
+    in_burst = sum(1 for t, _ in timed if t % w.period_s < w.burst_s)
+    share = w.burst_s / w.period_s
+    assert in_burst / len(timed) > 2 * share  # arrivals bunch into the bursts
 
 
 def test_tiered_opens_each_session_with_unique_context_and_interleaves_many() -> None:
