@@ -111,7 +111,7 @@ def build_grid(args: argparse.Namespace, model: str) -> Grid:
     modes: list[tuple[str, int | None, float | None]] = [(f"c{c}", c, None) for c in concurrencies]
     modes += [(f"r{r:g}", None, r) for r in rates]
     if not modes:
-        if isinstance(workload, TraceWorkload):
+        if isinstance(workload, TraceWorkload) or workload.replayed:
             modes = [("replay", None, None)]
         else:
             modes = [(f"c{c}", c, None) for c in (1, 8, 32)]

@@ -155,6 +155,9 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
                    help="longest piece of one prompt per engine step (chunked prefill; default 512); "
                         "with --max-batched-tokens at least the prompt length, prompts are not chunked")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="token budget of one engine step (default 2048)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default="auto",
+                   help="decode attention: auto (triton on CUDA, the compiled cpu kernel on CPU float32), "
+                        "torch (the reference), cpu, triton")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="launch a step before reading the last one back (auto: on with CUDA graphs)")
     p.add_argument("--pin-cores", action="store_true",
@@ -303,7 +306,8 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
                           max_model_len=args.max_model_len, kv_memory_bytes=kv,
                           enable_prefix_cache=not args.no_prefix_cache, num_pages=args.kv_pages,
                           tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir),
-                          async_scheduling=ASYNC_SCHEDULING[args.async_scheduling], **chunking)
+                          async_scheduling=ASYNC_SCHEDULING[args.async_scheduling],
+                          attention_backend=args.attention_backend, **chunking)
     return ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),

@@ -8,7 +8,7 @@ schema does not know is an error (a typo must not silently fall back to a defaul
 value of the wrong type or out of its range. An example with every key is examples/cluster.yaml.
 
     cluster: baton                 the name: etcd keys live under /{cluster}/workers/
-    model:      path, served_name, device, dtype, max_model_len
+    model:      path, served_name, device, dtype, max_model_len, attention_backend
     ray:        address            null: a private Ray on this machine; host:port: attach
     workers:    prefill / decode: count, threads, num_cpus, num_gpus, resources, pin_cores
     kv_cache:   page_size, device_pages, device_memory_gb, host_pages, disk_pages, disk_dir,
@@ -56,6 +56,8 @@ class ModelSection(_Section):
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(default=None, ge=16)
+    # decode attention (engine.attention): auto, torch (the reference), cpu (compiled), triton
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
 
 
 class RaySection(_Section):
@@ -265,6 +267,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         max_num_seqs=f.scheduler.max_num_seqs, max_num_batched_tokens=f.scheduler.max_batched_tokens,
         max_prefill_chunk=f.scheduler.max_prefill_chunk, num_threads=threads,
         async_scheduling=ASYNC_SCHEDULING[f.scheduler.async_scheduling],
+        attention_backend=f.model.attention_backend,
     )  # fmt: skip
     disagg = None
     if w.prefill.count:

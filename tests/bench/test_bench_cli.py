@@ -88,3 +88,15 @@ def test_offline_flag_still_routes_to_the_offline_benchmark(monkeypatch: pytest.
     monkeypatch.setattr(offline, "run", fake_run)
     assert bench(["--offline", "--batch-sizes", "1"]) == 0
     assert seen and seen[0].batch_sizes == "1"
+
+
+@pytest.mark.parametrize("name", ["burst-agent", "tenant-rag"])
+def test_bursty_workloads_replay_on_their_own_times_unless_a_loop_is_given(name: str) -> None:
+    from bench.serving import build_grid
+
+    replay = build_grid(parse(["--workload", name, "--requests", "16"]), FAKE_MODEL)
+    assert [(p.label, p.concurrency, p.rate, p.num_requests) for p in replay.plans] == [
+        (f"{name}-replay", None, None, 16)
+    ]
+    looped = build_grid(parse(["--workload", name, "--concurrency", "8"]), FAKE_MODEL)
+    assert [(p.concurrency, p.rate) for p in looped.plans] == [(8, None)]

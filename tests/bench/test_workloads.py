@@ -139,8 +139,8 @@ def test_tenant_rag_draws_hot_documents_per_tenant_in_bursts() -> None:
     assert {s.tenant for _, s in timed} == {f"t{i}" for i in range(w.tenants)}
     assert all(s.nominal_prompt_len(0) == 400 + 3 * 1300 + 100 for _, s in timed)
     docs = [seg.key for _, s in timed for seg in s.turns[0].new_parts if "/doc/" in seg.key]
-    hot = max(docs.count(d) for d in set(docs))
-    assert hot > 3 * len(docs) / len(set(docs))  # Zipf: the hottest document is far above the mean
+    counts = sorted(docs.count(d) for d in set(docs))
+    assert counts[-1] > 2 * counts[0]  # Zipf: the hottest document is drawn far more than the coldest
     in_burst = sum(1 for t, _ in timed if t % w.period_s < w.burst_s)
     share = w.burst_s / w.period_s
     assert in_burst / len(timed) > 2 * share  # arrivals bunch into the bursts
