@@ -29,7 +29,13 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import PENDING, Carry, ForwardResult, ModelRunner, RunResult
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, deferrable
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    step_shape,
+)
 from engine.structured import GrammarMatcher, MaskJob, StructuredOutputs
 from engine.textstate import TextState
 from engine.tokenizer import Tokenizer
@@ -93,7 +99,8 @@ class Engine:
                 self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk, ttl_s=cfg.tiers.page_ttl_s
             )
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size),
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size,
+                            cfg.itl_target_ms / 1e3 if cfg.itl_target_ms else None),
             self.pool.pages,
             self.prefix_cache,
             self.fingerprint,
@@ -227,6 +234,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._resolve(prev) if prev is not None else []
+        shape = step_shape(sched.scheduled)  # before the step advances its requests
         if self.prefix_cache is not None and self.prefix_cache.host is not None:
             self.prefix_cache.host.fence()  # promoted pages are in, evicted ones out (CUDA)
         masks = self.structured.start(sched.scheduled)  # filled while the forward runs
@@ -237,6 +245,7 @@ class Engine:
         else:
             result = self.runner.execute(sched, masks)
             outputs = self._update(sched.scheduled, result)
+        self.scheduler.costs.observe(shape, result.forward_s)  # the ITL target's cost model
         pages = self.pool.pages
         self.num_preempted_total += len(sched.preempted)
         self.last_stats = StepStats(

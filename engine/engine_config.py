@@ -28,6 +28,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
+    # Stall-free batching: while requests decode, a step's prompt chunks are sized so the step
+    # takes about this long, from per-token costs measured as the engine runs (engine.step_cost);
+    # None: the static budget (max_num_batched_tokens) alone.
+    itl_target_ms: float | None = None
     detokenize: bool = True
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prefixes across requests
     tiers: TierConfig = TierConfig()  # host-RAM and disk tiers below the device pool
@@ -59,6 +63,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(name, f"must be a positive integer or unset, got {value!r}")
+        if self.itl_target_ms is not None and not (isinstance(self.itl_target_ms, int | float) and self.itl_target_ms > 0):
+            raise ConfigError("itl_target_ms", f"must be a positive number of milliseconds or unset, got {self.itl_target_ms!r}")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ConfigError("attention_backend", f"use auto, torch, cpu or triton, got {self.attention_backend!r}")
         if self.attention_backend == "cpu" and not self.device.startswith("cpu"):

@@ -10,6 +10,11 @@ Continuous batching with a per-step token budget (vLLM v1's shape, in miniature)
 2. Then, if nothing was preempted this step, waiting requests are admitted in (priority,
    arrival) order while the budget, `max_num_seqs` and free pages allow.
 
+With an inter-token target (`itl_target_s`), prefill chunks get their own budget per step:
+what the target leaves after this step's decode rows, at the per-token costs this engine has
+measured (engine.step_cost); never less than `min_prefill_tokens`, so prompts always progress.
+Decode rows are never held back for a prefill (stall-free batching, as in Sarathi-Serve).
+
 With a prefix cache, admission first reuses the longest cached prefix of the request's full
 pages (always leaving at least one token to compute, so a fully cached prompt recomputes its
 last page), allocation evicts cached pages before it preempts anyone, and `commit` offers
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.request import Request, RequestStatus
+from engine.step_cost import StepCostModel, StepShape
 from kvcache.hashing import ROOT_HASH, page_hashes
 from kvcache.pool import PagePool
 from kvcache.radix import PrefixCache
@@ -40,16 +46,31 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget per step
     max_prefill_chunk: int = 512  # longest piece of one prompt per step (chunked prefill)
     page_size: int = 16
+    itl_target_s: float | None = None  # a step's time to aim at while requests decode (None: off)
+    min_prefill_tokens: int = 64  # prefill tokens a step may always take, whatever the target
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size",
+                     "min_prefill_tokens"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive")
+        if self.itl_target_s is not None and not self.itl_target_s > 0:
+            raise ValueError("scheduler.itl_target_s must be positive (or unset)")
 
 
 class ScheduledRequest(NamedTuple):
     request: Request
     num_new: int  # tokens computed this step, starting at request.num_computed_tokens
+
+
+def step_shape(scheduled: tuple[ScheduledRequest, ...]) -> StepShape:
+    """What a step computes, for the cost model (taken before the step advances its requests)."""
+    prefill = [(r, n) for r, n in scheduled if n > 1]
+    decode = [r for r, n in scheduled if n == 1]
+    return StepShape(
+        sum(n for _, n in prefill), sum(n * (r.num_computed_tokens + n) for r, n in prefill),
+        len(decode), sum(r.num_computed_tokens + 1 for r in decode),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +94,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
         self._by_id: dict[str, Request] = {}
+        self.costs = StepCostModel()  # fed by the engine after every step (step_shape)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -137,6 +159,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
+        prefill = self._prefill_budget()  # tokens of prompt chunks this step (the ITL target)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         idx = 0
@@ -146,14 +169,37 @@ class Scheduler:
                 idx += 1
                 continue
             num_new = min(request.num_pending, budget, self.cfg.max_prefill_chunk)
+            if num_new > 1:  # a prompt chunk: within the prefill budget; decode rows never wait
+                num_new = min(num_new, prefill)
+                if num_new == 0:
+                    idx += 1
+                    continue
+                prefill -= num_new
             if not self._grow(request, num_new, preempted):
                 break  # the request preempted itself: nothing lower-priority was left
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             idx += 1
-        if not preempted:
-            budget = self._admit(budget, scheduled)
+        if not preempted and prefill > 0:
+            budget = self._admit(min(budget, prefill), scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: all of the step's budget without a target;
+        with one, what the target leaves after the decode rows (at least min_prefill_tokens)."""
+        cfg = self.cfg
+        if cfg.itl_target_s is None:
+            return cfg.max_num_batched_tokens
+        decoding = [r for r in self.running if r.num_pending == 1 and not r.finishing]
+        if not decoding:
+            return cfg.max_num_batched_tokens  # no inter-token latency to protect
+        rows = StepShape(decode_rows=len(decoding), decode_keys=sum(r.num_tokens for r in decoding))
+        prompts = [r for r in self.running if r.num_pending > 1]
+        context = (max(r.num_computed_tokens for r in prompts) if prompts else 0) + cfg.max_prefill_chunk // 2
+        budget = self.costs.prefill_budget(rows, cfg.itl_target_s, context)
+        if budget is None:
+            return cfg.max_num_batched_tokens  # not measured yet
+        return min(cfg.max_num_batched_tokens, max(cfg.min_prefill_tokens, budget))
 
     def _grow(self, request: Request, num_new: int, preempted: list[Request]) -> bool:
         """Make room for `num_new` more tokens, preempting from the back of `running`."""
@@ -167,6 +213,8 @@ class Scheduler:
                 return False
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        """Admit waiting requests while `budget` (the step's tokens left, or its prefill budget
+        when that is less) lasts."""
         in_flight = self._pages_in_flight()
         deferred: list[tuple[tuple[int, int], Request]] = []
         while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
