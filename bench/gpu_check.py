@@ -414,8 +414,15 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
     q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, generator=gen).to(dtype)
     k_cache, v_cache = pool.layer(0)
     kv_bytes = batch * ctx * lay.num_kv_heads * lay.head_dim * 2 * pool.kv.element_size()
-    for backend in (engine.runner.decode_backend, "torch"):
-        meta = AttnMetadata(torch.zeros(batch, dtype=torch.int64, device=dev), (), 0, table, lens, model.scale, backend)
+    for backend in dict.fromkeys((engine.runner.decode_backend, "torch")):
+        cpu_plan = None
+        if backend == "cpu":  # the compiled CPU kernel reads the step's plan, not the table
+            from engine.cpu_kernels import DecodePlan
+
+            rows = [(ids, ctx) for ids in table.tolist()]
+            cpu_plan = DecodePlan.build(rows, [-1] * batch, lay.page_size, cfg.num_heads, cfg.head_dim)
+        meta = AttnMetadata(torch.zeros(batch, dtype=torch.int64, device=dev), (), 0, table, lens, model.scale, backend,
+                            cpu_plan=cpu_plan)  # fmt: skip
         s = row(f"attention_{backend}", lambda meta=meta: paged_attention(q, k_cache, v_cache, meta), kv_bytes)
         if backend == engine.runner.decode_backend:
             per_layer += s
