@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.env import cache_dir
+from engine.env import c_compiler, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _cpu_flags() -> str:
 
 
 def _build(target: Path) -> None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = shutil.which(c_compiler()) or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -29,13 +29,7 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import PENDING, Carry, ForwardResult, ModelRunner, RunResult
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, deferrable
 from engine.sampling import SamplingParams
-from engine.scheduler import (
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-    step_shape,
-)
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.structured import GrammarMatcher, MaskJob, StructuredOutputs
 from engine.textstate import TextState
 from engine.tokenizer import Tokenizer
@@ -234,7 +228,6 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._resolve(prev) if prev is not None else []
-        shape = step_shape(sched.scheduled)  # before the step advances its requests
         if self.prefix_cache is not None and self.prefix_cache.host is not None:
             self.prefix_cache.host.fence()  # promoted pages are in, evicted ones out (CUDA)
         masks = self.structured.start(sched.scheduled)  # filled while the forward runs
@@ -245,7 +238,7 @@ class Engine:
         else:
             result = self.runner.execute(sched, masks)
             outputs = self._update(sched.scheduled, result)
-        self.scheduler.costs.observe(shape, result.forward_s)  # the ITL target's cost model
+        self.scheduler.observe(sched, result.forward_s)  # the ITL target's cost model, when set
         pages = self.pool.pages
         self.num_preempted_total += len(sched.preempted)
         self.last_stats = StepStats(

@@ -16,6 +16,11 @@ def cache_dir() -> Path:
     return base / "baton"
 
 
+def c_compiler() -> str:
+    """The C compiler that builds engine/csrc (CC, as make has it; default cc)."""
+    return os.environ.get("CC", "cc")
+
+
 def num_threads() -> int | None:
     """Torch intra-op threads for one engine (BATON_NUM_THREADS); None keeps torch's default."""
     raw = os.environ.get("BATON_NUM_THREADS")

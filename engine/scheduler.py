@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -63,7 +64,7 @@ class ScheduledRequest(NamedTuple):
     num_new: int  # tokens computed this step, starting at request.num_computed_tokens
 
 
-def step_shape(scheduled: tuple[ScheduledRequest, ...]) -> StepShape:
+def step_shape(scheduled: Sequence[ScheduledRequest]) -> StepShape:
     """What a step computes, for the cost model (taken before the step advances its requests)."""
     prefill = [(r, n) for r, n in scheduled if n > 1]
     decode = [r for r, n in scheduled if n == 1]
@@ -77,6 +78,7 @@ def step_shape(scheduled: tuple[ScheduledRequest, ...]) -> StepShape:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[Request, ...]
+    shape: StepShape | None = None  # what the step computes, for the cost model (with an ITL target)
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +96,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
         self._by_id: dict[str, Request] = {}
-        self.costs = StepCostModel()  # fed by the engine after every step (step_shape)
+        self.costs = StepCostModel()  # learns from every step when there is a target (observe)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -182,7 +184,13 @@ class Scheduler:
             idx += 1
         if not preempted and prefill > 0:
             budget = self._admit(min(budget, prefill), scheduled)
-        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+        shape = step_shape(scheduled) if self.cfg.itl_target_s is not None else None
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), shape)
+
+    def observe(self, out: SchedulerOutput, forward_s: float) -> None:
+        """The step `out` scheduled took `forward_s`: the ITL target's cost model learns it."""
+        if out.shape is not None:
+            self.costs.observe(out.shape, forward_s)
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may compute: all of the step's budget without a target;

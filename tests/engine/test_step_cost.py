@@ -115,9 +115,10 @@ def test_an_engine_with_a_target_gives_the_same_tokens(tiny_model_dir: Path) -> 
                 out[o.req_id].extend(o.token_ids)
         return [out[f"r{i}"] for i in range(len(prompts))], engine.scheduler.costs.num_observed
 
-    plain, _ = run(None)
+    plain, unobserved = run(None)
     targeted, observed = run(5.0)
     assert targeted == plain
     assert observed > WARMUP  # the engine fed its cost model every step
+    assert unobserved == 0  # without a target the step loop does no cost-model work
     with pytest.raises(Exception, match="itl_target_ms"):
         EngineConfig(model=str(tiny_model_dir), itl_target_ms=0)
