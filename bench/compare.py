@@ -4,6 +4,7 @@ every running peer, in one run, as ratios.
     python -m bench.compare --target baton=http://127.0.0.1:8000 \\
         --target vllm=http://127.0.0.1:8001 --target llama=http://127.0.0.1:8002 \\
         --grid random:1,8,32 --grid rag:1,8,32 --grid multiturn:1,8,32 \\
+        --grid burst-agent:replay --grid tenant-rag:replay --replay-requests 96 \\
         --cell-cap 300 --out compare.json --plot compare.png
     python -m bench.compare tables compare.json     # the tables again from a saved document
 
@@ -18,9 +19,13 @@ new to every server on every run (a fresh --seed unless one is given, recorded i
 document): a rerun with the seed of an earlier run against servers that stayed up is served
 from their prefix caches, and a server restarted in between is not.
 
+A replayed cell (WORKLOAD:replay) sends the workload's requests on its own arrival times (the
+bursty agent fan-out and multi-tenant RAG of issue 21), open loop, the same times for every
+target.
+
 The first target is the baseline (baton). The ratio table gives, per cell and peer,
-baseline / peer for output tokens/s (above 1: baton is faster) and for TTFT and ITL at p50
-and p99 and TPOT p50 (below 1: baton is faster); a third table sets baton against the best
+baseline / peer for output tokens/s and goodput (requests/s within the model's SLO; above 1:
+baton is better) and for TTFT and ITL at p50 and p99 and TPOT p50 (below 1: baton is faster); a third table sets baton against the best
 peer on each figure (BENCHMARKS.md's P1 and P3 are read there). On stderr: the absolute
 figures, the ratios, the best-peer table; on stdout one JSON object; --out writes it to a file,
 --plot a PNG of the ratios.
@@ -57,6 +62,7 @@ FIGURES: tuple[tuple[str, str, bool], ...] = (
     ("itl_p50_ms", "ITL p50", False),
     ("itl_p99_ms", "ITL p99", False),
     ("tpot_p50_ms", "TPOT p50", False),
+    ("goodput_req_s", "goodput", True),
 )
 # A time figure below this (ms) is no measurement: an ITL p50 of ~0 means the server sends
 # tokens in bursts (several SSE events arrive in one read, as vLLM does under load), so its
@@ -74,11 +80,11 @@ class Target:
 @dataclass(frozen=True, slots=True)
 class Cell:
     workload: str
-    concurrency: int
+    concurrency: int | None  # None: a replayed workload (bursty arrivals on its own times)
 
     @property
     def label(self) -> str:
-        return f"{self.workload}-c{self.concurrency}"
+        return f"{self.workload}-replay" if self.concurrency is None else f"{self.workload}-c{self.concurrency}"
 
 
 def parse_target(text: str) -> Target:
@@ -91,18 +97,24 @@ def parse_target(text: str) -> Target:
 
 
 def parse_cells(specs: Sequence[str]) -> list[Cell]:
-    """WORKLOAD:C1,C2,... each, in the order given."""
+    """WORKLOAD:C1,C2,... each, in the order given; WORKLOAD:replay for a workload with its own
+    arrival times (burst-agent, tenant-rag): one open-loop cell, every target on the same times."""
     cells = []
     for spec in specs:
         workload, sep, levels = spec.partition(":")
         if workload not in WORKLOADS:
             raise ValueError(f"--grid {spec!r}: unknown workload {workload!r} (one of {', '.join(sorted(WORKLOADS))})")
+        if levels == "replay":
+            if not WORKLOADS[workload].replayed:
+                raise ValueError(f"--grid {spec!r}: {workload} has no arrival times of its own; give concurrency levels")
+            cells.append(Cell(workload, None))
+            continue
         try:
             concurrencies = [int(c) for c in levels.split(",")] if sep else []
         except ValueError:
             concurrencies = []
         if not concurrencies or min(concurrencies) < 1:
-            raise ValueError(f"--grid {spec!r}: expected {workload}:1,8,32 (concurrency levels >= 1)")
+            raise ValueError(f"--grid {spec!r}: expected {workload}:1,8,32 (concurrency levels >= 1) or {workload}:replay")
         cells += [Cell(workload, c) for c in concurrencies]
     return cells
 
@@ -197,7 +209,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def absolute_table(cells: Sequence[Cell], results: dict[tuple[str, str], RunSummary], names: Sequence[str]) -> str:
     """Markdown: each target's own figures per cell (ok/sent, tok/s, TTFT and ITL in ms)."""
-    head = ["cell", "target", "ok/sent", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50"]
+    head = ["cell", "target", "ok/sent", "tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p50",
+            "goodput", "hit"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in cells:
         for name in names:
@@ -207,7 +220,8 @@ def absolute_table(cells: Sequence[Cell], results: dict[tuple[str, str], RunSumm
             rows.append("| " + " | ".join([
                 cell.label, name, f"{s.num_ok}/{s.num_sent}", _fmt(s.output_tok_s, ".1f"),
                 _fmt(s.ttft_p50_ms, ".0f"), _fmt(s.ttft_p99_ms, ".0f"), _fmt(s.itl_p50_ms, ".1f"),
-                _fmt(s.itl_p99_ms, ".1f"), _fmt(s.tpot_p50_ms, ".1f"),
+                _fmt(s.itl_p99_ms, ".1f"), _fmt(s.tpot_p50_ms, ".1f"), _fmt(s.goodput_req_s, ".2f"),
+                _fmt(s.prefix_hit_rate, ".2f"),
             ]) + " |")  # fmt: skip
     return "\n".join(rows)
 
@@ -281,7 +295,10 @@ async def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
     failures: list[dict[str, str]] = []
     for index, cell in enumerate(cells):
         workload = make_workload(cell.workload, [])
-        n = args.requests or default_num_requests(workload, cell.concurrency, None)
+        if cell.concurrency is None:
+            n = args.replay_requests or default_num_requests(workload, None, None)
+        else:
+            n = args.requests or default_num_requests(workload, cell.concurrency, None)
         plan = RunPlan(label=cell.label, seed=f"{args.seed}/{cell.label}", concurrency=cell.concurrency, rate=None,
                        num_requests=n, time_cap_s=args.cell_cap, request_timeout_s=args.request_timeout,
                        progress=False)  # fmt: skip
@@ -320,8 +337,8 @@ def tables_of(doc: dict[str, Any]) -> str:
         results[(summary.label, run["target"])] = summary
     cells: list[Cell] = []
     for summary in results.values():
-        if summary.concurrency is None:  # every cell of a comparison is closed-loop
-            raise ValueError(f"run {summary.label} has no concurrency: not a bench.compare document")
+        if summary.concurrency is None and not summary.label.endswith("-replay"):
+            raise ValueError(f"run {summary.label} is neither closed-loop nor a replay: not a bench.compare document")
         if (cell := Cell(summary.workload, summary.concurrency)) not in cells:
             cells.append(cell)
     best = versus_best(cells, results, names[0], [n for n in names[1:] if n not in doc.get("floors", ())])
@@ -347,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                     "in the ratio tables, but not a contender for the best-peer table")  # fmt: skip
     ap.add_argument("--cell-cap", type=float, default=300.0, help="seconds per target per cell")
     ap.add_argument("--requests", type=int, help="requests per cell (default: BENCHMARKS.md's 12/32/64 at c=1/8/32)")
+    ap.add_argument("--replay-requests", type=int, help="requests per replayed cell (WORKLOAD:replay; default 64)")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--seed", help="prompt seed (default: a new one per run, recorded in the document): a server "
                     "that saw the same prompts before serves them from its prefix cache")  # fmt: skip

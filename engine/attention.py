@@ -222,6 +222,8 @@ def _prefill_one(
     gqa = num_heads != num_kv_heads
     if seq.context_len == num_new:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif q.device.type == "cpu" and num_new >= SPLIT_MIN_NEW and _FLASH_CPU is not None:
+        o = _prefill_split(qh, kh, vh, seq.context_len - num_new, scale)
     else:
         # Bottom-right causal: query i sits at position ctx - n + i.
         q_pos = torch.arange(seq.context_len - num_new, seq.context_len, device=q.device)
@@ -229,6 +231,37 @@ def _prefill_one(
         mask = k_pos[None, :] <= q_pos[:, None]  # [n, ctx]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
+
+
+# The CPU flash-attention op behind SDPA, which also returns each query's log-sum-exp: what
+# merging two partial attentions takes. Absent in a torch without it (the masked path then).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# A chunk of fewer new tokens attends with the mask: its [n, ctx] mask is small, and two
+# kernel calls and a merge cost more than they save (measured at 16 tokens over 1k keys).
+SPLIT_MIN_NEW = 32
+
+
+def _prefill_split(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_prefix: int, scale: float) -> torch.Tensor:
+    """Queries [1, heads, n, hd] at positions [P, P + n) over keys [1, kv_heads, P + n, hd]:
+    the cached prefix (every query sees every key: no mask) and the new tokens (square causal)
+    as two flash-attention calls, merged by their log-sum-exps. Without it SDPA turns the
+    boolean [n, ctx] mask into a float one per layer and reads it in its inner loop: a third
+    of a 4k-context prefill's attention on CPU (issue 21's profile: aten::where). In the
+    prefix part the G query heads of one KV head stand as G * n rows of that head (no mask
+    means no positions to keep apart), so K/V are read once per KV head, not repeated."""
+    assert _FLASH_CPU is not None
+    _, num_heads, num_new, head_dim = qh.shape
+    num_kv_heads = kh.shape[1]
+    stacked = qh.reshape(1, num_kv_heads, (num_heads // num_kv_heads) * num_new, head_dim)
+    o_pre, lse_pre = _FLASH_CPU(stacked, kh[:, :, :num_prefix], vh[:, :, :num_prefix], 0.0, False, scale=scale)
+    o_pre = o_pre.reshape(1, num_heads, num_new, head_dim)
+    lse_pre = lse_pre.reshape(1, num_heads, num_new, 1)
+    o_new, lse_new = _FLASH_CPU(qh, kh[:, :, num_prefix:], vh[:, :, num_prefix:], 0.0, True, scale=scale)
+    lse_new = lse_new.unsqueeze(-1)
+    m = torch.maximum(lse_pre, lse_new)  # both finite: every query sees a prefix key and itself
+    w_pre, w_new = torch.exp(lse_pre - m), torch.exp(lse_new - m)
+    merged: torch.Tensor = (o_pre * w_pre + o_new * w_new) / (w_pre + w_new)
+    return merged
 
 
 def _decode_batch(

@@ -24,6 +24,7 @@ from bench.compare import (
     ratio_table,
     ratios,
     report,
+    tables_of,
     turn,
     versus_best,
 )
@@ -57,6 +58,10 @@ def test_targets_and_the_grid_parse_or_say_what_is_wrong() -> None:
             parse_target(bad)
     assert parse_cells(["random:1,8", "rag:32"]) == [Cell("random", 1), Cell("random", 8), Cell("rag", 32)]
     assert Cell("rag", 32).label == "rag-c32"
+    assert parse_cells(["burst-agent:replay", "rag:8"]) == [Cell("burst-agent", None), Cell("rag", 8)]
+    assert Cell("tenant-rag", None).label == "tenant-rag-replay"
+    with pytest.raises(ValueError, match="no arrival times of its own"):
+        parse_cells(["random:replay"])
     with pytest.raises(ValueError, match="unknown workload 'chat'"):
         parse_cells(["chat:1"])
     for bad in ("rag", "rag:", "rag:0", "rag:a,b"):
@@ -76,7 +81,8 @@ def test_ratios_are_baseline_over_peer_and_absent_without_a_figure() -> None:
     faster = summary(tok_s=300.0, ttft=20.0, itl=5.0)
     slower = summary(tok_s=100.0, ttft=80.0, itl=10.0)
     got = ratios(faster, slower)
-    assert got == {"tok/s": 3.0, "TTFT p50": 0.25, "TTFT p99": 0.25, "ITL p50": 0.5, "ITL p99": 0.5, "TPOT p50": 0.5}
+    assert got == {"tok/s": 3.0, "TTFT p50": 0.25, "TTFT p99": 0.25, "ITL p50": 0.5, "ITL p99": 0.5, "TPOT p50": 0.5,
+                   "goodput": 1.0}
     assert ratios(slower, faster)["tok/s"] == pytest.approx(1 / 3)
     nothing = summary(tok_s=0.0, ttft=None, itl=None, ok=0)  # a peer that finished no request
     assert set(ratios(faster, nothing).values()) == {None}
@@ -98,12 +104,12 @@ def test_tables_and_the_document_carry_every_cell_and_peer(tmp_path: Path) -> No
         ("rag-c32", "vllm"): summary("rag-c32", tok_s=25.0),  # llama never ran rag: its cell is absent
     }  # fmt: skip
     ratio_rows = ratio_table(cells, results, "baton", ["vllm", "llama"]).splitlines()
-    assert ratio_rows[0] == "| cell | peer | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 |"
-    assert ratio_rows[2] == "| random-c1 | vllm | 2.00× | 1.00× | 1.00× | 1.00× | 1.00× | 1.00× |"
+    assert ratio_rows[0] == "| cell | peer | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | goodput |"
+    assert ratio_rows[2] == "| random-c1 | vllm | 2.00× | 1.00× | 1.00× | 1.00× | 1.00× | 1.00× | 1.00× |"
     assert ratio_rows[3].startswith("| random-c1 | llama | 0.50× |")
-    assert ratio_rows[5] == "| rag-c32 | llama | – | – | – | – | – | – |"
+    assert ratio_rows[5] == "| rag-c32 | llama | – | – | – | – | – | – | – |"
     absolute = absolute_table(cells, results, ["baton", "vllm", "llama"]).splitlines()
-    assert absolute[2] == "| random-c1 | baton | 12/12 | 200.0 | 50 | 100 | 10.0 | 30.0 | 10.0 |"
+    assert absolute[2] == "| random-c1 | baton | 12/12 | 200.0 | 50 | 100 | 10.0 | 30.0 | 10.0 | 1.20 | – |"
     assert len(absolute) == 2 + 5  # no row for the cell that did not run
 
     doc = report(cells, targets, results, {"baton": "baton-tiny", "vllm": "baton-tiny", "llama": "baton-tiny"})
@@ -177,5 +183,27 @@ def test_baton_is_set_against_the_best_peer_on_each_figure() -> None:
     assert doc["floors"] == ["floor"] and {b["peer"] for b in doc["versus_best"]} == {"vllm", "llama"}
     assert any(r["peer"] == "floor" for r in doc["ratios"])  # still in the ratio table
     table = best_table(doc["versus_best"]).splitlines()
-    assert table[0] == "| cell | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 |"
+    assert table[0] == "| cell | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p50 | goodput |"
     assert table[2].startswith("| rag-c8 | 0.75× (vllm) | 0.80× (llama) | 0.80× (llama) | 2.00× (llama) |")
+
+
+def test_a_replayed_cell_is_compared_on_goodput_and_its_tables_render_again() -> None:
+    """A bursty workload runs open loop on its own times: its cell has no concurrency, its
+    label says replay, and goodput (requests/s within the SLO) is one of its figures."""
+    cells = [Cell("burst-agent", None)]
+    targets = [Target("baton", "http://127.0.0.1:1"), Target("vllm", "http://127.0.0.1:2")]
+    replayed = dataclasses.replace(summary("burst-agent-replay"), concurrency=None, workload="burst-agent")
+    results = {
+        ("burst-agent-replay", "baton"): dataclasses.replace(replayed, goodput_req_s=1.5),
+        ("burst-agent-replay", "vllm"): dataclasses.replace(replayed, goodput_req_s=1.2),
+    }
+    doc = report(cells, targets, results, {})
+    assert [(r["cell"], r["goodput"]) for r in doc["ratios"]] == [("burst-agent-replay", 1.25)]
+    assert {"figure": "goodput", "cell": "burst-agent-replay", "peer": "vllm", "ratio": 1.25} in doc["versus_best"]
+    doc["targets"] = [{"name": t.name} for t in targets]
+    tables = tables_of(json.loads(json.dumps(doc))).split("\n\n")
+    assert tables[0].splitlines()[2].startswith("| burst-agent-replay | baton | 12/12 |")
+    assert tables[2].splitlines()[2].endswith("| 1.25× (vllm) |")
+    doc["runs"][0]["label"] = "burst-agent"  # neither closed-loop nor a replay
+    with pytest.raises(ValueError, match="neither closed-loop nor a replay"):
+        tables_of(doc)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from engine import attention
 from engine.attention import AttnMetadata, PrefillSeq, paged_attention, write_kv
 
 PAGE = 4
@@ -66,6 +68,38 @@ def test_mixed_prefill_and_decode_batch_matches_reference() -> None:
         [_reference(q, k, v, DIM**-0.5) for q, k, v in zip(qs, full_k, full_v, strict=True)]
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [KV_HEADS, HEADS])  # grouped queries, and one KV head per query head
+@pytest.mark.parametrize(("ctx", "new"), [(77, 40), (96, 32), (200, 150)])  # prefix mid-page, page-aligned, short
+def test_a_chunk_after_a_cached_prefix_attends_in_two_parts_like_the_reference(
+    ctx: int, new: int, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU a chunk of at least SPLIT_MIN_NEW tokens after a cached prefix attends without a
+    mask: the prefix (no mask) and the new tokens (causal), merged by log-sum-exp."""
+    assert attention._FLASH_CPU is not None, "this torch has the CPU flash-attention op"
+    assert new >= attention.SPLIT_MIN_NEW
+    calls = []
+    split = attention._prefill_split
+    monkeypatch.setattr(attention, "_prefill_split", lambda *a, **kw: calls.append(1) or split(*a, **kw))
+    torch.manual_seed(ctx + kv_heads)
+    num_pages = -(-ctx // PAGE) + 3
+    k_cache = torch.randn(num_pages, PAGE, kv_heads, DIM)  # noise in every slot the sequence does not own
+    v_cache = torch.randn_like(k_cache)
+    pages = torch.randperm(num_pages)[: -(-ctx // PAGE)]
+    k, v = torch.randn(ctx, kv_heads, DIM), torch.randn(ctx, kv_heads, DIM)
+    slots = pages[torch.arange(ctx) // PAGE] * PAGE + torch.arange(ctx) % PAGE
+    write_kv(k_cache, v_cache, k, v, slots)
+    q = torch.randn(new, HEADS, DIM)
+    meta = AttnMetadata(slots[ctx - new :], (PrefillSeq(0, new, ctx, pages),), new, torch.zeros(0, 1, dtype=torch.int64),
+                        torch.zeros(0, dtype=torch.int64), DIM**-0.5)  # fmt: skip
+    out = paged_attention(q, k_cache, v_cache, meta)
+    group = HEADS // kv_heads
+    scores = torch.einsum("nhd,chd->hnc", q, k.repeat_interleave(group, 1)) * DIM**-0.5
+    scores = scores.masked_fill(torch.arange(ctx)[None, :] > torch.arange(ctx - new, ctx)[:, None], float("-inf"))
+    expected = torch.einsum("hnc,chd->nhd", scores.softmax(-1), v.repeat_interleave(group, 1))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert calls == [1]
 
 
 def test_decode_groups_attend_like_one_padded_batch() -> None:
