@@ -161,6 +161,9 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="while requests decode, size prompt chunks so a step takes about this long "
                         "(measured per-token costs; default: off, the static token budget)")
+    p.add_argument("--scheduler-policy", choices=["least-uncached", "fcfs"], default="least-uncached",
+                   help="prompt work within a priority class: least-uncached (the prompts nearest their first "
+                        "token first, aged by work done so none starves) or fcfs (arrival order)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="launch a step before reading the last one back (auto: on with CUDA graphs)")
     p.add_argument("--pin-cores", action="store_true",
@@ -311,7 +314,7 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
                           tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir),
                           async_scheduling=ASYNC_SCHEDULING[args.async_scheduling],
                           attention_backend=args.attention_backend, itl_target_ms=args.itl_target_ms,
-                          **chunking)
+                          scheduler_policy=args.scheduler_policy, **chunking)
     return ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),

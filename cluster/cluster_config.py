@@ -14,7 +14,8 @@ value of the wrong type or out of its range. An example with every key is exampl
     kv_cache:   page_size, device_pages, device_memory_gb, host_pages, disk_pages, disk_dir,
                 prefix_cache, shared_prefixes
     scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk, async_scheduling (auto: on
-                with CUDA graphs; true/on; false/off), itl_target_ms (stall-free prompt chunks)
+                with CUDA graphs; true/on; false/off), itl_target_ms (stall-free prompt chunks), policy
+                (least-uncached: prompts nearest their first token first; fcfs)
     transfer:   transport (auto, grpc, shm, nccl), deadline_s, reservation_ttl_s, pages_per_chunk,
                 shm_slots, bind_host (auto, node or an IP), advertise_host, pair_failures, pair_retry_s,
                 tls_cert, tls_key, tls_ca (mutual TLS between the workers' KV ports)
@@ -100,6 +101,8 @@ class SchedulerSection(_Section):
     async_scheduling: bool | Literal["auto"] = "auto"  # YAML's on/off/true/false are booleans
     # while requests decode, size prompt chunks so a step takes about this long (null: off)
     itl_target_ms: float | None = Field(default=None, gt=0, le=60_000)
+    # prompt work within a priority class: least uncached first (aged), or arrival order
+    policy: Literal["least-uncached", "fcfs"] = "least-uncached"
 
 
 class TransferSection(_Section):
@@ -270,6 +273,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         max_prefill_chunk=f.scheduler.max_prefill_chunk, num_threads=threads,
         async_scheduling=ASYNC_SCHEDULING[f.scheduler.async_scheduling],
         attention_backend=f.model.attention_backend, itl_target_ms=f.scheduler.itl_target_ms,
+        scheduler_policy=f.scheduler.policy,
     )  # fmt: skip
     disagg = None
     if w.prefill.count:

@@ -94,7 +94,8 @@ class Engine:
             )
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size,
-                            cfg.itl_target_ms / 1e3 if cfg.itl_target_ms else None),
+                            cfg.itl_target_ms / 1e3 if cfg.itl_target_ms else None,
+                            policy=cfg.scheduler_policy),
             self.pool.pages,
             self.prefix_cache,
             self.fingerprint,

@@ -10,6 +10,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.loader import parse_dtype
+from engine.scheduler import POLICIES
 from engine.structured import StructuredConfig
 from kvcache.tiers import TierConfig
 
@@ -32,6 +33,9 @@ class EngineConfig:
     # takes about this long, from per-token costs measured as the engine runs (engine.step_cost);
     # None: the static budget (max_num_batched_tokens) alone.
     itl_target_ms: float | None = None
+    # Prompt work within a priority class: "least-uncached" (the prompts nearest their first
+    # token first, aged so none starves; engine.scheduler) or "fcfs" (arrival order).
+    scheduler_policy: str = "least-uncached"
     detokenize: bool = True
     enable_prefix_cache: bool = True  # reuse the KV pages of shared prefixes across requests
     tiers: TierConfig = TierConfig()  # host-RAM and disk tiers below the device pool
@@ -63,6 +67,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(name, f"must be a positive integer or unset, got {value!r}")
+        if self.scheduler_policy not in POLICIES:
+            raise ConfigError("scheduler_policy", f"must be one of {', '.join(POLICIES)}, got {self.scheduler_policy!r}")
         if self.itl_target_ms is not None and not (isinstance(self.itl_target_ms, int | float) and self.itl_target_ms > 0):
             raise ConfigError("itl_target_ms", f"must be a positive number of milliseconds or unset, got {self.itl_target_ms!r}")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):

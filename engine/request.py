@@ -55,6 +55,9 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)  # of full pages, filled as needed
     num_committed_pages: int = 0  # leading pages already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    # Prompt tokens the engine had computed when this request arrived: its age in work done
+    # (engine.scheduler's least-uncached order ages requests by it, deterministically).
+    work_mark: int = 0
     export_kv: bool = False  # prefill role: keep a copy of the prompt's KV when it finishes
     text: TextState | None = None  # detokenizer + stop strings; None when not detokenizing
     matcher: GrammarMatcher | None = None  # where the output is in its grammar (constrained only)

@@ -7,8 +7,19 @@ Continuous batching with a per-step token budget (vLLM v1's shape, in miniature)
    by `max_prefill_chunk`. When the pool cannot hold their new pages, the lowest-priority,
    most recent running request is preempted: its pages are freed and it goes back to the
    waiting queue to be recomputed later (preemption by recompute).
-2. Then, if nothing was preempted this step, waiting requests are admitted in (priority,
-   arrival) order while the budget, `max_num_seqs` and free pages allow.
+2. Then, if nothing was preempted this step, waiting requests are admitted while the budget,
+   `max_num_seqs` and free pages allow.
+
+Within a priority class, prompt work goes to the prompts with the least uncached work first
+(`policy="least-uncached"`, the default; SGLang's longest-prefix-match order does the same
+for its waiting queue): a request whose prompt is mostly in the prefix cache gets its first
+token at once instead of queueing behind a cold 4k-token prompt, and a step's prompt chunks
+go to the prompts closest to their first token. A waiting request's uncached work is
+estimated from the cache (and the pages running requests are computing now, which it will
+reuse). Requests age by the engine's work, not the clock, so the order is deterministic: a
+request's rank improves by one token for every prompt token the engine computes after it
+arrived (AGING), so one that needs U uncached tokens is overtaken by newcomers for at most U
+tokens of others' work: long prompts are never starved. `policy="fcfs"` keeps arrival order.
 
 With an inter-token target (`itl_target_s`), prefill chunks get their own budget per step:
 what the target leaves after this step's decode rows, at the per-token costs this engine has
@@ -41,6 +52,13 @@ from kvcache.radix import PrefixCache
 logger = logging.getLogger(__name__)
 
 
+POLICIES = ("least-uncached", "fcfs")
+# least-uncached: a waiting request's rank improves by this many tokens per prompt token the
+# engine computes after its arrival (1.0: it waits behind at most its own work's worth of others')
+AGING = 1.0
+RANK_WINDOW = 64  # waiting requests ranked per step: the oldest (by priority, then arrival)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at once
@@ -49,6 +67,7 @@ class SchedulerConfig:
     page_size: int = 16
     itl_target_s: float | None = None  # a step's time to aim at while requests decode (None: off)
     min_prefill_tokens: int = 64  # prefill tokens a step may always take, whatever the target
+    policy: str = "least-uncached"  # prompt work within a priority class: "least-uncached" | "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "page_size",
@@ -57,6 +76,8 @@ class SchedulerConfig:
                 raise ValueError(f"scheduler.{name} must be positive")
         if self.itl_target_s is not None and not self.itl_target_s > 0:
             raise ValueError("scheduler.itl_target_s must be positive (or unset)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
 class ScheduledRequest(NamedTuple):
@@ -97,6 +118,7 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
         self._by_id: dict[str, Request] = {}
         self.costs = StepCostModel()  # learns from every step when there is a target (observe)
+        self.work_done = 0  # prompt tokens scheduled so far: the clock requests age by
 
     # -- queue management -------------------------------------------------------------------
 
@@ -121,6 +143,7 @@ class Scheduler:
             raise ValueError(f"duplicate req_id {request.req_id!r}")
         self._by_id[request.req_id] = request
         request.status = RequestStatus.WAITING
+        request.work_mark = self.work_done
         heapq.heappush(self._waiting, (request.sort_key, request))
         if self.cache is not None and self.cache.disk is not None:
             # Disk hits start loading now, overlapping the wait in the queue.
@@ -162,8 +185,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
         prefill = self._prefill_budget()  # tokens of prompt chunks this step (the ITL target)
+        ranks = self._waiting_ranks()
+        chunks = self._chunks(min(prefill, budget - self._num_decoding()), ranks)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        held: list[Request] = []  # running prompts that waiting requests ranked ahead of
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -171,9 +197,10 @@ class Scheduler:
                 idx += 1
                 continue
             num_new = min(request.num_pending, budget, self.cfg.max_prefill_chunk)
-            if num_new > 1:  # a prompt chunk: within the prefill budget; decode rows never wait
-                num_new = min(num_new, prefill)
+            if num_new > 1:  # a prompt chunk: its share of the prefill budget; decode rows never wait
+                num_new = min(num_new, prefill, chunks.get(request.req_id, prefill))
                 if num_new == 0:
+                    held.append(request)
                     idx += 1
                     continue
                 prefill -= num_new
@@ -183,9 +210,57 @@ class Scheduler:
             budget -= num_new
             idx += 1
         if not preempted and prefill > 0:
-            budget = self._admit(min(budget, prefill), scheduled)
+            left = self._admit(min(budget, prefill), scheduled, ranks)
+            prefill -= min(budget, prefill) - left
+            budget = left
+            # What the waiting requests were ranked for but did not take (no pages, a prefix
+            # still being computed) goes to the held prompts: no step idles prompt work.
+            for request in held:
+                num_new = min(request.num_pending, budget, prefill, self.cfg.max_prefill_chunk)
+                if num_new > 1 and request in self.running and self._take_pages(request, self._pages_needed(request, num_new)):
+                    scheduled.append(ScheduledRequest(request, num_new))
+                    budget -= num_new
+                    prefill -= num_new
+        self.work_done += sum(n for _, n in scheduled if n > 1)
         shape = step_shape(scheduled) if self.cfg.itl_target_s is not None else None
         return SchedulerOutput(tuple(scheduled), tuple(preempted), shape)
+
+    def _num_decoding(self) -> int:
+        return sum(1 for r in self.running if r.num_pending == 1 and not r.finishing)
+
+    def _waiting_ranks(self) -> dict[str, tuple[tuple[int, float, int], int]]:
+        """least-uncached: the rank and estimated uncached tokens of the RANK_WINDOW oldest
+        waiting requests (by priority, then arrival); {} under fcfs."""
+        if self.cfg.policy == "fcfs" or not self._waiting:
+            return {}
+        in_flight = self._pages_in_flight()
+        ranks = {}
+        for _, request in heapq.nsmallest(RANK_WINDOW, self._waiting):
+            need = self._uncached_estimate(request, in_flight)
+            ranks[request.req_id] = (self._rank(request, need), need)
+        return ranks
+
+    def _chunks(self, total: int, ranks: dict[str, tuple[tuple[int, float, int], int]]) -> dict[str, int]:
+        """least-uncached: each running prompt's chunk this step, `total` prompt tokens handed
+        out in rank order, where waiting requests that rank ahead of a running prompt are
+        served first (they are admitted after the loop over the running ones); {} under fcfs
+        (running order, each chunk from what is left)."""
+        prompts = [r for r in self.running if r.num_pending > 1 and not r.finishing]
+        if self.cfg.policy == "fcfs" or not prompts:
+            return {}
+        ranked = [(self._rank(r, r.num_pending), r.num_pending, r.req_id) for r in prompts]
+        room = self.cfg.max_num_seqs - len(self.running)
+        ranked += sorted((rank, need, "") for rank, need in ranks.values())[: max(room, 0)]
+        chunks: dict[str, int] = {}
+        for _, need, req_id in sorted(ranked):
+            take = min(need, self.cfg.max_prefill_chunk, total)
+            if req_id:
+                chunks[req_id] = take
+            total -= take
+        return chunks
+
+    def _rank(self, request: Request, uncached: int) -> tuple[int, float, int]:
+        return (request.priority, uncached + AGING * request.work_mark, request.arrival)
 
     def observe(self, out: SchedulerOutput, forward_s: float) -> None:
         """The step `out` scheduled took `forward_s`: the ITL target's cost model learns it."""
@@ -220,25 +295,29 @@ class Scheduler:
             if victim is request:
                 return False
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit(
+        self, budget: int, scheduled: list[ScheduledRequest], ranks: dict[str, tuple[tuple[int, float, int], int]]
+    ) -> int:
         """Admit waiting requests while `budget` (the step's tokens left, or its prefill budget
-        when that is less) lasts."""
+        when that is less) lasts: in rank order under least-uncached (`ranks`; the rest after
+        them by priority and arrival), else by priority and arrival."""
         in_flight = self._pages_in_flight()
-        deferred: list[tuple[tuple[int, int], Request]] = []
-        while self._waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            request = self._waiting[0][1]
+        order = sorted(self._waiting, key=lambda item: (item[1].req_id not in ranks, ranks.get(item[1].req_id, item[0])))
+        admitted: set[int] = set()
+        for _, request in order:
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                break
             hit = self._reuse_prefix(request)
             if self._would_duplicate(request, in_flight):
                 # A running request is computing this request's next page right now: wait a
                 # step or two and reuse it, instead of computing the same prefix twice.
                 self._release(request)
-                deferred.append(heapq.heappop(self._waiting))
                 continue
             num_new = min(request.num_pending, budget, self.cfg.max_prefill_chunk)
             if not self._take_pages(request, self._pages_needed(request, num_new)):
                 self._release(request)  # give back the reused prefix too
-                break  # FCFS within priority: do not let a later, smaller request jump ahead
-            heapq.heappop(self._waiting)
+                break  # in order within priority: do not let a later-ranked request jump ahead
+            admitted.add(id(request))
             if self.cache is not None and request.num_preemptions == 0:
                 request.num_cached_tokens = hit
                 self.cache.record_query(len(request.prompt_ids), hit)
@@ -247,9 +326,25 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             in_flight.update(self._uncommitted(request))
-        for item in deferred:
-            heapq.heappush(self._waiting, item)
+        if admitted:
+            self._waiting = [item for item in self._waiting if id(item[1]) not in admitted]
+            heapq.heapify(self._waiting)
         return budget
+
+    def _uncached_estimate(self, request: Request, in_flight: set[bytes]) -> int:
+        """Prompt tokens a waiting request would compute if admitted now: all of them less its
+        leading pages that the cache holds (any tier) or a running request is computing."""
+        if self.cache is None:
+            return request.num_pending
+        ps = self.cfg.page_size
+        max_pages = (request.num_tokens - 1) // ps
+        self._ensure_hashes(request, max_pages)
+        found = 0
+        for page_hash in request.page_hashes[:max_pages]:
+            if page_hash not in in_flight and page_hash not in self.cache:
+                break
+            found += 1
+        return request.num_tokens - found * ps
 
     def _pages_in_flight(self) -> set[bytes]:
         """Hashes of pages running requests have not finished computing yet."""

@@ -62,6 +62,10 @@ admission: {max_waiting_requests: 10}
     on = to_server_config(parse_cluster_file("scheduler: {async_scheduling: true}")).engine
     assert on.async_scheduling is True
     assert to_server_config(parse_cluster_file("scheduler: {async_scheduling: auto}")).engine.async_scheduling is None
+    assert e.scheduler_policy == "least-uncached"  # the default
+    assert to_server_config(parse_cluster_file("scheduler: {policy: fcfs}")).engine.scheduler_policy == "fcfs"
+    with pytest.raises(ConfigError, match="scheduler.policy: Input should be 'least-uncached' or 'fcfs'"):
+        parse_cluster_file("scheduler: {policy: sjf}")
     assert (e.tiers.host_pages, e.tiers.disk_pages, e.tiers.disk_dir) == (100, 1000, "/cache")
     assert cfg.grpc_port is None and cfg.http.port == 9000 and str(cfg.api_keys_file) == "/keys"
     assert cfg.admission.max_waiting_requests == 10 and cfg.served_model_name == "x"

@@ -106,13 +106,15 @@ def test_concurrent_requests_wait_for_a_prefix_being_computed(tiny_model_dir: Pa
     system = prompts[-1]  # 100 tokens: 6 full pages
     for i, q in enumerate(([7, 8, 9], [10, 11], [12])):
         engine.add_request(f"c{i}", system + q, GREEDY)
-    first = engine.step()  # only c0 runs: c1 and c2 would recompute the pages c0 is computing
-    assert [o.req_id for o in first] == ["c0"]
+    # Only c2 runs (the least uncached work goes first): c0 and c1 would recompute the pages
+    # c2 is computing, so they wait for them.
+    first = engine.step()
+    assert [o.req_id for o in first] == ["c2"]
     hits: dict[str, int] = {}
     while engine.has_unfinished():
         for out in engine.step():
             hits[out.req_id] = out.num_cached_tokens
-    assert hits == {"c0": 0, "c1": 96, "c2": 96}
+    assert hits == {"c2": 0, "c0": 96, "c1": 96}
 
 
 def test_an_operator_shared_prefix_is_shared_across_tenants(tiny_model_dir: Path, prompts: list[list[int]]) -> None:

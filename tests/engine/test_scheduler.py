@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.request import Request, RequestStatus
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvcache.pool import PagePool
+from kvcache.radix import PrefixCache
 
 PARAMS = SamplingParams(max_tokens=100, temperature=0.0)
 
 
-def make(num_pages: int = 8, **cfg: int) -> Scheduler:
+def make(num_pages: int = 8, policy: str = "fcfs", **cfg: int) -> Scheduler:
+    """A scheduler over `num_pages` pages; arrival order unless `policy` says otherwise (these
+    scenarios assert exact page ids, which follow the order of admission)."""
     defaults = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 64,
@@ -18,7 +23,7 @@ def make(num_pages: int = 8, **cfg: int) -> Scheduler:
         "page_size": 4,
     }
     defaults.update(cfg)
-    return Scheduler(SchedulerConfig(**defaults), PagePool(num_pages))
+    return Scheduler(SchedulerConfig(**defaults, policy=policy), PagePool(num_pages))
 
 
 _arrival = iter(range(10**6))
@@ -104,4 +109,75 @@ def test_abort_frees_pages_in_every_state() -> None:
     assert s.abort("running") is running
     assert s.abort("unknown") is None
     assert s.pages.num_free == 4 and s.num_requests == 0
+    s.pages.check_integrity()
+
+
+# -- least uncached work first (the default policy) ------------------------------------------
+
+
+def test_the_least_uncached_work_is_admitted_first_within_a_priority_class() -> None:
+    s = make(policy="least-uncached", max_num_seqs=1)
+    s.add(req("cold", 20))
+    s.add(req("warm", 3))
+    assert apply(s.schedule()) == {"warm": 3}  # arrived later, but three tokens from its first token
+    s = make(policy="least-uncached", max_num_seqs=1)
+    s.add(req("cold", 20, priority=0))
+    s.add(req("warm", 3, priority=1))
+    assert apply(s.schedule()) == {"cold": 20}  # a priority class still comes first
+    s = make(max_num_seqs=1)  # fcfs: arrival order
+    s.add(req("cold", 20))
+    s.add(req("warm", 3))
+    assert apply(s.schedule()) == {"cold": 20}
+    with pytest.raises(ValueError, match="scheduler.policy"):
+        SchedulerConfig(policy="sjf")
+
+
+def test_a_long_prompt_ages_by_the_work_done_after_it_and_is_never_starved() -> None:
+    """Rank = uncached tokens + prompt tokens the engine had computed when the request arrived:
+    a 12-token prompt lets newcomers of 2 tokens pass until 10 tokens of their work are done."""
+    s = make(policy="least-uncached", max_num_seqs=1)
+    s.add(req("long", 12))
+    order = []
+    for i in range(8):
+        s.add(req(f"short{i}", 2))
+        first = apply(s.schedule())
+        (name,) = first
+        order.append(name)
+        s.abort(name)  # finished: the next newcomer arrives
+    assert order == ["short0", "short1", "short2", "short3", "short4", "long", "short5", "short6"]
+    assert s.work_done == 5 * 2 + 12 + 2 * 2
+
+
+def test_a_steps_prompt_tokens_go_to_the_prompts_closest_to_their_first_token() -> None:
+    s = make(policy="least-uncached", max_num_batched_tokens=8, max_prefill_chunk=8, num_pages=16)
+    s.add(req("a", 20))
+    assert apply(s.schedule()) == {"a": 8}  # 12 left; ranks 12 + 0
+    s.add(req("b", 3))  # ranks 3 + 8 (it arrived after 8 tokens of work): ahead of a
+    assert apply(s.schedule()) == {"b": 3, "a": 5}
+    s = make(max_num_batched_tokens=8, max_prefill_chunk=8, num_pages=16)  # fcfs: a's chunk first
+    s.add(req("a", 20))
+    apply(s.schedule())
+    s.add(req("b", 3))
+    assert apply(s.schedule()) == {"a": 8}
+
+
+def test_prompt_tokens_a_waiting_request_cannot_take_go_to_the_held_prompts() -> None:
+    """A waiting request ranked ahead of a running prompt whose prefix that prompt is still
+    computing waits for it (no duplicate work); the tokens it was ranked for go to the running
+    prompt, so the two never wait on each other."""
+    pool = PagePool(32)
+    cache = PrefixCache(pool, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_prefill_chunk=8, page_size=4), pool, cache)
+    shared = list(range(100, 116))  # 4 pages
+    leader = Request("leader", [*shared, 90, 91, 92, 93], PARAMS, 1, next(_arrival))
+    s.add(leader)
+    assert apply(s.schedule()) == {"leader": 8}
+    s.commit(leader)
+    follower = Request("follower", [*shared, *range(50, 59)], PARAMS, 0, next(_arrival))
+    s.add(follower)  # priority 0 ranks it first, but its pages 2-3 are the leader's next chunk
+    assert apply(s.schedule()) == {"leader": 8}
+    s.commit(leader)
+    assert follower.status == RequestStatus.WAITING
+    out = s.schedule()  # the shared pages are cached now: the follower reuses all four
+    assert apply(out) == {"follower": 8} and follower.num_cached_tokens == 16
     s.pages.check_integrity()
