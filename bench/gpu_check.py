@@ -407,7 +407,7 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
     per_layer = 0.0
     for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
         xin = torch.randn(batch, w.shape[1], device=dev, generator=gen).to(dtype)
-        per_layer += row(f"gemm_{name}", lambda xin=xin, w=w: F.linear(xin, w), w.numel() * w.element_size())
+        per_layer += row(f"gemm_{name}", lambda xin=xin, w=w: model.linear(xin, w), w.numel() * w.element_size())
     pages_per_seq = -(-ctx // lay.page_size)
     table = torch.randint(0, pool.num_pages, (batch, pages_per_seq), device=dev, generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int64, device=dev)
@@ -441,7 +441,7 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
                                                                   k_cache, v_cache, cfg.num_heads), 2 * qkv.numel() * 2)  # fmt: skip
         gu = F.linear(x, layer.gate_up)
         per_layer += row("silu_mul", lambda: silu_mul(gu), gu.numel() * gu.element_size() * 3 // 2)
-    head = row("lm_head", lambda: F.linear(x, model.lm_head), model.lm_head.numel() * model.lm_head.element_size())
+    head = row("lm_head", lambda: model.linear(x, model.lm_head), model.lm_head.numel() * model.lm_head.element_size())
     result["sum_of_kernels_per_step_ms"] = round((per_layer * cfg.num_layers + head) * 1e3, 3)
     result["sampler_top_p"] = _time_top_p(engine, batch, reps)
     return result

@@ -12,6 +12,7 @@ match `transformers` under the parity contract.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttnMetadata, paged_attention, write_kv
 from engine.config import ModelConfig
-from engine.linear import select_linear
+from engine.linear import prepare, select_linear
 from engine.rope import RotaryEmbedding, apply_rotary
 from kvcache.pool import DevicePool
 
@@ -58,6 +59,15 @@ class CausalLM:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.linear = select_linear(device, self.embed.dtype)  # oneDNN's on CPU float32 (engine.linear)
+        # Each projection in the layout the linear reads fastest (oneDNN's packed one on CPU
+        # float32: those tensors are for self.linear only). A tied LM head gets its own packed
+        # copy; the embedding stays as it is for the lookup.
+        self.lm_head = prepare(self.linear, self.lm_head)
+        self.layers = [
+            dataclasses.replace(layer, qkv=prepare(self.linear, layer.qkv), o=prepare(self.linear, layer.o),
+                                gate_up=prepare(self.linear, layer.gate_up), down=prepare(self.linear, layer.down))
+            for layer in self.layers
+        ]  # fmt: skip
         # CUDA with Triton: the elementwise work runs in engine.triton_ops' fused kernels
         # (same roundings); the engine turns it on with the triton attention backend.
         self.fused = False

@@ -30,8 +30,18 @@ def test_onednn_matches_f_linear_on_model_shapes(rows: int, with_bias: bool) -> 
     x = torch.randn(rows, 512, generator=gen)[:, ::2]  # a strided view, as a split or chunk gives
     with torch.inference_mode():
         got = linear.onednn_linear(x, w, b)
-    assert got.shape == (rows, 1024)
+        packed = linear.onednn_linear(x, linear.prepare(linear.onednn_linear, w), b)  # as the model holds it
+    assert got.shape == packed.shape == (rows, 1024)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_only_the_onednn_linear_gets_a_packed_weight() -> None:
+    w = torch.randn(8, 4)
+    assert linear.prepare(linear.torch_linear, w) is w
+    if linear._onednn_agrees():
+        packed = linear.prepare(linear.onednn_linear, w)
+        assert packed.layout == torch._mkldnn and packed.shape == w.shape  # type: ignore[attr-defined]
 
 
 def test_the_switch_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
