@@ -434,12 +434,12 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
         h = x.clone()
         act = x.numel() * x.element_size()
         per_layer += 2 * row("add_rms_norm", lambda: add_rms_norm(h, x, layer.input_norm, 1e-5), 3 * act)
-        qkv = F.linear(x, layer.qkv)
+        qkv = model.linear(x, layer.qkv)
         pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
         slots = torch.arange(batch, device=dev) * lay.page_size
         per_layer += row("rope_and_cache", lambda: rope_and_cache(qkv, model.rope.cos, model.rope.sin, pos, slots,
                                                                   k_cache, v_cache, cfg.num_heads), 2 * qkv.numel() * 2)  # fmt: skip
-        gu = F.linear(x, layer.gate_up)
+        gu = model.linear(x, layer.gate_up)
         per_layer += row("silu_mul", lambda: silu_mul(gu), gu.numel() * gu.element_size() * 3 // 2)
     head = row("lm_head", lambda: model.linear(x, model.lm_head), model.lm_head.numel() * model.lm_head.element_size())
     result["sum_of_kernels_per_step_ms"] = round((per_layer * cfg.num_layers + head) * 1e3, 3)

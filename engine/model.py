@@ -140,14 +140,14 @@ class CausalLM:
         delta: torch.Tensor | None = None
         for idx, layer in enumerate(self.layers):
             x = add_rms_norm(h, delta, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self.linear(x, layer.qkv, layer.qkv_bias)
             k_cache, v_cache = pool.layer(idx)
             q = rope_and_cache(
                 qkv, self.rope.cos, self.rope.sin, positions, meta.slot_mapping, k_cache, v_cache, cfg.num_heads
             )
             attn = paged_attention(q, k_cache, v_cache, meta)
-            x = add_rms_norm(h, F.linear(attn.reshape(-1, self.q_size), layer.o), layer.post_norm, eps)
-            delta = F.linear(silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            x = add_rms_norm(h, self.linear(attn.reshape(-1, self.q_size), layer.o), layer.post_norm, eps)
+            delta = self.linear(silu_mul(self.linear(x, layer.gate_up)), layer.down)
         return add_rms_norm(h, delta, self.final_norm, eps)
 
     @torch.inference_mode()
