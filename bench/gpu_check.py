@@ -384,7 +384,6 @@ def stage_graphs(plan: Plan, engine: Engine) -> dict[str, Any]:
 def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
     """Where one decode step's GPU time goes: each kernel of a layer timed alone at the step's
     shapes (batch 64 or the CPU plan's largest), with the bytes it must move per second."""
-    import torch.nn.functional as F
 
     from engine.attention import AttnMetadata, paged_attention
 
