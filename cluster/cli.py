@@ -161,6 +161,9 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="while requests decode, size prompt chunks so a step takes about this long "
                         "(measured per-token costs; default: off, the static token budget)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="the KV pool's element type: auto (the model's dtype, the parity reference) or bfloat16/"
+                        "float16: twice the pages in the same memory, attended on the torch path")
     p.add_argument("--scheduler-policy", choices=["least-uncached", "fcfs"], default="least-uncached",
                    help="prompt work within a priority class: least-uncached (the prompts nearest their first "
                         "token first, aged by work done so none starves) or fcfs (arrival order)")
@@ -314,7 +317,7 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
                           tiers=TierConfig(args.host_cache_pages, args.disk_cache_pages, args.disk_cache_dir),
                           async_scheduling=ASYNC_SCHEDULING[args.async_scheduling],
                           attention_backend=args.attention_backend, itl_target_ms=args.itl_target_ms,
-                          scheduler_policy=args.scheduler_policy, **chunking)
+                          scheduler_policy=args.scheduler_policy, kv_cache_dtype=args.kv_cache_dtype, **chunking)
     return ServerConfig(
         engine=engine,
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),

@@ -12,7 +12,7 @@ value of the wrong type or out of its range. An example with every key is exampl
     ray:        address            null: a private Ray on this machine; host:port: attach
     workers:    prefill / decode: count, threads, num_cpus, num_gpus, resources, pin_cores
     kv_cache:   page_size, device_pages, device_memory_gb, host_pages, disk_pages, disk_dir,
-                prefix_cache, shared_prefixes
+                prefix_cache, shared_prefixes, dtype (auto: the model's; bfloat16, float16)
     scheduler:  max_num_seqs, max_batched_tokens, max_prefill_chunk, async_scheduling (auto: on
                 with CUDA graphs; true/on; false/off), itl_target_ms (stall-free prompt chunks), policy
                 (least-uncached: prompts nearest their first token first; fcfs)
@@ -88,6 +88,8 @@ class KVCacheSection(_Section):
     disk_dir: str | None = None
     prefix_cache: bool = True
     shared_prefixes: list[str] = Field(default_factory=list, max_length=64)
+    # the pool's element type: auto (the model's dtype), or bfloat16/float16 (half the bytes)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 # The CLI's --async-scheduling and the file's scheduler.async_scheduling -> EngineConfig's
@@ -268,7 +270,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         model=f.model.path, device=f.model.device, dtype=f.model.dtype, max_model_len=f.model.max_model_len,
         page_size=kv.page_size, num_pages=kv.device_pages,
         kv_memory_bytes=int(kv.device_memory_gb * (1 << 30)) if kv.device_memory_gb else None,
-        enable_prefix_cache=kv.prefix_cache, tiers=TierConfig(kv.host_pages, kv.disk_pages, kv.disk_dir),
+        enable_prefix_cache=kv.prefix_cache, kv_cache_dtype=kv.dtype, tiers=TierConfig(kv.host_pages, kv.disk_pages, kv.disk_dir),
         max_num_seqs=f.scheduler.max_num_seqs, max_num_batched_tokens=f.scheduler.max_batched_tokens,
         max_prefill_chunk=f.scheduler.max_prefill_chunk, num_threads=threads,
         async_scheduling=ASYNC_SCHEDULING[f.scheduler.async_scheduling],

@@ -161,15 +161,19 @@ def write_kv(
 ) -> None:
     """Store new K/V ([T, kv_heads, head_dim]) into the pages ([pages, page_size, kv_heads, head_dim])."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    # rounded to the pool's dtype when that is narrower (kv_cache_dtype); a no-op otherwise
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """cache[pages] ([n, page_size, kv_heads, head_dim]), copied as whole rows: index_select
-    on the pool viewed 2-D takes torch's row-copy path, ~3x faster on CPU than on the 4-D
-    pool (measured with baton-small's decode batch at c=32)."""
+def _gather(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """cache[pages] ([n, page_size, kv_heads, head_dim]) in `dtype` (default: the cache's),
+    copied as whole rows: index_select on the pool viewed 2-D takes torch's row-copy path, ~3x
+    faster on CPU than on the 4-D pool (measured with baton-small's decode batch at c=32). A
+    pool stored narrower than the compute dtype (kv_cache_dtype) is widened here, once per read."""
     rows = cache.view(cache.shape[0], -1).index_select(0, pages)
+    if dtype is not None and dtype != rows.dtype:
+        rows = rows.to(dtype)
     return rows.view(pages.shape[0], *cache.shape[1:])
 
 
@@ -214,8 +218,8 @@ def _prefill_one(
     num_new, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     # [pages, page_size, kv_heads, hd] -> [ctx, kv_heads, hd]
-    k = _gather(k_cache, seq.page_ids).flatten(0, 1)[: seq.context_len]
-    v = _gather(v_cache, seq.page_ids).flatten(0, 1)[: seq.context_len]
+    k = _gather(k_cache, seq.page_ids, q.dtype).flatten(0, 1)[: seq.context_len]
+    v = _gather(v_cache, seq.page_ids, q.dtype).flatten(0, 1)[: seq.context_len]
     # [1, heads, n, hd] against [1, kv_heads, ctx, hd]: with a batch dimension (and GQA left to
     # SDPA) torch picks its fused CPU kernel, ~8x faster than the 3-D call on a 1,500-token prompt.
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
@@ -273,8 +277,8 @@ def _decode_batch(
     num_kv_heads = k_cache.shape[2]
     num_keys = run.bias.shape[-1]
     # One gather per layer: [B * width, page_size, kvh, hd] -> [B, kvh, L, hd]
-    k = _gather(k_cache, run.pages).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
-    v = _gather(v_cache, run.pages).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    k = _gather(k_cache, run.pages, q.dtype).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    v = _gather(v_cache, run.pages, q.dtype).view(batch, num_keys, num_kv_heads, head_dim).transpose(1, 2)
     # GQA as a reshape: query head h reads KV head h // group, so the `group` query heads of
     # one KV head become the query rows of one attention ([B, kvh, group, hd]); measured ~3x
     # faster on CPU than expanding K/V (see BENCHMARKS.md's decode-step profile).
@@ -300,14 +304,14 @@ def _decode_cascade(
     num_own = run.bias.shape[-1]
     # Shared part: every row's queries against one copy of the prefix, as one batched matmul
     # per KV head: [kvh, B * group, hd] x [kvh, hd, Ls].
-    k_shared = _gather(k_cache, prefix_pages).view(num_shared, num_kv_heads, head_dim).transpose(0, 1)
-    v_shared = _gather(v_cache, prefix_pages).view(num_shared, num_kv_heads, head_dim).transpose(0, 1)
+    k_shared = _gather(k_cache, prefix_pages, q.dtype).view(num_shared, num_kv_heads, head_dim).transpose(0, 1)
+    v_shared = _gather(v_cache, prefix_pages, q.dtype).view(num_shared, num_kv_heads, head_dim).transpose(0, 1)
     qg = q.view(batch, num_kv_heads, group, head_dim)
     q_by_head = qg.transpose(0, 1).reshape(num_kv_heads, batch * group, head_dim)
     s_shared = torch.bmm(q_by_head, k_shared.transpose(1, 2)).mul_(scale)  # [kvh, B * group, Ls]
     # Own part: each row's keys after the prefix, padded and masked as in _decode_batch.
-    k_own = _gather(k_cache, run.pages).view(batch, num_own, num_kv_heads, head_dim).transpose(1, 2)
-    v_own = _gather(v_cache, run.pages).view(batch, num_own, num_kv_heads, head_dim).transpose(1, 2)
+    k_own = _gather(k_cache, run.pages, q.dtype).view(batch, num_own, num_kv_heads, head_dim).transpose(1, 2)
+    v_own = _gather(v_cache, run.pages, q.dtype).view(batch, num_own, num_kv_heads, head_dim).transpose(1, 2)
     s_own = torch.matmul(qg, k_own.transpose(-1, -2)).mul_(scale).add_(run.bias)  # [B, kvh, group, Lo]
     # One max per query over both parts; every row has an own key, so it is finite.
     m_shared = s_shared.amax(-1).view(num_kv_heads, batch, group).transpose(0, 1)

@@ -83,12 +83,16 @@ class Engine:
         )
         mc = self.model_config
         layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.page_size)
-        num_pages = cfg.num_pages or layout.num_pages_for_budget(cfg.kv_bytes(self.device), self.dtype)
-        self.pool = DevicePool(layout, num_pages, self.dtype, self.device)
-        self.fingerprint = model_fingerprint(checkpoint_fingerprint(model_dir), str(self.dtype))
+        self.kv_dtype = cfg.resolve_kv_dtype(self.dtype)
+        num_pages = cfg.num_pages or layout.num_pages_for_budget(cfg.kv_bytes(self.device), self.kv_dtype)
+        self.pool = DevicePool(layout, num_pages, self.kv_dtype, self.device)
+        # The KV's precision is part of a page's identity: pages stored in another precision
+        # are other pages (the default keeps the fingerprints pages had before the option).
+        kv_tag = "" if self.kv_dtype == self.dtype else f"/kv:{self.kv_dtype}"
+        self.fingerprint = model_fingerprint(checkpoint_fingerprint(model_dir), str(self.dtype) + kv_tag)
         self.prefix_cache: PrefixCache | None = None
         if cfg.enable_prefix_cache:
-            host, disk = build_tiers(cfg.tiers, layout, self.dtype, self.fingerprint, self.device.type == "cuda")
+            host, disk = build_tiers(cfg.tiers, layout, self.kv_dtype, self.fingerprint, self.device.type == "cuda")
             self.prefix_cache = PrefixCache(
                 self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk, ttl_s=cfg.tiers.page_ttl_s
             )
@@ -102,7 +106,7 @@ class Engine:
         )
         # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
-        backend = cfg.resolve_attention_backend(self.model.dtype)
+        backend = cfg.resolve_attention_backend(self.model.dtype, self.kv_dtype)
         self.model.fused = backend == "triton" and self.device.type == "cuda"
         graphs = None
         if self.device.type == "cuda" and backend == "triton" and cfg.cuda_graph_max_batch > 0:

@@ -15,6 +15,7 @@ from engine.structured import StructuredConfig
 from kvcache.tiers import TierConfig
 
 GiB = 1 << 30
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # kv_cache_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,11 @@ class EngineConfig:
     # read in place; CPU float32), "triton" (paged kernel, CUDA), or "auto" (triton on CUDA when
     # Triton is installed; cpu on CPU in float32 where the kernel builds; else torch).
     attention_backend: str = "auto"
+    # The KV pool's element type: "auto" (the model's compute dtype, the parity reference),
+    # "bfloat16" or "float16" (half the bytes a page takes: twice the pages in one budget, within
+    # the tolerance tests/engine/test_kv_dtype.py states), or "float32". A KV dtype other than
+    # the compute dtype attends on the torch path (K/V converted as they are read).
+    kv_cache_dtype: str = "auto"
     # CUDA only: capture decode steps in CUDA graphs for batches up to this size (0: eager).
     cuda_graph_max_batch: int = 128
     structured: StructuredConfig = StructuredConfig()  # constrained decoding (engine.structured)
@@ -73,6 +79,8 @@ class EngineConfig:
             raise ConfigError("itl_target_ms", f"must be a positive number of milliseconds or unset, got {self.itl_target_ms!r}")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ConfigError("attention_backend", f"use auto, torch, cpu or triton, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ConfigError("kv_cache_dtype", f"use {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.attention_backend == "cpu" and not self.device.startswith("cpu"):
             raise ConfigError("attention_backend", "cpu is the CPU kernel; on CUDA use triton or torch")
         if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
@@ -94,8 +102,18 @@ class EngineConfig:
             raise ConfigError("dtype", "float16 is not supported on CPU; use float32 or bfloat16")
         return dtype
 
-    def resolve_attention_backend(self, dtype: torch.dtype = torch.float32) -> str:
-        """The decode attention backend for a model computing in `dtype`."""
+    def resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype for a model computing in `dtype`."""
+        return dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+
+    def resolve_attention_backend(self, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> str:
+        """The decode attention backend for a model computing in `dtype` over KV in `kv_dtype`
+        (default: the same)."""
+        if kv_dtype is not None and kv_dtype != dtype:
+            if self.attention_backend in ("cpu", "triton"):
+                raise ConfigError("attention_backend", f"{self.attention_backend} reads KV in the model's dtype; "
+                                  f"kv_cache_dtype {self.kv_cache_dtype} attends on the torch path")  # fmt: skip
+            return "torch"
         if self.attention_backend == "cpu":
             from engine import cpu_kernels
 

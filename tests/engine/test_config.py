@@ -434,3 +434,22 @@ def test_attention_backend_resolves_by_device_and_is_validated() -> None:
         EngineConfig(attention_backend="cpu").resolve_attention_backend(torch.bfloat16)
     with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
         EngineConfig(cuda_graph_max_batch=-1)
+
+
+def test_the_kv_dtype_defaults_to_the_models_and_a_narrower_one_attends_on_the_torch_path() -> None:
+    import torch
+
+    from engine.engine_config import EngineConfig
+
+    assert EngineConfig().resolve_kv_dtype(torch.float32) == torch.float32
+    half = EngineConfig(kv_cache_dtype="bfloat16")
+    assert half.resolve_kv_dtype(torch.float32) == torch.bfloat16
+    assert half.resolve_attention_backend(torch.float32, torch.bfloat16) == "torch"  # auto: the kernels read model-dtype KV
+    assert EngineConfig().resolve_attention_backend(torch.float32, torch.float32) == "cpu"
+    for backend in ("cpu", "triton"):
+        with pytest.raises(ConfigError, match="kv_cache_dtype float16 attends on the torch path"):
+            EngineConfig(kv_cache_dtype="float16", attention_backend=backend).resolve_attention_backend(
+                torch.float32, torch.float16
+            )
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int8")

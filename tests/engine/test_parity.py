@@ -37,6 +37,15 @@ MARGIN_EPS = 1e-3  # logits: near-tie threshold on the reference top-1 minus top
 MAX_EARLY_SHARE = 0.10  # of sequences per model and scenario
 FIRST_LOGITS_ATOL = 2e-3  # max |baton - transformers| over the first step's logits
 LOGPROB_ATOL = 2e-3  # max |baton - transformers| over decode steps' logprobs, before a near-tie
+# kv_cache_dtype bfloat16/float16: K and V are rounded to 8/11 significant bits as they are
+# stored, so the tolerance is the rounding's, not the float32 path's: logprobs within these
+# of transformers' (float32 throughout), and greedy tokens equal to its up to the first that
+# differs, which must be a near-tie (reference margin below KV_HALF_MARGIN: rounding flipped it).
+# Measured 2026-12-04 (baton-tiny / qwen2-style): bfloat16 0.076 / 0.114 over 896 / 378 of
+# 1,024 tokens; float16 0.009 / 0.017 over 1,024 / 1,000.
+KV_HALF_LOGPROB_ATOL = {"bfloat16": 0.2, "float16": 0.03}
+KV_HALF_MARGIN = {"bfloat16": 0.3, "float16": 0.05}
+KV_HALF_MIN_COMPARED = 0.3  # of the tokens before the first (near-tie) divergence
 TOP_LOGPROBS = 5
 MIN_DISTINCT = 3  # distinct tokens in every reference sequence: neither an echo nor a two-token loop
 NEW_TOKENS = 64
@@ -119,7 +128,7 @@ def case(
     return ParityCase(model_dir, prompts, refs)
 
 
-def _engine(case: ParityCase, **overrides: int) -> Engine:
+def _engine(case: ParityCase, **overrides: int | str) -> Engine:
     return Engine(EngineConfig(model=str(case.model_dir), dtype="float32", **overrides))
 
 
@@ -194,6 +203,38 @@ def test_decode_step_logprobs_match(case: ParityCase) -> None:
     print(f"[parity] decode-step logprobs: {compared} compared, max |diff| = {worst:.2e}")
     assert compared >= len(case.prompts) * NEW_TOKENS  # at least the sampled token's, mostly more
     assert worst <= LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_reduced_precision_kv_stays_within_its_tolerance(case: ParityCase, kv_dtype: str) -> None:
+    """kv_cache_dtype: the pool in half the bytes; greedy tokens equal transformers' up to the
+    first step the rounding could flip, and every logprob on the way within its tolerance."""
+    budget = 256 << 20
+    engine = _engine(case, kv_cache_dtype=kv_dtype, kv_memory_bytes=budget)
+    half = getattr(torch, kv_dtype)
+    assert engine.pool.kv.dtype == half and engine.runner.decode_backend == "torch"
+    layout = engine.pool.layout
+    assert layout.page_bytes(half) * 2 == layout.page_bytes(torch.float32)  # twice the pages per byte
+    assert engine.pool.num_pages == budget // layout.page_bytes(half)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    worst, compared = 0.0, 0
+    for idx, (prompt, ref) in enumerate(zip(case.prompts, case.refs, strict=True)):
+        engine.add_request("kv", prompt, params)
+        steps = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                steps.extend(out.logprobs)
+        for pos, (got, margin) in enumerate(zip(steps, ref.margins, strict=False)):
+            if got.token_id != ref.tokens[pos]:  # the contexts part here: nothing after compares
+                assert margin < KV_HALF_MARGIN[kv_dtype], f"prompt {idx} differs at token {pos}, margin {margin:.3f}"
+                break
+            compared += 1
+            for token_id, logprob in ((got.token_id, got.logprob), *got.top):
+                if token_id in ref.top_logprobs[pos]:
+                    worst = max(worst, abs(logprob - ref.top_logprobs[pos][token_id]))
+    print(f"[parity] {kv_dtype} KV: {compared} tokens compared, max |logprob diff| = {worst:.2e}")
+    assert compared >= KV_HALF_MIN_COMPARED * len(case.prompts) * NEW_TOKENS
+    assert worst <= KV_HALF_LOGPROB_ATOL[kv_dtype]
 
 
 def test_a_broken_reference_fails(case: ParityCase, tmp_path: Path) -> None:
