@@ -198,7 +198,7 @@ def paged_attention(
         elif meta.decode_backend == "cpu":
             from engine import cpu_kernels
 
-            kernel = cpu_kernels.load()
+            kernel = cpu_kernels.load(k_cache.dtype)
             assert kernel is not None and meta.cpu_plan is not None  # the engine chose cpu: it loaded
             dst = out[meta.num_prefill_tokens :]
             cpu_kernels.paged_decode(kernel, qd, k_cache, v_cache, meta.cpu_plan, meta.scale, dst)

@@ -7,7 +7,7 @@ gathers). This kernel reads the pages through the page table, shares a prefix's 
 the rows that start with them (read once per page for all of them: the cascade, generalised),
 and splits long contexts so every core has work.
 
-    kernel = load()                      None where no C compiler is found (torch path then)
+    kernel = load(kv_dtype)              None where no C compiler is found (torch path then)
     plan = DecodePlan.build(rows, page_size, num_heads, head_dim)   once per step
     paged_decode(kernel, q, k_cache, v_cache, plan, scale, out)      once per layer
 
@@ -16,6 +16,9 @@ baton cache dir, keyed by the source, the flags and this CPU's feature flags, so
 between machines never loads a build for another CPU; an atomic rename makes concurrent
 builds safe. OpenMP resolves to the libgomp that torch loaded: one thread pool, torch's size.
 The torch path stays the reference: tests compare the two on random pools.
+
+K/V in float32, or in bfloat16/float16 (kv_cache_dtype): one library per KV dtype, built from
+the same source with -DKV_BF16 / -DKV_F16, which widens each key and value as it reads it.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ SPLIT_PAGES = 32  # a part's pages at most: long contexts split so both cores wo
 MIN_SHARED_PAGES = 1  # leading pages shared by two or more rows: read once for all of them
 _ITEM_FIELDS = 5  # row_start, row_end, page_offset, num_keys, slot (the C item_t)
 
+KV_DEFINES = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",), torch.float16: ("-DKV_F16",)}
+
 _lock = threading.Lock()
-_kernel: ctypes.CDLL | None = None
-_tried = False
+_kernels: dict[torch.dtype, ctypes.CDLL | None] = {}  # per KV dtype; None: tried, not buildable
 
 
 def _cpu_flags() -> str:
@@ -62,7 +66,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(target: Path) -> None:
+def _build(target: Path, defines: tuple[str, ...] = ()) -> None:
     compiler = shutil.which(c_compiler()) or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
@@ -70,7 +74,7 @@ def _build(target: Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, *defines, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)  # fmt: skip
         os.replace(partial, target)
     except subprocess.CalledProcessError as exc:
@@ -79,27 +83,32 @@ def _build(target: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None (logged once) where it cannot be built."""
-    global _kernel, _tried
+def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
+    """The compiled kernel for KV in `kv_dtype`, built on first use; None (logged once) where
+    it cannot be built, or for a KV dtype it does not read."""
     with _lock:
-        if _tried:
-            return _kernel
-        _tried = True
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+        if kv_dtype in _kernels:
+            return _kernels[kv_dtype]
+        _kernels[kv_dtype] = None
+        defines = KV_DEFINES.get(kv_dtype)
+        if defines is None:
+            return None
+        flags = " ".join((*FLAGS, *defines))
+        key = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
         target = cache_dir() / "kernels" / f"paged_attention-{platform.machine()}-{key}.so"
         try:
             if not target.exists():
-                _build(target)
+                _build(target, defines)
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            logger.warning("CPU attention kernel unavailable (%s): decode attention uses the torch path", exc)
+            logger.warning("CPU attention kernel (%s KV) unavailable (%s): decode attention uses the torch path",
+                           kv_dtype, exc)  # fmt: skip
             return None
         fn = lib.baton_paged_decode
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
-        _kernel = lib
-        return _kernel
+        _kernels[kv_dtype] = lib
+        return lib
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,13 +193,16 @@ def paged_decode(
     scale: float, out: torch.Tensor,
 ) -> None:  # fmt: skip
     """out [B, heads, head_dim] = attention of q [B, heads, head_dim] over each row's pages
-    (k_cache, v_cache: [pages, page_size, kv_heads, head_dim], float32, contiguous)."""
+    (k_cache, v_cache: [pages, page_size, kv_heads, head_dim], contiguous, in the dtype `kernel`
+    was built for: load(k_cache.dtype)); q and out float32."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_decode needs contiguous q, out and caches")
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or batch != plan.num_rows:
-        raise ValueError("paged_decode takes float32 and the plan's rows")
+    if q.dtype != torch.float32 or out.dtype != torch.float32 or batch != plan.num_rows:
+        raise ValueError("paged_decode takes float32 queries and the plan's rows")
+    if kernel is not _kernels.get(k_cache.dtype) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_decode: the kernel was not built for {k_cache.dtype} KV (load(kv_dtype))")
     rc = kernel.baton_paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), plan.items.ctypes.data, len(plan.items),
         plan.pages.ctypes.data, plan.row_ptr.ctypes.data, plan.row_slots.ctypes.data, plan.partials.ctypes.data,

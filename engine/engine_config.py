@@ -50,8 +50,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # The KV pool's element type: "auto" (the model's compute dtype, the parity reference),
     # "bfloat16" or "float16" (half the bytes a page takes: twice the pages in one budget, within
-    # the tolerance tests/engine/test_kv_dtype.py states), or "float32". A KV dtype other than
-    # the compute dtype attends on the torch path (K/V converted as they are read).
+    # the tolerance tests/engine/test_parity.py states), or "float32". A KV dtype other than
+    # the compute dtype is widened as it is read (the cpu kernel on CPU float32, else torch).
     kv_cache_dtype: str = "auto"
     # CUDA only: capture decode steps in CUDA graphs for batches up to this size (0: eager).
     cuda_graph_max_batch: int = 128
@@ -108,28 +108,32 @@ class EngineConfig:
 
     def resolve_attention_backend(self, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> str:
         """The decode attention backend for a model computing in `dtype` over KV in `kv_dtype`
-        (default: the same)."""
-        if kv_dtype is not None and kv_dtype != dtype:
-            if self.attention_backend in ("cpu", "triton"):
-                raise ConfigError("attention_backend", f"{self.attention_backend} reads KV in the model's dtype; "
-                                  f"kv_cache_dtype {self.kv_cache_dtype} attends on the torch path")  # fmt: skip
-            return "torch"
+        (default: the same). The cpu kernel reads float32 KV, or bfloat16/float16 KV for a
+        float32 model (kv_cache_dtype); triton reads KV in the model's dtype."""
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        cpu_reads = dtype == torch.float32 and kv_dtype in (torch.float32, torch.bfloat16, torch.float16)
         if self.attention_backend == "cpu":
             from engine import cpu_kernels
 
-            if dtype != torch.float32:
-                raise ConfigError("attention_backend", "the cpu kernel reads float32 KV; use torch for bfloat16")
-            if cpu_kernels.load() is None:
+            if not cpu_reads:
+                raise ConfigError("attention_backend", f"the cpu kernel computes in float32 (KV float32, bfloat16 or "
+                                  f"float16); use torch for a {dtype} model")  # fmt: skip
+            if cpu_kernels.load(kv_dtype) is None:
                 raise ConfigError("attention_backend", "the cpu kernel could not be built (a C compiler, cc)")
             return "cpu"
+        if kv_dtype != dtype and self.attention_backend == "triton":
+            raise ConfigError("attention_backend", f"triton reads KV in the model's dtype; kv_cache_dtype "
+                              f"{self.kv_cache_dtype} attends on the torch or cpu path")  # fmt: skip
         if self.attention_backend != "auto":
             return self.attention_backend
         if self.device.startswith("cuda"):
+            if kv_dtype != dtype:
+                return "torch"
             return "triton" if importlib.util.find_spec("triton") is not None else "torch"
-        if dtype == torch.float32:
+        if cpu_reads:
             from engine import cpu_kernels
 
-            if cpu_kernels.load() is not None:
+            if cpu_kernels.load(kv_dtype) is not None:
                 return "cpu"
         return "torch"
 

@@ -19,6 +19,9 @@
  * A page's keys are transposed once per (item, KV head) and read by all of the item's queries:
  * scores vectorise across the page's keys, the weighted sum of values across head_dim, e^x is
  * a vectorised polynomial; one online-softmax update per query and page.
+ * K/V are float32, or 16-bit (kv_cache_dtype) when built with -DKV_BF16 or -DKV_F16: widened
+ * to float32 as they are read, so a step moves half the bytes (decode reads every key of every
+ * row once: at long contexts it runs at memory bandwidth). Each build is its own library.
  * OpenMP: the runtime is the one torch loaded (libgomp.so.1 resolves to it), so torch's
  * thread count applies and no second pool spins beside torch's.
  */
@@ -26,6 +29,22 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(KV_BF16)
+typedef uint16_t kv_t;  /* bfloat16: the high half of a float32 */
+static inline float ld(kv_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#elif defined(KV_F16)
+typedef _Float16 kv_t;  /* IEEE half: F16C converts it */
+static inline float ld(kv_t x) { return (float)x; }
+#else
+typedef float kv_t;
+static inline float ld(kv_t x) { return x; }
+#endif
 
 #define MAX_PAGE 64   /* keys per page this kernel handles (baton's default is 16) */
 #define MAX_DIM 512   /* head_dim */
@@ -62,8 +81,8 @@ static inline void exp_inplace(float *restrict x, int n) {
  * transpose) or, for an item of few queries, from the keys as they lie (a dot per key). */
 #define FAST_KEYS 16
 #define TRANSPOSE_MIN_QUERIES 8  /* below, transposing a page costs more than the dots it eases */
-static inline void page16(const float *restrict qv, const float *restrict kt, const float *restrict kp,
-                          const float *restrict vp, int64_t tok_stride, float *restrict st, int nk, int D) {
+static inline void page16(const float *restrict qv, const float *restrict kt, const kv_t *restrict kp,
+                          const kv_t *restrict vp, int64_t tok_stride, float *restrict st, int nk, int D) {
     float s[FAST_KEYS] = {0};
     if (kt != NULL) {
         for (int d = 0; d < D; d++) {
@@ -73,10 +92,10 @@ static inline void page16(const float *restrict qv, const float *restrict kt, co
         }
     } else {
         for (int j = 0; j < nk; j++) {
-            const float *restrict k = kp + j * tok_stride;
+            const kv_t *restrict k = kp + j * tok_stride;
             float a = 0.0f;
 #pragma omp simd reduction(+ : a)
-            for (int d = 0; d < D; d++) a += qv[d] * k[d];
+            for (int d = 0; d < D; d++) a += qv[d] * ld(k[d]);
             s[j] = a;
         }
     }
@@ -95,9 +114,9 @@ static inline void page16(const float *restrict qv, const float *restrict kt, co
         for (int dd = 0; dd < 16; dd++) a[dd] = acc[d0 + dd] * rescale;
         for (int j = 0; j < nk; j++) {
             const float w = s[j];
-            const float *restrict v = vp + j * tok_stride + d0;
+            const kv_t *restrict v = vp + j * tok_stride + d0;
 #pragma omp simd
-            for (int dd = 0; dd < 16; dd++) a[dd] += w * v[dd];
+            for (int dd = 0; dd < 16; dd++) a[dd] += w * ld(v[dd]);
         }
 #pragma omp simd
         for (int dd = 0; dd < 16; dd++) acc[d0 + dd] = a[dd];
@@ -106,7 +125,7 @@ static inline void page16(const float *restrict qv, const float *restrict kt, co
     st[1] = st[1] * rescale + sum;
 }
 
-static int run_item(const item_t *it, const float *q, const float *k_cache, const float *v_cache,
+static int run_item(const item_t *it, const float *q, const kv_t *k_cache, const kv_t *v_cache,
                      const int64_t *pages, float *partials, int H, int KVH, int D, int page_size,
                      float scale) {
     const int G = H / KVH;
@@ -135,11 +154,11 @@ static int run_item(const item_t *it, const float *q, const float *k_cache, cons
         for (int p = 0; p < num_pages; p++) {
             int nk = it->num_keys - p * page_size;
             if (nk > page_size) nk = page_size;
-            const float *kp = k_cache + pages[it->page_offset + p] * page_stride + (int64_t)h * D;
-            const float *vp = v_cache + pages[it->page_offset + p] * page_stride + (int64_t)h * D;
+            const kv_t *kp = k_cache + pages[it->page_offset + p] * page_stride + (int64_t)h * D;
+            const kv_t *vp = v_cache + pages[it->page_offset + p] * page_stride + (int64_t)h * D;
             if (transpose) {
                 for (int j = 0; j < nk; j++)
-                    for (int d = 0; d < D; d++) kt[d * MAX_PAGE + j] = kp[j * tok_stride + d];
+                    for (int d = 0; d < D; d++) kt[d * MAX_PAGE + j] = ld(kp[j * tok_stride + d]);
                 for (int j = nk; j < page_size; j++)
                     for (int d = 0; d < D; d++) kt[d * MAX_PAGE + j] = 0.0f;  /* read, never weighed */
             }
@@ -171,10 +190,10 @@ static int run_item(const item_t *it, const float *q, const float *k_cache, cons
                         for (int d = 0; d < D; d++) acc[d] *= rescale;
                     }
                     for (int j = 0; j < nk; j++) {
-                        const float *restrict v = vp + j * tok_stride;
+                        const kv_t *restrict v = vp + j * tok_stride;
                         const float w = s[j];
 #pragma omp simd
-                        for (int d = 0; d < D; d++) acc[d] += w * v[d];
+                        for (int d = 0; d < D; d++) acc[d] += w * ld(v[d]);
                     }
                     st[0] = mx;
                     st[1] = st[1] * rescale + sum;
@@ -212,7 +231,7 @@ static void merge_row(int b, const int32_t *row_ptr, const int32_t *row_slots, c
     }
 }
 
-int baton_paged_decode(const float *q, const float *k_cache, const float *v_cache,
+int baton_paged_decode(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                        const int32_t *items, int num_items, const int64_t *pages,
                        const int32_t *row_ptr, const int32_t *row_slots, float *partials, float *out,
                        int B, int H, int KVH, int D, int page_size, float scale) {

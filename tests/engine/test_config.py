@@ -436,7 +436,7 @@ def test_attention_backend_resolves_by_device_and_is_validated() -> None:
         EngineConfig(cuda_graph_max_batch=-1)
 
 
-def test_the_kv_dtype_defaults_to_the_models_and_a_narrower_one_attends_on_the_torch_path() -> None:
+def test_the_kv_dtype_defaults_to_the_models_and_a_narrower_one_is_widened_as_read() -> None:
     import torch
 
     from engine.engine_config import EngineConfig
@@ -444,12 +444,17 @@ def test_the_kv_dtype_defaults_to_the_models_and_a_narrower_one_attends_on_the_t
     assert EngineConfig().resolve_kv_dtype(torch.float32) == torch.float32
     half = EngineConfig(kv_cache_dtype="bfloat16")
     assert half.resolve_kv_dtype(torch.float32) == torch.bfloat16
-    assert half.resolve_attention_backend(torch.float32, torch.bfloat16) == "torch"  # auto: the kernels read model-dtype KV
-    assert EngineConfig().resolve_attention_backend(torch.float32, torch.float32) == "cpu"
-    for backend in ("cpu", "triton"):
-        with pytest.raises(ConfigError, match="kv_cache_dtype float16 attends on the torch path"):
-            EngineConfig(kv_cache_dtype="float16", attention_backend=backend).resolve_attention_backend(
-                torch.float32, torch.float16
-            )
+    assert half.resolve_attention_backend(torch.float32, torch.bfloat16) == "cpu"  # its own build of the kernel
+    assert EngineConfig(kv_cache_dtype="float16", attention_backend="torch").resolve_attention_backend(
+        torch.float32, torch.float16
+    ) == "torch"
+    with pytest.raises(ConfigError, match="kv_cache_dtype float16 attends on the torch or cpu path"):
+        EngineConfig(kv_cache_dtype="float16", attention_backend="triton").resolve_attention_backend(
+            torch.float32, torch.float16
+        )
+    with pytest.raises(ConfigError, match="cpu kernel computes in float32"):
+        EngineConfig(kv_cache_dtype="float32", attention_backend="cpu").resolve_attention_backend(
+            torch.bfloat16, torch.float32
+        )
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int8")

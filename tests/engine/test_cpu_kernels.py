@@ -88,3 +88,26 @@ def test_bad_shapes_are_refused(kernel: object) -> None:
         paged_decode(kernel, q, k, v, plan, 0.125, torch.empty_like(q))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="float32"):
         paged_decode(kernel, q.double(), k, v, plan, 0.125, torch.empty_like(q))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_16_bit_kv_is_read_in_place_like_the_torch_path_widens_it(kv_dtype: torch.dtype, shared_prefix: bool) -> None:
+    """kv_cache_dtype: the kernel built for 16-bit KV widens each key and value as it reads it;
+    the torch path widens the gathered pages: the same numbers, computed in float32."""
+    lib = cpu_kernels.load(kv_dtype)
+    assert lib is not None and lib is not cpu_kernels.load(torch.float32)  # a library of its own
+    page, heads, kv_heads, dim = 16, 4, 2, 64
+    lens = [40 * page + 3, 40 * page + 9, 2 * SPLIT_PAGES * page + 5, 1, 37]
+    shared = {0: (0, 40), 1: (0, 40)} if shared_prefix else {}
+    k, v, rows, lens = _batch(5, lens, shared, page, kv_heads, dim, num_pages=1000)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    keys = [rows[0][0]] * 2 + [-1] * 3 if shared_prefix else [-1] * len(lens)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(6))
+    plan = DecodePlan.build([(r, n) for r, n in zip(rows, lens, strict=True)], keys, page, heads, dim)
+    assert (plan.num_shared_pages > 0) == shared_prefix
+    out = torch.empty_like(q)
+    paged_decode(lib, q, k, v, plan, dim**-0.5, out)
+    torch.testing.assert_close(out, _torch_path(q, k, v, rows, lens), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not built for"):
+        paged_decode(cpu_kernels.load(torch.float32), q, k, v, plan, dim**-0.5, out)  # type: ignore[arg-type]
