@@ -58,6 +58,7 @@ class Request:
     # Prompt tokens the engine had computed when this request arrived: its age in work done
     # (engine.scheduler's least-uncached order ages requests by it, deterministically).
     work_mark: int = 0
+    rank_pages: int = 0  # leading pages cached or being computed when it was last ranked
     export_kv: bool = False  # prefill role: keep a copy of the prompt's KV when it finishes
     text: TextState | None = None  # detokenizer + stop strings; None when not detokenizing
     matcher: GrammarMatcher | None = None  # where the output is in its grammar (constrained only)

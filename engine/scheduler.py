@@ -185,7 +185,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
         prefill = self._prefill_budget()  # tokens of prompt chunks this step (the ITL target)
-        ranks = self._waiting_ranks()
+        in_flight = self._pages_in_flight()
+        ranks = self._waiting_ranks(in_flight)
         chunks = self._chunks(min(prefill, budget - self._num_decoding()), ranks)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -210,7 +211,7 @@ class Scheduler:
             budget -= num_new
             idx += 1
         if not preempted and prefill > 0:
-            left = self._admit(min(budget, prefill), scheduled, ranks)
+            left = self._admit(min(budget, prefill), scheduled, ranks, in_flight)
             prefill -= min(budget, prefill) - left
             budget = left
             # What the waiting requests were ranked for but did not take (no pages, a prefix
@@ -228,12 +229,11 @@ class Scheduler:
     def _num_decoding(self) -> int:
         return sum(1 for r in self.running if r.num_pending == 1 and not r.finishing)
 
-    def _waiting_ranks(self) -> dict[str, tuple[tuple[int, float, int], int]]:
+    def _waiting_ranks(self, in_flight: set[bytes]) -> dict[str, tuple[tuple[int, float, int], int]]:
         """least-uncached: the rank and estimated uncached tokens of the RANK_WINDOW oldest
         waiting requests (by priority, then arrival); {} under fcfs."""
         if self.cfg.policy == "fcfs" or not self._waiting:
             return {}
-        in_flight = self._pages_in_flight()
         ranks = {}
         for _, request in heapq.nsmallest(RANK_WINDOW, self._waiting):
             need = self._uncached_estimate(request, in_flight)
@@ -296,12 +296,13 @@ class Scheduler:
                 return False
 
     def _admit(
-        self, budget: int, scheduled: list[ScheduledRequest], ranks: dict[str, tuple[tuple[int, float, int], int]]
-    ) -> int:
+        self, budget: int, scheduled: list[ScheduledRequest], ranks: dict[str, tuple[tuple[int, float, int], int]],
+        in_flight: set[bytes],
+    ) -> int:  # fmt: skip
         """Admit waiting requests while `budget` (the step's tokens left, or its prefill budget
         when that is less) lasts: in rank order under least-uncached (`ranks`; the rest after
-        them by priority and arrival), else by priority and arrival."""
-        in_flight = self._pages_in_flight()
+        them by priority and arrival), else by priority and arrival. `in_flight`: the pages
+        running requests are computing (grows with each admission)."""
         order = sorted(self._waiting, key=lambda item: (item[1].req_id not in ranks, ranks.get(item[1].req_id, item[0])))
         admitted: set[int] = set()
         for _, request in order:
@@ -339,11 +340,16 @@ class Scheduler:
         ps = self.cfg.page_size
         max_pages = (request.num_tokens - 1) // ps
         self._ensure_hashes(request, max_pages)
-        found = 0
-        for page_hash in request.page_hashes[:max_pages]:
-            if page_hash not in in_flight and page_hash not in self.cache:
-                break
+        hashes = request.page_hashes
+        # Resume where the last ranking stopped while its last page is still there (the cache
+        # evicts leaves first, so the pages before it are too): a queued request costs the
+        # pages that changed since, not its whole prompt, each step.
+        found = min(request.rank_pages, max_pages)
+        if found and hashes[found - 1] not in in_flight and hashes[found - 1] not in self.cache:
+            found = 0
+        while found < max_pages and (hashes[found] in in_flight or hashes[found] in self.cache):
             found += 1
+        request.rank_pages = found
         return request.num_tokens - found * ps
 
     def _pages_in_flight(self) -> set[bytes]:

@@ -181,3 +181,25 @@ def test_prompt_tokens_a_waiting_request_cannot_take_go_to_the_held_prompts() ->
     out = s.schedule()  # the shared pages are cached now: the follower reuses all four
     assert apply(out) == {"follower": 8} and follower.num_cached_tokens == 16
     s.pages.check_integrity()
+
+
+def test_a_queued_requests_estimate_resumes_where_it_stopped_and_rescans_after_an_eviction() -> None:
+    pool = PagePool(32)
+    cache = PrefixCache(pool, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_prefill_chunk=64, page_size=4), pool, cache)
+    shared = list(range(100, 116))  # 4 pages
+    first = Request("first", [*shared, 1], PARAMS, 0, next(_arrival))
+    s.add(first)
+    apply(s.schedule())
+    s.commit(first)
+    s.abort("first")  # finished: its pages stay cached
+    busy = Request("busy", [7, 8], PARAMS, 0, next(_arrival))
+    s.add(busy)
+    apply(s.schedule())  # holds the one running slot: the next request waits
+    queued = Request("queued", [*shared, *range(50, 58)], PARAMS, 0, next(_arrival))
+    s.add(queued)
+    (_, need), = s._waiting_ranks(set()).values()
+    assert (need, queued.rank_pages) == (8, 4)
+    assert cache.evict(4) == 4  # the shared pages leave: the estimate must not keep them
+    (_, need), = s._waiting_ranks(set()).values()
+    assert (need, queued.rank_pages) == (24, 0)
