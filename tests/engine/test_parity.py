@@ -181,17 +181,23 @@ def test_first_step_logits_match(case: ParityCase) -> None:
     assert worst <= FIRST_LOGITS_ATOL
 
 
+def _logprob_steps(engine: Engine, prompt: list[int]) -> list:  # type: ignore[type-arg]
+    """Greedy decode of NEW_TOKENS with TOP_LOGPROBS alternatives: each step's logprobs."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    engine.add_request("lp", prompt, params)
+    steps = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            steps.extend(out.logprobs)
+    return steps
+
+
 def test_decode_step_logprobs_match(case: ParityCase) -> None:
     """Each step's sampled token and alternatives, as logprobs, up to the first near-tie."""
     engine = _engine(case)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     worst, compared = 0.0, 0
     for idx, (prompt, ref) in enumerate(zip(case.prompts, case.refs, strict=True)):
-        engine.add_request("lp", prompt, params)
-        steps = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                steps.extend(out.logprobs)
+        steps = _logprob_steps(engine, prompt)
         for pos, (got, margin) in enumerate(zip(steps, ref.margins, strict=False)):
             if margin < MARGIN_EPS:
                 break
@@ -216,14 +222,9 @@ def test_reduced_precision_kv_stays_within_its_tolerance(case: ParityCase, kv_dt
     layout = engine.pool.layout
     assert layout.page_bytes(half) * 2 == layout.page_bytes(torch.float32)  # twice the pages per byte
     assert engine.pool.num_pages == budget // layout.page_bytes(half)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     worst, compared = 0.0, 0
     for idx, (prompt, ref) in enumerate(zip(case.prompts, case.refs, strict=True)):
-        engine.add_request("kv", prompt, params)
-        steps = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                steps.extend(out.logprobs)
+        steps = _logprob_steps(engine, prompt)
         for pos, (got, margin) in enumerate(zip(steps, ref.margins, strict=False)):
             if got.token_id != ref.tokens[pos]:  # the contexts part here: nothing after compares
                 assert margin < KV_HALF_MARGIN[kv_dtype], f"prompt {idx} differs at token {pos}, margin {margin:.3f}"
