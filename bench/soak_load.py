@@ -107,19 +107,27 @@ def _invalid_call(kind: int) -> Call:
 
 
 async def send(client: httpx.AsyncClient, call: Call, timeout_s: float) -> tuple[str, bool]:
-    """The client's outcome (ok, cancelled, invalid, refused, error, timeout, not-400) and
+    """The client's outcome (ok, cancelled, unsent, invalid, refused, error, timeout, not-400) and
     whether an ok answer carried fewer tokens than asked."""
     headers = {"content-type": "application/json"}
     try:
         async with asyncio.timeout(timeout_s):
             if not call.stream:
-                post = client.post(call.path, content=call.body, headers=headers)
                 if call.cancel_after is None:
-                    return _unary_outcome(call, await post)
+                    return _unary_outcome(call, await client.post(call.path, content=call.body, headers=headers))
+                written = asyncio.Event()  # the whole request is on the wire: the server will see it
+
+                async def trace(event: str, info: dict[str, Any]) -> None:
+                    if event in ("http11.send_request_body.complete", "http2.send_request_body.complete"):
+                        written.set()
+
+                post = client.post(call.path, content=call.body, headers=headers, extensions={"trace": trace})
                 try:
                     return _unary_outcome(call, await asyncio.wait_for(post, call.cancel_after))
                 except TimeoutError:
-                    return "cancelled", False
+                    # Abandoned before the request was even written (no connection yet, during
+                    # a fault): the server never saw it, so it is not one of the requests sent.
+                    return ("cancelled" if written.is_set() else "unsent"), False
             async with client.stream("POST", call.path, content=call.body, headers=headers) as resp:
                 if resp.status_code != 200:
                     await resp.aread()

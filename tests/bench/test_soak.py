@@ -59,6 +59,9 @@ def test_the_checks_fail_on_a_miscount_and_on_pages_left_behind() -> None:
         "server rejected + error + deadline vs client invalid + not-400 + refused + error: 2 != 1"]  # fmt: skip
     assert "requests_total vs requests sent: 9 != 10" in count_problems(client, {"ok": 7, "cancelled": 2})
     assert "1 invalid requests were not answered 400" in count_problems(Counter({"sent": 1, "not-400": 1}), {"ok": 1})
+    # a unary call abandoned before its request was written never reached the server: not sent
+    unsent = Counter({"sent": 11, "ok": 7, "cancelled": 2, "invalid": 1, "unsent": 1})
+    assert count_problems(unsent, {"ok": 7, "cancelled": 2, "rejected": 1}) == []
     # the report carries them (they once went into shm_left by position, so no miscount failed a soak)
     r = report(SoakConfig(minutes=0.1), client, {"ok": 6, "cancelled": 3, "rejected": 1}, [], [(0.0, 1.0, 1)] * 2,
                Idle([], [], {}), [], {})  # fmt: skip
