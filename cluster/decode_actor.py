@@ -34,6 +34,7 @@ from cluster.worker_msgs import DecodeStats, OutputBatch
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.omp import release_thread_pool
 from engine.outputs import StepOutput
 from kvcache.report import CacheReport, cache_report
 from kvtransfer.codec import chunk_pages
@@ -97,6 +98,7 @@ class DecodeActor(KVPublisher, Registered):
         self._settled = _Signal()
         self.worker = DecodeWorker(Engine(cfg), "", reservation_ttl_s, local_prefill_tokens, admit_lease_s,
                                    on_settle=self._settled.fire)
+        release_thread_pool()  # Ray may step on another thread than this one: one OpenMP pool (engine.omp)
         self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         self.fingerprint_bytes = self.worker.engine.fingerprint
         self.bind_host, self.advertise_host = bind_host, advertise_host

@@ -39,6 +39,7 @@ from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.faults import TRANSFER as TRANSFER_FAULTS
+from engine.omp import release_thread_pool
 from kvcache.report import cache_report
 from kvtransfer.codec import DeviceChunk, TransferError, WireChunk
 from kvtransfer.grpc_transport import GrpcSender
@@ -127,6 +128,7 @@ class PrefillActor(KVPublisher, Registered):
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
+        release_thread_pool()  # Ray may step on another thread than this one: one OpenMP pool (engine.omp)
         self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         self.fingerprint_bytes = self.worker.engine.fingerprint
         self._senders: dict[str, KVSender] = {"grpc": GrpcSender(tls=self.tls)}

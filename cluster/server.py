@@ -43,6 +43,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.errors import ConfigError
+from engine.omp import release_thread_pool
 from kvcache.tiers import TierConfig
 
 if TYPE_CHECKING:
@@ -177,16 +178,24 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _build_engine(cfg: EngineConfig) -> Engine:
+    """An engine built on a worker thread, which then lets its OpenMP workers go: the step
+    thread's pool must be the only one for its workers to spin (engine.omp)."""
+    engine = Engine(cfg)
+    release_thread_pool()
+    return engine
+
+
 async def _start_in_process(cfg: ServerConfig, engine: Engine | None) -> tuple[Engine, AsyncEngine | PDFront]:
     if engine is None:
-        engine = await asyncio.to_thread(Engine, cfg.engine)
+        engine = await asyncio.to_thread(_build_engine, cfg.engine)
     engine.shared_prefixes += tuple(tuple(engine.tokenizer.encode(t)) for t in cfg.shared_prefix_texts)
     decode = AsyncEngine(engine)
     front: AsyncEngine | PDFront = decode
     if cfg.prefill_workers:
         # Disaggregated in one process: the prefill role gets its own engine (its own pool and
         # prefix cache); the Ray deployment puts each role in its own actor instead.
-        prefill = await asyncio.to_thread(Engine, replace(cfg.engine, tiers=TierConfig()))
+        prefill = await asyncio.to_thread(_build_engine, replace(cfg.engine, tiers=TierConfig()))
         prefill.shared_prefixes = engine.shared_prefixes
         front = PDFront(AsyncEngine(prefill), decode, cfg.local_prefill_tokens)
     return engine, front

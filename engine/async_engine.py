@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 from engine.engine import Engine
 from engine.errors import RequestError, SlowReaderError
+from engine.omp import release_thread_pool
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
 
@@ -75,6 +76,10 @@ class AsyncEngine:
         self.error: BaseException | None = None
 
     def start(self) -> None:
+        """Start stepping on a thread of its own. This thread (which may have built and warmed
+        the engine) lets its OpenMP workers go, so that the step thread's pool is the only one
+        and its workers spin between parallel regions (engine.omp)."""
+        release_thread_pool()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="baton-step-loop", daemon=True)
         self._thread.start()
