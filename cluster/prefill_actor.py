@@ -38,7 +38,9 @@ from cluster.worker_membership import Registered
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.faults import ENV as FAULT_ENV
 from engine.faults import TRANSFER as TRANSFER_FAULTS
+from engine.faults import injection_enabled
 from engine.omp import release_thread_pool
 from kvcache.report import cache_report
 from kvtransfer.codec import DeviceChunk, TransferError, WireChunk
@@ -146,6 +148,8 @@ class PrefillActor(KVPublisher, Registered):
         self._loop: asyncio.Task[None] | None = None
         self.num_transfers = self.num_failed = self.num_lease_expired = 0
         self._stalled_until = 0.0  # time.monotonic(); drills only (stall)
+        self._flowing = asyncio.Event()  # cleared: pushes wait after their first chunk (drills: hold_pushes)
+        self._flowing.set()
         self.s_per_token = 0.0  # measured: step time / tokens computed, moving average
         self._warmup_steps = WARMUP_STEPS  # not measured: the first steps pay one-off costs
 
@@ -243,6 +247,18 @@ class PrefillActor(KVPublisher, Registered):
     async def stall(self, seconds: float) -> None:
         """Drills and tests only: take no step for `seconds` (an overloaded or stuck worker)."""
         self._stalled_until = time.monotonic() + seconds
+
+    async def hold_pushes(self, hold: bool) -> None:
+        """Drills and tests only: with `hold`, every push sends its first chunk and then waits
+        until `hold_pushes(False)` (its deadline still runs): a transfer in flight that stays in
+        flight for as long as a drill needs to look at it or break it, instead of one caught by
+        polling while it lasts. Refused unless the worker's environment allows fault injection."""
+        if not injection_enabled():
+            raise PermissionError(f"fault injection is off in this process (set {FAULT_ENV}=1 to allow drills)")
+        if hold:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
 
     async def stats(self) -> PrefillStats:
         self._follow_epoch()
@@ -360,6 +376,7 @@ class PrefillActor(KVPublisher, Registered):
                 # wire chunks for grpc and shm, device chunks for nccl: the worker made them per route
                 # what the chunks wait for (pages being computed, a drill's pause) is not the link's
                 paced = self._paced(source) if self.chunk_pause_s else source
+                paced = paced if self._flowing.is_set() else self._held(paced)
                 chunks = cast(AsyncIterator[WireChunk], waited.around(paced))
                 sent = self._senders[transport].send(dest, chunks, self.stream_limit_s)
                 try:
@@ -410,6 +427,14 @@ class PrefillActor(KVPublisher, Registered):
     async def _paced(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         async for chunk in chunks:
             await asyncio.sleep(self.chunk_pause_s)
+            yield chunk
+
+    async def _held(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+        first = True
+        async for chunk in chunks:
+            if not first:
+                await self._flowing.wait()  # hold_pushes(False)
+            first = False
             yield chunk
 
 

@@ -1,10 +1,10 @@
 """Fault 5 of issue 8: a client that goes away at every state of its request, streaming and
-unary, on a real local Ray (one prefill actor, one decode actor, pushes slowed so a transfer
-can be caught in flight):
+unary, on a real local Ray (one prefill actor, one decode actor):
 
     queued        its prompt waits in the prefill worker's queue (the worker's loop held by
                   the `stall` drill), no first token yet
     transferring  its first token is out, its pages are still moving to the decode worker
+                  (the prefill worker's pushes held after their first chunk: `hold_pushes`)
     decoding      tokens are streaming from the decode worker
     finishing     the last token is out, the stream's end not yet read
 
@@ -34,11 +34,12 @@ from tests.faults.conftest import MODEL, disaggregated, front_of
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(120)
 
-# A long prompt's pages move in 2-page chunks 0.3 s apart: a push takes a few seconds. Round
+# A long prompt's pages move in 2-page chunks; a transfer stays in flight while the pushes are
+# held (PrefillActor.hold_pushes), not for as long as a slowed push happens to last. Round
 # robin: every long prompt goes through the prefill worker, whatever the cost model would make
 # of this (loaded) machine's measured rates: these tests are about a client leaving.
-SLOW = DisaggConfig(num_prefill=1, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.3, transport="grpc",
-                    transfer_deadline_s=4.0, placement="round_robin")
+SLOW = DisaggConfig(num_prefill=1, num_decode=1, pages_per_chunk=2, transport="grpc", transfer_deadline_s=4.0,
+                    placement="round_robin")
 STATES = ["queued", "transferring", "decoding", "finishing"]
 
 
@@ -110,19 +111,23 @@ async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
                                    and _prefill(handle).num_inflight_transfers == 0, "decoding on the decode worker"),
         "finishing": reached.wait,
     }  # fmt: skip
-    if state == "queued":
-        await asyncio.to_thread(ray.get, prefill.actor.stall.remote(30), timeout=30)  # no prefill step for now
-    async with httpx.AsyncClient(base_url=handle.url, timeout=60) as client:
-        task = asyncio.create_task(send(client))
-        waiting = asyncio.create_task(conditions[state]())
-        done, _ = await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            task.result()  # raises: the request ended before reaching its state
-        await waiting
-        task.cancel()  # the client goes away: its connection closes
-        await asyncio.gather(task, return_exceptions=True)
-    if state == "queued":
-        await asyncio.to_thread(ray.get, prefill.actor.stall.remote(0), timeout=30)
+    drill = {"queued": (prefill.actor.stall, 30, 0),  # no prefill step for now
+             "transferring": (prefill.actor.hold_pushes, True, False)}.get(state)  # the push stays open
+    if drill is not None:
+        await asyncio.to_thread(ray.get, drill[0].remote(drill[1]), timeout=30)
+    try:
+        async with httpx.AsyncClient(base_url=handle.url, timeout=60) as client:
+            task = asyncio.create_task(send(client))
+            waiting = asyncio.create_task(conditions[state]())
+            done, _ = await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()  # raises: the request ended before reaching its state
+            await waiting
+            task.cancel()  # the client goes away: its connection closes
+            await asyncio.gather(task, return_exceptions=True)
+    finally:  # the worker as it was, also for the tests after a failed one
+        if drill is not None:
+            await asyncio.to_thread(ray.get, drill[0].remote(drill[2]), timeout=30)
 
 
 CASES = [(state, stream) for state in STATES for stream in (True, False)
@@ -173,11 +178,14 @@ def test_decode_killed_with_handoffs_pending_frees_the_prefill_side(slow1: Serve
                     async for _ in response.aiter_lines():
                         pass
 
+            prefill = front.prefills[0].actor
+            await asyncio.to_thread(ray.get, prefill.hold_pushes.remote(True), timeout=30)
             tasks = [asyncio.create_task(one(i)) for i in range(2)]
             await _until(lambda: _prefill(slow1).num_inflight_transfers == 2, "two pushes in flight")
             assert _prefill(slow1).num_pinned_pages > 0
             await asyncio.to_thread(kill_actor, front.decodes[0].actor)  # the fault happened: it is dead
             killed = time.monotonic()
+            await asyncio.to_thread(ray.get, prefill.hold_pushes.remote(False), timeout=30)  # they go on, to no one
             await _until(lambda: _prefill(slow1).num_pinned_pages == 0 and _prefill(slow1).num_inflight_transfers == 0,
                          "the prefill side's pinned pages back at baseline",
                          SLOW.transfer_deadline_s + LEASE_GRACE_S + 5)  # fmt: skip

@@ -36,12 +36,13 @@ from tests.cluster.test_ray_serving import (
 
 ray = pytest.importorskip("ray")
 
-# 12 pages of LONG in chunks of 2, 0.25 s apart: each push takes ~1.5 s. Pages over gRPC. The
-# drills below fail both pairs' pushes on purpose, one after another: with the default
-# pair_failures (3) both pairs would turn unroutable (cluster.pair_health, tested on its own
-# and across hosts), and the tests after them would find no pair to kill a transfer on.
-SLOW_PUSH = DisaggConfig(num_prefill=2, num_decode=1, pages_per_chunk=2, chunk_pause_s=0.25, transport="grpc",
-                         transfer_deadline_s=5.0, pair_failures=1000)
+# 12 pages of LONG in chunks of 2, over gRPC; a transfer is caught in flight by holding the
+# prefill workers' pushes after their first chunk (PrefillActor.hold_pushes), not by racing a
+# slowed push. The drills below fail both pairs' pushes on purpose, one after another: with the
+# default pair_failures (3) both pairs would turn unroutable (cluster.pair_health, tested on its
+# own and across hosts), and the tests after them would find no pair to kill a transfer on.
+SLOW_PUSH = DisaggConfig(num_prefill=2, num_decode=1, pages_per_chunk=2, transport="grpc", transfer_deadline_s=5.0,
+                         pair_failures=1000)
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +63,29 @@ def _kill(p: PrefillHandle) -> None:
     kill_actor(p.actor)  # the fault happened: it is dead
 
 
+def _hold(prefills: list[PrefillHandle], hold: bool) -> None:
+    """Every push of these workers stops after its first chunk (or goes on again)."""
+    for p in prefills:
+        try:
+            ray.get(p.actor.hold_pushes.remote(hold), timeout=30)
+        except ray.exceptions.RayActorError:  # killed: nothing of it left to hold
+            pass
+
+
 def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> None:
     front = front_of(slow)
     baseline = wait_decode_idle(front)
-    with httpx.Client(base_url=slow.url, timeout=60) as http:
-        body = {"model": MODEL, "prompt": LONG + "# leave", "max_tokens": 12, "stream": True, "temperature": 0}
-        with http.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.iter_lines()  # held: dropping the iterator would close the stream
-            assert next(line for line in lines if line.startswith("data:"))  # the first token
-            [pushing] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
-            assert decode_stats(front).num_open_reservations == 1  # its pages are still moving
+    _hold(front.prefills, True)
+    try:
+        with httpx.Client(base_url=slow.url, timeout=60) as http:
+            body = {"model": MODEL, "prompt": LONG + "# leave", "max_tokens": 12, "stream": True, "temperature": 0}
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()  # held: dropping the iterator would close the stream
+                assert next(line for line in lines if line.startswith("data:"))  # the first token
+                [pushing] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
+                assert decode_stats(front).num_open_reservations == 1  # its pages are still moving
+    finally:
+        _hold(front.prefills, False)
     deadline = time.monotonic() + 10  # the aborts reach both actors
     while (_prefill_stats(pushing).num_pinned_pages or decode_stats(front).num_reserved_pages) and (
         time.monotonic() < deadline
@@ -139,14 +153,18 @@ def test_prefill_killed_mid_transfer_then_all_gone(slow: ServerHandle, server: S
             first.set()
 
     reader = threading.Thread(target=read, daemon=True)
-    started = time.monotonic()
-    reader.start()
-    assert first.wait(30)
-    # The first token is out while its pages are still moving: a transfer is in flight.
-    [victim] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
-    assert _prefill_stats(victim).num_pinned_pages > 0
-    assert decode_stats(front).num_open_reservations == 1
-    _kill(victim)
+    _hold(front.prefills, True)
+    try:
+        started = time.monotonic()
+        reader.start()
+        assert first.wait(30)
+        # The first token is out while its pages are still moving: a transfer is in flight.
+        [victim] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
+        assert _prefill_stats(victim).num_pinned_pages > 0
+        assert decode_stats(front).num_open_reservations == 1
+        _kill(victim)
+    finally:
+        _hold(front.prefills, False)  # the survivor's push (the re-dispatch) goes through
 
     reader.join(60)
     assert not reader.is_alive()
