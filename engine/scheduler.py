@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -218,7 +218,8 @@ class Scheduler:
             # still being computed) goes to the held prompts: no step idles prompt work.
             for request in held:
                 num_new = min(request.num_pending, budget, prefill, self.cfg.max_prefill_chunk)
-                if num_new > 1 and request in self.running and self._take_pages(request, self._pages_needed(request, num_new)):
+                # still running: a step that preempted anything admits nothing and never gets here
+                if num_new > 1 and self._take_pages(request, self._pages_needed(request, num_new)):
                     scheduled.append(ScheduledRequest(request, num_new))
                     budget -= num_new
                     prefill -= num_new
@@ -303,9 +304,8 @@ class Scheduler:
         when that is less) lasts: in rank order under least-uncached (`ranks`; the rest after
         them by priority and arrival), else by priority and arrival. `in_flight`: the pages
         running requests are computing (grows with each admission)."""
-        order = sorted(self._waiting, key=lambda item: (item[1].req_id not in ranks, ranks.get(item[1].req_id, item[0])))
         admitted: set[int] = set()
-        for _, request in order:
+        for request in self._admission_order(ranks):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
             hit = self._reuse_prefix(request)
@@ -331,6 +331,20 @@ class Scheduler:
             self._waiting = [item for item in self._waiting if id(item[1]) not in admitted]
             heapq.heapify(self._waiting)
         return budget
+
+    def _admission_order(self, ranks: dict[str, tuple[tuple[int, float, int], int]]) -> Iterator[Request]:
+        """The waiting requests in the order `_admit` offers them places: the RANK_WINDOW
+        oldest (the ones `ranks` covers) by rank, then the rest by priority and arrival. Lazy:
+        a step that admits a few looks at RANK_WINDOW of them, not the whole queue (sorting all
+        of it was O(n log n) a step, with thousands queued in a burst)."""
+        head = heapq.nsmallest(RANK_WINDOW, self._waiting)
+        head.sort(key=lambda item: (item[1].req_id not in ranks, ranks.get(item[1].req_id, item[0])))
+        for _, request in head:
+            yield request
+        if len(head) < len(self._waiting):  # every one of the window taken or passed over
+            offered = {id(request) for _, request in head}
+            for _, request in sorted(item for item in self._waiting if id(item[1]) not in offered):
+                yield request
 
     def _uncached_estimate(self, request: Request, in_flight: set[bytes]) -> int:
         """Prompt tokens a waiting request would compute if admitted now: all of them less its
