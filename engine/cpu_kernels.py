@@ -85,7 +85,10 @@ def _build(target: Path, defines: tuple[str, ...] = ()) -> None:
 
 def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     """The compiled kernel for KV in `kv_dtype`, built on first use; None (logged once) where
-    it cannot be built, or for a KV dtype it does not read."""
+    it cannot be built, or for a KV dtype it does not read. Asked once a layer and step: after
+    the first call it is a dict lookup, without the lock."""
+    if kv_dtype in _kernels:
+        return _kernels[kv_dtype]
     with _lock:
         if kv_dtype in _kernels:
             return _kernels[kv_dtype]

@@ -29,6 +29,7 @@ import torch
 from engine.builtin import RandomModelSpec, create_model
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.sampler import TokenLogprobs
 from engine.sampling import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -181,11 +182,11 @@ def test_first_step_logits_match(case: ParityCase) -> None:
     assert worst <= FIRST_LOGITS_ATOL
 
 
-def _logprob_steps(engine: Engine, prompt: list[int]) -> list:  # type: ignore[type-arg]
+def _logprob_steps(engine: Engine, prompt: list[int]) -> list[TokenLogprobs]:
     """Greedy decode of NEW_TOKENS with TOP_LOGPROBS alternatives: each step's logprobs."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     engine.add_request("lp", prompt, params)
-    steps = []
+    steps: list[TokenLogprobs] = []
     while engine.has_unfinished():
         for out in engine.step():
             steps.extend(out.logprobs)
