@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.allocator import tune_allocator
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -69,6 +70,7 @@ class _InFlight:
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
+        tune_allocator()  # before the first activation: a step's buffers stay in the heap
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.device = torch.device(cfg.device)

@@ -34,3 +34,12 @@ def cpu_linear() -> str:
     if raw not in ("auto", "onednn", "torch"):
         raise ValueError(f"BATON_CPU_LINEAR must be auto, onednn or torch, not {raw!r}")
     return raw
+
+
+def malloc_policy() -> str:
+    """How the engine sets up glibc's malloc (BATON_MALLOC, engine.allocator): "engine" (keep a
+    step's activations in the heap; the default) or "system" (glibc's own settings)."""
+    raw = os.environ.get("BATON_MALLOC", "engine").strip().lower()
+    if raw not in ("engine", "system"):
+        raise ValueError(f"BATON_MALLOC must be engine or system, not {raw!r}")
+    return raw
