@@ -249,10 +249,12 @@ class PrefillActor(KVPublisher, Registered):
         self._stalled_until = time.monotonic() + seconds
 
     async def hold_pushes(self, hold: bool) -> None:
-        """Drills and tests only: with `hold`, every push sends its first chunk and then waits
-        until `hold_pushes(False)` (its deadline still runs): a transfer in flight that stays in
-        flight for as long as a drill needs to look at it or break it, instead of one caught by
-        polling while it lasts. Refused unless the worker's environment allows fault injection."""
+        """Drills and tests only: with `hold`, a push that starts from now on sends its first
+        chunk and then waits until `hold_pushes(False)` (its deadline still runs; an abort ends
+        it): a transfer in flight that stays in flight for as long as a drill needs to look at
+        it or break it, instead of one caught by polling while it lasts. A push already under
+        way, or one of a single chunk, is not held. Refused unless the worker's environment
+        allows fault injection."""
         if not injection_enabled():
             raise PermissionError(f"fault injection is off in this process (set {FAULT_ENV}=1 to allow drills)")
         if hold:

@@ -39,6 +39,7 @@ from cluster.pair_health import PairCollector
 from cluster.pd import PDFront
 from cluster.tenants import ApiKeys
 from cluster.tracing import TracingConfig, configure
+from engine.allocator import tune_allocator
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -274,6 +275,10 @@ def _announce(cfg: ServerConfig, name: str, auth: bool, grpc_on: bool) -> None:
 
 
 def run(cfg: ServerConfig) -> int:
+    # Before any thread has a malloc arena of its own: the step thread then shares the main
+    # heap, which keeps a step's activations (engine.allocator; Engine's own call is too late
+    # for threads that allocated before it).
+    tune_allocator()
     if cfg.disagg is None:
         uvloop.run(serve(cfg))
         return 0

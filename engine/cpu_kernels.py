@@ -87,31 +87,33 @@ def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
     """The compiled kernel for KV in `kv_dtype`, built on first use; None (logged once) where
     it cannot be built, or for a KV dtype it does not read. Asked once a layer and step: after
     the first call it is a dict lookup, without the lock."""
-    if kv_dtype in _kernels:
+    if kv_dtype in _kernels:  # only ever set once the build has ended, either way
         return _kernels[kv_dtype]
     with _lock:
-        if kv_dtype in _kernels:
-            return _kernels[kv_dtype]
-        _kernels[kv_dtype] = None
-        defines = KV_DEFINES.get(kv_dtype)
-        if defines is None:
-            return None
-        flags = " ".join((*FLAGS, *defines))
-        key = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
-        target = cache_dir() / "kernels" / f"paged_attention-{platform.machine()}-{key}.so"
-        try:
-            if not target.exists():
-                _build(target, defines)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-            logger.warning("CPU attention kernel (%s KV) unavailable (%s): decode attention uses the torch path",
-                           kv_dtype, exc)  # fmt: skip
-            return None
-        fn = lib.baton_paged_decode
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
-        _kernels[kv_dtype] = lib
-        return lib
+        if kv_dtype not in _kernels:
+            _kernels[kv_dtype] = _load_locked(kv_dtype)
+        return _kernels[kv_dtype]
+
+
+def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
+    defines = KV_DEFINES.get(kv_dtype)
+    if defines is None:
+        return None
+    flags = " ".join((*FLAGS, *defines))
+    key = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"paged_attention-{platform.machine()}-{key}.so"
+    try:
+        if not target.exists():
+            _build(target, defines)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        logger.warning("CPU attention kernel (%s KV) unavailable (%s): decode attention uses the torch path",
+                       kv_dtype, exc)  # fmt: skip
+        return None
+    fn = lib.baton_paged_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
+    return lib
 
 
 @dataclass(frozen=True, slots=True)

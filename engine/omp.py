@@ -15,7 +15,11 @@ With the building thread's pool released, the step thread's linear is back at 21
 
     release_thread_pool()   on a thread that ran torch and will not step the engine: its
                             workers exit (OpenMP 5's omp_pause_resource_all, soft); a later
-                            parallel region there would make a new pool
+                            parallel region there would make a new pool (libgomp only:
+                            a no-op with LLVM's or Intel's runtime)
+
+Not covered: two engines stepping in one process (`--no-ray` prefill and decode) have two step
+threads and two pools; so does a worker thread that runs a large torch op while it lives.
 """
 
 from __future__ import annotations
@@ -27,41 +31,49 @@ import logging
 logger = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the pool's threads exit; settings are kept
-_RUNTIMES = ("libgomp", "libomp", "libiomp")  # GNU, LLVM and Intel OpenMP
 
 
 @functools.cache
-def _runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded into this process (found in its memory map, so this
-    opens that same copy, never another), or None where there is none or no map to read."""
+def _gnu_runtimes() -> tuple[ctypes.CDLL, ...]:
+    """Every copy of libgomp loaded into this process (found in its memory map, so these open
+    the copies already there, never others): torch's, and any a wheel vendors under another
+    name (libgomp-<hash>.so). Pausing a copy only touches the calling thread's pool in that
+    copy, so all of them are asked. LLVM's and Intel's runtimes are left alone: their pause
+    puts the whole process's threads to sleep, and their spinning is not throttled this way."""
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = {line.split()[-1] for line in maps if ".so" in line}
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
     except OSError:
-        return None
+        return ()
+    found = []
     for path in sorted(paths):
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith(_RUNTIMES) and ".so" in name:
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            if hasattr(lib, "omp_pause_resource_all"):
-                lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-                lib.omp_pause_resource_all.restype = ctypes.c_int
-                return lib
-    return None
+        if not path.rsplit("/", 1)[-1].startswith("libgomp"):
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(lib, "omp_pause_resource_all"):
+            lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+            lib.omp_pause_resource_all.restype = ctypes.c_int
+            found.append(lib)
+    return tuple(found)
+
+
+def gnu_openmp() -> bool:
+    """Whether torch runs on libgomp here (what release_thread_pool acts on)."""
+    import torch  # noqa: F401  (the runtime is loaded with torch)
+
+    return bool(_gnu_runtimes())
 
 
 def release_thread_pool() -> bool:
-    """Let the calling thread's OpenMP workers exit; True when the runtime did so. Call it on
-    a thread that built or warmed an engine that another thread will step."""
+    """Let the calling thread's OpenMP workers exit; True when libgomp did so. Call it on a
+    thread that built or warmed an engine that another thread will step. A no-op elsewhere."""
     import torch  # noqa: F401  (the runtime is loaded with torch)
 
-    lib = _runtime()
-    if lib is None:
-        return False
-    released: bool = lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
-    if not released:
-        logger.debug("the OpenMP runtime kept this thread's pool")
-    return released
+    runtimes = _gnu_runtimes()
+    released = all(lib.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0 for lib in runtimes)
+    if runtimes and not released:
+        logger.debug("libgomp kept this thread's pool (called inside a parallel region?)")
+    return bool(runtimes) and released

@@ -19,19 +19,14 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from engine.omp import _runtime, release_thread_pool
+from engine.omp import gnu_openmp, release_thread_pool
 from engine.sampling import SamplingParams
 
 PR_SET_NAME = 15
 
 
-def _gnu_openmp() -> bool:
-    lib = _runtime()
-    return lib is not None and os.path.basename(lib._name).startswith("libgomp")
-
-
 pytestmark = [
-    pytest.mark.skipif(not _gnu_openmp(), reason="torch's OpenMP runtime here is not libgomp"),
+    pytest.mark.skipif(not gnu_openmp(), reason="torch's OpenMP runtime here is not libgomp"),
     pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: no OpenMP workers to count"),
 ]
 

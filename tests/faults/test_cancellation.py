@@ -111,10 +111,8 @@ async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
                                    and _prefill(handle).num_inflight_transfers == 0, "decoding on the decode worker"),
         "finishing": reached.wait,
     }  # fmt: skip
-    drill = {"queued": (prefill.actor.stall, 30, 0),  # no prefill step for now
-             "transferring": (prefill.actor.hold_pushes, True, False)}.get(state)  # the push stays open
-    if drill is not None:
-        await asyncio.to_thread(ray.get, drill[0].remote(drill[1]), timeout=30)
+    if state == "queued":
+        await asyncio.to_thread(ray.get, prefill.actor.stall.remote(30), timeout=30)  # no prefill step for now
     try:
         async with httpx.AsyncClient(base_url=handle.url, timeout=60) as client:
             task = asyncio.create_task(send(client))
@@ -126,8 +124,8 @@ async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
             task.cancel()  # the client goes away: its connection closes
             await asyncio.gather(task, return_exceptions=True)
     finally:  # the worker as it was, also for the tests after a failed one
-        if drill is not None:
-            await asyncio.to_thread(ray.get, drill[0].remote(drill[2]), timeout=30)
+        if state == "queued":
+            await asyncio.to_thread(ray.get, prefill.actor.stall.remote(0), timeout=30)
 
 
 CASES = [(state, stream) for state in STATES for stream in (True, False)
@@ -138,11 +136,19 @@ CASES = [(state, stream) for state in STATES for stream in (True, False)
 def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, state: str, stream: bool) -> None:
     assert _at_baseline(slow1)
     counts = {o: metric(slow1, "baton_requests_total", api="http", outcome=o) for o in OUTCOMES}
-    asyncio.run(_leave_at(slow1, state, stream))
-    left = time.monotonic()
-    while not _at_baseline(slow1):
-        assert time.monotonic() - left < 5.0, f"pages not back at baseline 5 s after the client left ({state})"
-        time.sleep(0.05)
+    prefill = front_of(slow1).prefills[0].actor
+    held = state == "transferring"
+    if held:  # the push stays open until the pages are back: only the client's leaving ends it
+        ray.get(prefill.hold_pushes.remote(True), timeout=30)
+    try:
+        asyncio.run(_leave_at(slow1, state, stream))
+        left = time.monotonic()
+        while not _at_baseline(slow1):
+            assert time.monotonic() - left < 5.0, f"pages not back at baseline 5 s after the client left ({state})"
+            time.sleep(0.05)
+    finally:  # the worker as it was, also for the tests after a failed one
+        if held:
+            ray.get(prefill.hold_pushes.remote(False), timeout=30)
     # The request is counted once: cancelled, or (finishing: every token was out) ok.
     expected = {"cancelled"} if state != "finishing" else {"cancelled", "ok"}
     deadline = time.monotonic() + 5.0

@@ -84,14 +84,14 @@ def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> N
                 assert next(line for line in lines if line.startswith("data:"))  # the first token
                 [pushing] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
                 assert decode_stats(front).num_open_reservations == 1  # its pages are still moving
+        deadline = time.monotonic() + 10  # the aborts reach both actors (the push is still held)
+        while (_prefill_stats(pushing).num_pinned_pages or decode_stats(front).num_reserved_pages) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert _prefill_stats(pushing).num_pinned_pages == 0
     finally:
         _hold(front.prefills, False)
-    deadline = time.monotonic() + 10  # the aborts reach both actors
-    while (_prefill_stats(pushing).num_pinned_pages or decode_stats(front).num_reserved_pages) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.05)
-    assert _prefill_stats(pushing).num_pinned_pages == 0
     stats = wait_decode_idle(front)
     assert stats.num_reserved_pages == 0 and stats.num_running == 0
     assert stats.num_free_pages_at_idle == baseline.num_free_pages_at_idle == stats.num_pages
