@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
-import threading
 
 from engine import env
 
@@ -41,18 +41,6 @@ M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: mallopt refuses more
 TRIM_BYTES = 512 << 20
-
-_lock = threading.Lock()
-_tuned: bool | None = None
-
-
-def tune_allocator() -> bool:
-    """Apply the settings above once per process; True when glibc took them."""
-    global _tuned
-    with _lock:
-        if _tuned is None:
-            _tuned = _apply()
-        return _tuned
 
 
 def glibc() -> ctypes.CDLL | None:
@@ -67,7 +55,10 @@ def glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def _apply() -> bool:
+@functools.cache
+def tune_allocator() -> bool:
+    """Apply the settings above once per process; True when glibc took them (two threads
+    racing the first call both apply them: mallopt is idempotent)."""
     if env.malloc_policy() == "system":
         return False
     libc = glibc()

@@ -186,7 +186,8 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         prefill = self._prefill_budget()  # tokens of prompt chunks this step (the ITL target)
         in_flight = self._pages_in_flight()
-        ranks = self._waiting_ranks(in_flight)
+        window = self._window()
+        ranks = self._waiting_ranks(window, in_flight)
         chunks = self._chunks(min(prefill, budget - self._num_decoding()), ranks)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -211,7 +212,7 @@ class Scheduler:
             budget -= num_new
             idx += 1
         if not preempted and prefill > 0:
-            left = self._admit(min(budget, prefill), scheduled, ranks, in_flight)
+            left = self._admit(min(budget, prefill), scheduled, window, ranks, in_flight)
             prefill -= min(budget, prefill) - left
             budget = left
             # What the waiting requests were ranked for but did not take (no pages, a prefix
@@ -230,13 +231,21 @@ class Scheduler:
     def _num_decoding(self) -> int:
         return sum(1 for r in self.running if r.num_pending == 1 and not r.finishing)
 
-    def _waiting_ranks(self, in_flight: set[bytes]) -> dict[str, tuple[tuple[int, float, int], int]]:
-        """least-uncached: the rank and estimated uncached tokens of the RANK_WINDOW oldest
-        waiting requests (by priority, then arrival); {} under fcfs."""
-        if self.cfg.policy == "fcfs" or not self._waiting:
+    def _window(self) -> list[tuple[tuple[int, int], Request]]:
+        """The RANK_WINDOW oldest waiting requests (by priority, then arrival), oldest first:
+        the ones a step ranks and offers places to first. Taken once a step: nothing joins or
+        leaves the queue between the ranking and the admissions of a step that admits."""
+        return heapq.nsmallest(RANK_WINDOW, self._waiting)
+
+    def _waiting_ranks(
+        self, window: list[tuple[tuple[int, int], Request]], in_flight: set[bytes]
+    ) -> dict[str, tuple[tuple[int, float, int], int]]:
+        """least-uncached: the rank and estimated uncached tokens of each request in `window`;
+        {} under fcfs."""
+        if self.cfg.policy == "fcfs":
             return {}
         ranks = {}
-        for _, request in heapq.nsmallest(RANK_WINDOW, self._waiting):
+        for _, request in window:
             need = self._uncached_estimate(request, in_flight)
             ranks[request.req_id] = (self._rank(request, need), need)
         return ranks
@@ -297,15 +306,15 @@ class Scheduler:
                 return False
 
     def _admit(
-        self, budget: int, scheduled: list[ScheduledRequest], ranks: dict[str, tuple[tuple[int, float, int], int]],
-        in_flight: set[bytes],
+        self, budget: int, scheduled: list[ScheduledRequest], window: list[tuple[tuple[int, int], Request]],
+        ranks: dict[str, tuple[tuple[int, float, int], int]], in_flight: set[bytes],
     ) -> int:  # fmt: skip
         """Admit waiting requests while `budget` (the step's tokens left, or its prefill budget
         when that is less) lasts: in rank order under least-uncached (`ranks`; the rest after
         them by priority and arrival), else by priority and arrival. `in_flight`: the pages
         running requests are computing (grows with each admission)."""
         admitted: set[int] = set()
-        for request in self._admission_order(ranks):
+        for request in self._admission_order(window, ranks):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
             hit = self._reuse_prefix(request)
@@ -332,13 +341,14 @@ class Scheduler:
             heapq.heapify(self._waiting)
         return budget
 
-    def _admission_order(self, ranks: dict[str, tuple[tuple[int, float, int], int]]) -> Iterator[Request]:
-        """The waiting requests in the order `_admit` offers them places: the RANK_WINDOW
-        oldest (the ones `ranks` covers) by rank, then the rest by priority and arrival. Lazy:
-        a step that admits a few looks at RANK_WINDOW of them, not the whole queue (sorting all
-        of it was O(n log n) a step, with thousands queued in a burst)."""
-        head = heapq.nsmallest(RANK_WINDOW, self._waiting)
-        head.sort(key=lambda item: (item[1].req_id not in ranks, ranks.get(item[1].req_id, item[0])))
+    def _admission_order(
+        self, window: list[tuple[tuple[int, int], Request]], ranks: dict[str, tuple[tuple[int, float, int], int]]
+    ) -> Iterator[Request]:
+        """The waiting requests in the order `_admit` offers them places: the `window` (the
+        ones `ranks` covers) by rank, then the rest by priority and arrival. Lazy: a step that
+        admits a few looks at the window, not the whole queue (sorting all of it was
+        O(n log n) a step, with thousands queued in a burst)."""
+        head = sorted(window, key=lambda item: (item[1].req_id not in ranks, ranks.get(item[1].req_id, item[0])))
         for _, request in head:
             yield request
         if len(head) < len(self._waiting):  # every one of the window taken or passed over
