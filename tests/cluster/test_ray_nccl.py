@@ -23,7 +23,8 @@ from tests.cluster.test_ray_serving import LONG, MODEL, OTHER, front_of, metric,
 
 ray = pytest.importorskip("ray")
 
-NCCL = DisaggConfig(num_prefill=1, num_decode=1, transport="nccl", pages_per_chunk=2)
+# round_robin: a known route for every uncached prompt (test_ray_serving.py's pd says why)
+NCCL = DisaggConfig(num_prefill=1, num_decode=1, transport="nccl", pages_per_chunk=2, placement="round_robin")
 
 
 @pytest.fixture(scope="module")

@@ -41,8 +41,10 @@ ray = pytest.importorskip("ray")
 # slowed push. The drills below fail both pairs' pushes on purpose, one after another: with the
 # default pair_failures (3) both pairs would turn unroutable (cluster.pair_health, tested on its
 # own and across hosts), and the tests after them would find no pair to kill a transfer on.
+# round_robin: each uncached prompt goes to a prefill worker whatever the links measured (held
+# and stalled pushes here; tests/cluster/test_ray_serving.py's pd says more).
 SLOW_PUSH = DisaggConfig(num_prefill=2, num_decode=1, pages_per_chunk=2, transport="grpc", transfer_deadline_s=5.0,
-                         pair_failures=1000)
+                         pair_failures=1000, placement="round_robin")
 
 
 @pytest.fixture(scope="module")
