@@ -68,26 +68,29 @@ async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int
         if endpoint is not None:
             await sender.connect(worker.address, *await endpoint.listen())
 
-    job = PrefillJob("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
-    dest = worker.reserve(job, sender_epoch=1)
-    assert dest is not None
-    pages = exported.kv  # page-major block, as the prefill worker sends it
-    start = time.perf_counter()
-    if endpoint is not None:  # chunks made where the pages live (a digest, no encoding)
-        chunks: Any = device_chunks(dest, pages, 1, 0, pages_per_chunk)
-    else:
-        chunks = build_chunks(dest, pages, 1, pages_per_chunk)
-    result = await sender.send(dest, chunks, 60.0)
-    seconds = time.perf_counter() - start
-    assert result.accepted, result.error
-    worker.cancel(dest)
-    if server is not None:
-        await sender.close()
-        await server.stop(None)
-    if region is not None:
-        region.close()
-    if endpoint is not None:
-        endpoint.close()
+    try:
+        job = PrefillJob("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
+        dest = worker.reserve(job, sender_epoch=1)
+        assert dest is not None
+        pages = exported.kv  # page-major block, as the prefill worker sends it
+        start = time.perf_counter()
+        if endpoint is not None:  # chunks made where the pages live (a digest, no encoding)
+            chunks: Any = device_chunks(dest, pages, 1, 0, pages_per_chunk)
+        else:
+            chunks = build_chunks(dest, pages, 1, pages_per_chunk)
+        result = await sender.send(dest, chunks, 60.0)
+        seconds = time.perf_counter() - start
+        if not result.accepted:
+            raise RuntimeError(f"the {transport} push failed: {result.error}")
+        worker.cancel(dest)
+    finally:  # a failed push too: no server outlives its event loop
+        if server is not None:
+            await sender.close()
+            await server.stop(None)
+        if region is not None:
+            region.close()
+        if endpoint is not None:
+            endpoint.close()
     return seconds, exported.kv.numel() * exported.kv.element_size()
 
 

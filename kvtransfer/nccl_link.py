@@ -70,6 +70,7 @@ class _Link:
     channel: NcclChannel
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     name: str = ""  # the channel's name on the decode side
+    joined: asyncio.Event = field(default_factory=asyncio.Event)  # decode side: its join ended, either way
 
 
 class NcclEndpoint:
@@ -88,7 +89,7 @@ class NcclEndpoint:
         self._closed = False
         name, uid = secrets.token_hex(8), make_uid(self.device)
         channel = NcclChannel(lambda: self._connect(uid, 1, self.device), peer=0)
-        self._links[name] = _Link(channel, name=name)
+        link = self._links[name] = _Link(channel, name=name)
 
         async def join() -> None:
             opened = False
@@ -99,6 +100,7 @@ class NcclEndpoint:
                 logger.warning("nccl channel %s did not open: %s", name, err.reason)
                 self._links.pop(name, None)
             finally:
+                link.joined.set()
                 if opened and not self._closed:  # the peer may still be reading the rendezvous
                     self._uids.add(uid)
                     asyncio.get_running_loop().call_later(deadline_s, self._forget, uid)
@@ -174,7 +176,15 @@ async def _receive(
             header = msg.header
             state.same_transfer(header)
             link = endpoint.get(msg.channel)
-            if link is None:
+            if link is not None and link.channel.state is ChannelState.NEW:
+                # The sender's side of the rendezvous ended first: this side's join is still
+                # coming back from its thread (a busy host), and its push is already here.
+                try:
+                    await asyncio.wait_for(link.joined.wait(), _left(context))
+                except TimeoutError:
+                    raise TransferError("the channel did not open in time") from None
+                link = endpoint.get(msg.channel)
+            if link is None or link.channel.state is ChannelState.NEW:
                 raise TransferError("no such channel")
             async with link.lock:
                 buf = staging.prepare(header)  # refused: no recv is posted, nothing changes

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import torch
 from kvcache.pool import DevicePool, KVLayout
 from kvtransfer.codec import DeviceChunk
 from kvtransfer.grpc_transport import start_kv_server
-from kvtransfer.nccl import GLOO_UID, LoopbackFabric, device_chunks
+from kvtransfer.nccl import GLOO_UID, ChannelState, LoopbackFabric, device_chunks
 from kvtransfer.nccl_link import NcclEndpoint, NcclSender, nccl_handler
 from kvtransfer.transport import KVDestination, PoolReceiver, Reservation, ReservationBook
 
@@ -175,6 +177,48 @@ async def test_a_push_naming_no_channel_is_refused() -> None:
         result = await sender.send(dest, device_chunks(dest, _kv(2), EPOCH), 5.0)
         assert not result.accepted and result.error == "no such channel"
         assert not decode.released  # the token was never proven: nothing is cancelled
+
+
+async def test_a_push_that_arrives_before_the_decode_side_has_joined_waits_for_it() -> None:
+    """The prefill side's rendezvous can end first (the decode side's join is still coming back
+    from its thread on a busy host): its push then finds the channel not yet open, waits for
+    the join, and moves its pages. The join is held until the push has seen the channel new."""
+    fabric = LoopbackFabric()
+    gate = threading.Event()
+
+    def held(uid: bytes, rank: int, dev: torch.device) -> Any:
+        assert gate.wait(10)
+        return fabric.comm(rank)
+
+    endpoint = NcclEndpoint(CPU, connect=held)
+    sender = NcclSender(CPU, connect=lambda uid, rank, dev: fabric.comm(rank))
+    decode = Decode(endpoint)
+    await decode.start()
+    get = endpoint.get
+    seen: list[ChannelState] = []
+
+    def get_then_open(name: str) -> Any:
+        link = get(name)
+        if link is not None and not seen:
+            seen.append(link.channel.state)
+            gate.set()  # the push has found the channel; now let the decode side's join end
+        return link
+
+    endpoint.get = get_then_open  # type: ignore[method-assign]
+    try:
+        name, uid = await endpoint.listen(deadline_s=10.0)
+        await sender.connect(decode.address, name, uid, deadline_s=10.0)
+        dest = decode.reserve(3)
+        kv = _kv(3)
+        result = await sender.send(dest, device_chunks(dest, kv, EPOCH, pages_per_chunk=2), 10.0)
+        assert seen == [ChannelState.NEW]  # the case this is about happened
+        assert result.accepted and result.pages_received == 3, result.error
+        assert torch.equal(decode.pages(dest), kv)
+    finally:
+        gate.set()
+        await sender.close()
+        endpoint.close()
+        await decode.server.stop(None)
 
 
 async def test_host_chunks_are_refused_by_the_nccl_sender() -> None:
