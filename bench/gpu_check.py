@@ -427,9 +427,9 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
             per_layer += s
     if engine.runner.decode_backend == "triton":
         result["attention_partitions"] = _time_partitions(plan, engine, ctx, reps)
-    if model.fused:
-        from engine.triton_ops import add_rms_norm, rope_and_cache, silu_mul
-
+    if model.fused_ops is not None:  # the model's own: Triton's on CUDA, the compiled CPU ones on CPU
+        ops = model.fused_ops
+        add_rms_norm, rope_and_cache, silu_mul = ops.add_rms_norm, ops.rope_and_cache, ops.silu_mul
         h = x.clone()
         act = x.numel() * x.element_size()
         per_layer += 2 * row("add_rms_norm", lambda: add_rms_norm(h, x, layer.input_norm, 1e-5), 3 * act)

@@ -43,7 +43,9 @@ from engine.env import c_compiler, cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c")  # one library: the kernels and engine.cpu_ops'
+HEADERS = (CSRC / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-std=c11")  # fmt: skip
 SPLIT_PAGES = 32  # a part's pages at most: long contexts split so both cores work on one row
@@ -74,8 +76,8 @@ def _build(target: Path, defines: tuple[str, ...] = ()) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, *defines, str(SOURCE), "-o", str(partial), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+        subprocess.run([compiler, *FLAGS, *defines, f"-I{CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)  # fmt: skip
         os.replace(partial, target)
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-2000:]}") from None
@@ -100,7 +102,8 @@ def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
     if defines is None:
         return None
     flags = " ".join((*FLAGS, *defines))
-    key = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"paged_attention-{platform.machine()}-{key}.so"
     try:
         if not target.exists():
@@ -113,6 +116,13 @@ def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
     fn = lib.baton_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.baton_add_rms_norm.restype = None
+    lib.baton_add_rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float]
+    lib.baton_silu_mul.restype = None
+    lib.baton_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.baton_rope_and_cache.restype = ctypes.c_int
+    lib.baton_rope_and_cache.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
     return lib
 
 

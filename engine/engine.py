@@ -24,7 +24,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.faults import FaultPoints
 from engine.loader import checkpoint_fingerprint, load_state_dict
-from engine.model import CausalLM
+from engine.model import CausalLM, FusedOps
 from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import PENDING, Carry, ForwardResult, ModelRunner, RunResult
@@ -65,6 +65,21 @@ class _InFlight:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+
+def _fused_ops(backend: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> FusedOps | None:
+    """The model's fused elementwise kernels for this attention backend: Triton's on CUDA, the
+    compiled CPU ones for a float32 model on the cpu backend (its library is already built:
+    the backend was resolved by loading it); else None, the torch ops."""
+    if backend == "triton" and device.type == "cuda":
+        from engine import triton_ops
+
+        return triton_ops
+    if backend == "cpu" and device.type == "cpu" and dtype == torch.float32:
+        from engine.cpu_ops import CpuOps
+
+        return CpuOps(kv_dtype)
+    return None
 
 
 class Engine:
@@ -109,7 +124,7 @@ class Engine:
         # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
         backend = cfg.resolve_attention_backend(self.model.dtype, self.kv_dtype)
-        self.model.fused = backend == "triton" and self.device.type == "cuda"
+        self.model.fused_ops = _fused_ops(backend, self.device, self.model.dtype, self.kv_dtype)
         graphs = None
         if self.device.type == "cuda" and backend == "triton" and cfg.cuda_graph_max_batch > 0:
             graphs = DecodeGraphs(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,16 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+
+
+class FusedOps(Protocol):
+    """A layer's elementwise work in three fused calls: engine.triton_ops (CUDA) or
+    engine.cpu_ops.CpuOps (CPU), same signatures and roundings."""
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, /) -> torch.Tensor: ...
+    def rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, /) -> torch.Tensor: ...  # fmt: skip
+    def silu_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,9 +79,10 @@ class CausalLM:
                                 gate_up=prepare(self.linear, layer.gate_up), down=prepare(self.linear, layer.down))
             for layer in self.layers
         ]  # fmt: skip
-        # CUDA with Triton: the elementwise work runs in engine.triton_ops' fused kernels
-        # (same roundings); the engine turns it on with the triton attention backend.
-        self.fused = False
+        # The elementwise work in fused kernels (FusedOps): engine.triton_ops on CUDA with the
+        # triton attention backend, engine.cpu_ops on CPU float32 with the cpu one; the engine
+        # sets it. None: the torch ops below.
+        self.fused_ops: FusedOps | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,8 +113,8 @@ class CausalLM:
         meta: AttnMetadata,
         pool: DevicePool,
     ) -> torch.Tensor:
-        if self.fused:
-            return self._forward_fused(input_ids, positions, meta, pool)
+        if self.fused_ops is not None:
+            return self._forward_fused(self.fused_ops, input_ids, positions, meta, pool)
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions)  # [T, head_dim] each
@@ -126,15 +138,15 @@ class CausalLM:
 
     def _forward_fused(
         self,
+        ops: FusedOps,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttnMetadata,
         pool: DevicePool,
     ) -> torch.Tensor:
-        """The same layers with nine launches each: the residual add fused into the next
+        """The same layers with nine calls each: the residual add fused into the next
         RMSNorm, RoPE fused with the KV write, SiLU fused with the up product."""
-        from engine.triton_ops import add_rms_norm, rope_and_cache, silu_mul
-
+        add_rms_norm, rope_and_cache, silu_mul = ops.add_rms_norm, ops.rope_and_cache, ops.silu_mul
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # [T, hidden]: the residual stream, updated in place
         delta: torch.Tensor | None = None

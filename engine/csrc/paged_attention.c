@@ -30,21 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(KV_BF16)
-typedef uint16_t kv_t;  /* bfloat16: the high half of a float32 */
-static inline float ld(kv_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#elif defined(KV_F16)
-typedef _Float16 kv_t;  /* IEEE half: F16C converts it */
-static inline float ld(kv_t x) { return (float)x; }
-#else
-typedef float kv_t;
-static inline float ld(kv_t x) { return x; }
-#endif
+#include "common.h"
 
 #define MAX_PAGE 64   /* keys per page this kernel handles (baton's default is 16) */
 #define MAX_DIM 512   /* head_dim */
@@ -53,26 +39,10 @@ typedef struct {
     int32_t row_start, row_end, page_offset, num_keys, slot;
 } item_t;
 
-/* x[i] = e^x[i], |relative error| < 2e-7 over the range softmax uses (x <= 0): a Cephes-style
- * polynomial in plain arithmetic so the loop vectorizes (a call to expf would not). */
+/* x[i] = e^x[i] for x[i] <= 0 (common.h's exp_le0), vectorized. */
 static inline void exp_inplace(float *restrict x, int n) {
 #pragma omp simd
-    for (int i = 0; i < n; i++) {
-        float v = x[i] < -87.0f ? -87.0f : (x[i] > 88.0f ? 88.0f : x[i]);
-        float k = __builtin_floorf(v * 1.44269504088896341f + 0.5f);
-        float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        p = p * r * r + r + 1.0f;
-        int32_t bits = ((int32_t)k + 127) << 23;
-        float scale;
-        memcpy(&scale, &bits, sizeof scale);
-        x[i] = p * scale;
-    }
+    for (int i = 0; i < n; i++) x[i] = exp_le0(x[i]);
 }
 
 /* One query against one page of 16 keys (baton's page size) when head_dim is a multiple of

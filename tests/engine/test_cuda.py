@@ -32,7 +32,7 @@ def test_cuda_bf16_engine_tracks_the_cpu_float32_engine(tiny_model_dir: Path) ->
 
 def test_cuda_engine_decodes_through_triton_and_cuda_graphs(tiny_model_dir: Path) -> None:
     gpu = Engine(EngineConfig(model=str(tiny_model_dir), device="cuda", max_model_len=512, max_num_seqs=8))
-    assert gpu.runner.decode_backend == "triton" and gpu.model.fused
+    assert gpu.runner.decode_backend == "triton" and gpu.model.fused_ops is not None
     assert gpu.runner.graphs is not None and gpu.runner.graphs.num_graphs == len(gpu.runner.graphs.sizes)
     assert gpu.async_scheduling  # on by default with graphs
     params = SamplingParams(max_tokens=24, temperature=0.0)

@@ -112,7 +112,7 @@ def test_silu_mul_equals_silu_times_up(ops: ModuleType, dtype: torch.dtype) -> N
 def test_engine_on_the_fused_path_matches_the_plain_engine(ops: ModuleType, tiny_model_dir: Path) -> None:
     cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=128, num_pages=32)
     plain, fused = Engine(cfg), Engine(cfg)
-    fused.model.fused = True
+    fused.model.fused_ops = ops  # type: ignore[assignment]
     fused.runner.decode_backend = "triton"
     prompts = [[3, 50, 900, 7] * 5, [11, 12]]
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
