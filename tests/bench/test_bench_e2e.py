@@ -196,3 +196,15 @@ async def test_failures_are_results_and_a_timeout_frees_the_server(baton: Baton,
         await wrong.aclose()
     assert not missing.ok and missing.error is not None
     assert missing.error.startswith("gRPC NOT_FOUND" if kind == "grpc" else "HTTP 404"), missing.error
+
+
+def test_p13_takes_its_rounds_against_the_server(baton: Baton, tmp_path: Path) -> None:
+    """bench.p13: an offline step in a child process, then the served c=1 ITL, as one round."""
+    from bench import p13
+
+    out = tmp_path / "p13.json"
+    assert p13.main(["--url", baton.handle.url, "--model", MODEL, "--rounds", "1", "--requests", "1",
+                     "--out", str(out)]) == 0  # fmt: skip
+    [r] = json.loads(out.read_text())["rounds"]
+    assert r["offline_step_ms"] > 0 and r["served_itl_p50_ms"] > 0
+    assert r["ratio"] == round(r["served_itl_p50_ms"] / r["offline_step_ms"], 3)
