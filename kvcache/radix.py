@@ -22,6 +22,7 @@ Every change is published as a KV event with the worker's epoch and a sequence n
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -100,6 +101,13 @@ class PrefixCache:
         self._reader: ThreadPoolExecutor | None = None
         self._clock = 0
         self._seq = 0
+        # Per tier a heap of (last_access, tiebreak, node), pushed whenever a node may have
+        # become an eviction candidate (added, touched, arrived in the tier, lost its last
+        # child there); entries that no longer say the truth are skipped when popped. An
+        # eviction reads O(victims + entries skipped) of it, not the whole tree: a full cache
+        # of 16k pages had scanned every node for each page a step allocated.
+        self._heaps: dict[Tier, list[tuple[int, int, Node]]] = {Tier.DEVICE: [], Tier.HOST: []}
+        self._tiebreak = itertools.count()
         self.stats = CacheStats()
 
     @property
@@ -157,6 +165,7 @@ class PrefixCache:
                     break
                 fresh.pop(0)
             node.last_access = self._clock
+            self._candidate(node)
             self.pages.share([node.page_id])
             self.stats.hit_pages_by_tier[tier] += 1
             found.append(node.page_id)
@@ -211,7 +220,9 @@ class PrefixCache:
                 stored.append(page_hash)
             elif node.tier != Tier.DEVICE:
                 break  # cached below; a later match promotes it
-            node.last_access = self._clock
+            if node.last_access != self._clock:
+                node.last_access = self._clock
+                self._candidate(node)
             parent = node
         if stored:
             self.stats.inserted_pages += len(stored)
@@ -272,26 +283,40 @@ class PrefixCache:
     def _lru(self, tier: Tier, limit: int) -> list[Node]:
         """Up to `limit` evictable nodes of a tier, least recently used first (parents become
         candidates once their children in that tier are gone)."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes.values() if self._is_evictable(n, tier)]
-        heapq.heapify(heap)
+        heap = self._heaps[tier]
         out: list[Node] = []
         taken: set[int] = set()
+        held: list[tuple[int, int, Node]] = []  # in use or pinned now: candidates again after
         while heap and len(out) < limit:
-            _, _, node = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            last_access, _, node = entry
+            if (id(node) in taken or node.tier != tier or node.last_access != last_access
+                    or self._nodes.get(node.hash) is not node):  # fmt: skip
+                continue  # stale: touched since (a newer entry says so), moved, or gone
+            if any(c.tier <= tier and id(c) not in taken for c in node.children):
+                continue  # inner: a candidate again when its last child in the tier leaves
+            if id(node) in self._pinned or (tier == Tier.DEVICE and self.pages.refcount(node.page_id) != 1):
+                held.append(entry)
+                continue
             out.append(node)
             taken.add(id(node))
-            parent = node.parent
-            if parent is not None and parent.tier == tier and self._is_evictable(parent, tier, taken):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            if node.parent is not None and node.parent.tier == tier:
+                self._candidate(node.parent)
+        for entry in held:
+            heapq.heappush(heap, entry)
         return out
 
-    def _is_evictable(self, node: Node, tier: Tier, leaving: set[int] | None = None) -> bool:
-        if node.tier != tier or id(node) in self._pinned:
-            return False
-        if tier == Tier.DEVICE and self.pages.refcount(node.page_id) != 1:
-            return False
-        left = leaving or set()
-        return not any(c.tier <= tier and id(c) not in left for c in node.children)
+    def _candidate(self, node: Node) -> None:
+        """`node` may be evictable from its tier now, or later (checked when popped)."""
+        heap = self._heaps.get(node.tier)
+        if heap is None:
+            return
+        if len(heap) > 2 * len(self._nodes) + 1024:  # mostly stale entries (every touch adds one): rebuild
+            heap[:] = [(n.last_access, next(self._tiebreak), n) for n in self._nodes.values() if n.tier == node.tier]
+            heapq.heapify(heap)  # amortised: a rebuild per len(tree) pushes at most
+            if node.hash in self._nodes:
+                return  # it is in the rebuilt heap, as it is now
+        heapq.heappush(heap, (node.last_access, next(self._tiebreak), node))
 
     def _demote_from_device(self, node: Node) -> None:
         assert self.device is not None or (self.host is None and self.disk is None)
@@ -311,6 +336,9 @@ class PrefixCache:
 
     def _to_host(self, node: Node, slot: int) -> None:
         node.tier, node.page_id = Tier.HOST, slot
+        self._candidate(node)
+        if node.parent is not None:
+            self._candidate(node.parent)
         self.stats.demoted_pages += 1
         self._emit(EventKind.TIER_CHANGED, [node.hash], Tier.HOST)
 
@@ -367,6 +395,7 @@ class PrefixCache:
             self.disk.remove(page_hash)
         else:
             node.tier, node.page_id = Tier.DEVICE, page_id
+            self._candidate(node)
         self.stats.promoted_pages += 1
         self._emit(EventKind.TIER_CHANGED, [page_hash], Tier.DEVICE)
         return node
@@ -392,12 +421,15 @@ class PrefixCache:
         self._nodes[page_hash] = node
         if parent is not None:
             parent.children.add(node)
+        self._candidate(node)
         return node
 
     def _remove(self, node: Node) -> None:
         del self._nodes[node.hash]
         if node.parent is not None:
             node.parent.children.discard(node)
+            if node.parent.hash in self._nodes:
+                self._candidate(node.parent)
 
     def _forget(self, node: Node) -> None:
         """Remove a node wherever it lives, releasing its storage."""
@@ -442,5 +474,10 @@ class PrefixCache:
                     raise AssertionError("a cached page's parent is not in the tree")
                 if node not in node.parent.children or node.parent.tier > node.tier:
                     raise AssertionError("parent/child links or tier order broken")
+        for tier, heap in self._heaps.items():  # every leaf of a tier is an eviction candidate
+            live = {id(n) for la, _, n in heap if n.tier == tier and n.last_access == la and self._nodes.get(n.hash) is n}
+            for node in self._nodes.values():
+                if node.tier == tier and not any(c.tier <= tier for c in node.children) and id(node) not in live:
+                    raise AssertionError(f"{tier.name} page {node.page_id} is a leaf but no eviction candidate")
         if self.host is not None:
             self.host.check_integrity(len(host_slots))
