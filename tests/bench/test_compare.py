@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,7 +141,8 @@ def test_a_small_comparison_end_to_end(baton: ServerHandle, tmp_path: Path, caps
     gone = f"http://127.0.0.1:{free_port()}"  # a peer that is not running: its cells fail, the rest go on
     code = main(["--target", f"baton={baton.url}", "--target", f"again={baton.url},baton-tiny",
                  "--target", f"gone={gone},baton-tiny", "--grid", "random:1,2", "--requests", "3",
-                 "--cell-cap", "60", "--floor", "gone", "--out", str(out), "--plot", str(png)])  # fmt: skip
+                 "--cell-cap", "60", "--floor", "gone", "--out", str(out), "--plot", str(png),
+                 "--quiet-idle", "0"])  # fmt: skip  (the test's own server is busy in this process)
     assert code == 1  # not every target finished its requests
     doc = json.loads(out.read_text())
     assert doc == json.loads(capsys.readouterr().out)
@@ -207,3 +211,17 @@ def test_a_replayed_cell_is_compared_on_goodput_and_its_tables_render_again() ->
     doc["runs"][0]["label"] = "burst-agent"  # neither closed-loop nor a replay
     with pytest.raises(ValueError, match="neither closed-loop nor a replay"):
         tables_of(doc)
+
+
+async def test_quiet_waits_for_idle_cpus_or_gives_up_at_its_bound() -> None:
+    from bench.compare import quiet
+
+    assert await quiet(0.0, 5.0) == 0.0  # asked for nothing: no wait
+    assert await quiet(1.01, 0.3) == 0.3  # never that idle: it waits its bound, then says so
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        assert await quiet(0.9, 0.6) == 0.6  # every CPU busy: not quiet within the bound
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
