@@ -70,4 +70,8 @@ def test_a_prefill_steps_activations_are_not_faulted_in_anew(tiny_model_dir: Pat
     engine = _faults_per_step(tiny_model_dir, "engine")
     print(f"[allocator] minor faults per prefill step: glibc's settings {system:.0f}, the engine's {engine:.0f}")
     assert system > GATE_UP_PAGES  # the check can fail: without the settings the buffers come back each step
-    assert engine < GATE_UP_PAGES / 10
+    # 0-2 faults a step in a quiet process; up to ~850 in the full suite, and 170-850 in a
+    # process that has just built the CPU kernels into a fresh cache dir (cause not found: a
+    # plain child process leaves none). The gate_up buffer unmapped and mapped again each
+    # step is 4,096 by itself, which is what this guards against.
+    assert engine < GATE_UP_PAGES / 2
