@@ -76,10 +76,7 @@ async def _pair(fabric: LoopbackFabric | None = None) -> AsyncIterator[tuple[Dec
     await decode.start()
     try:
         name, uid = await endpoint.listen(deadline_s=10.0)
-        await sender.connect(decode.address, name, uid, deadline_s=10.0)
-        async with asyncio.timeout(10):
-            while endpoint.num_open < 1:
-                await asyncio.sleep(0.01)
+        await sender.connect(decode.address, name, uid, deadline_s=10.0)  # a push waits for decode's join
         yield decode, sender
     finally:
         await sender.close()
