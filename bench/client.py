@@ -2,11 +2,13 @@
 request: TTFT, every inter-chunk interval, end-to-end latency, token counts and the server's
 cached-token count.
 
-httpx rather than aiohttp: it is already in the environment (openai depends on it), aiohttp
-is not, and its pure-Python HTTP/1.1 parser costs a few tens of microseconds per chunk, small
-beside a server's per-token work even when both share two cores. One `httpx.AsyncClient` per
-run; with `new_connection` it keeps no idle connections, so every request opens its own
-(llama-server closes idle keep-alive connections in a way that races with reuse).
+aiohttp, as vLLM's serving benchmark uses: its HTTP/1.1 parser is C (llhttp). The client shares
+the machine with the server it measures, so its CPU per token is taken from the server: on the
+2-core machine at c=1 (128 tokens a request, streamed) httpx's pure-Python parser cost 345 us of
+CPU per token, aiohttp 192 us, aiohttp on uvloop 138 us (the bench commands run on uvloop:
+`bench.transport.run`). One `aiohttp.ClientSession` per run, no connection limit; with
+`new_connection` every request opens its own connection and closes it (llama-server closes idle
+keep-alive connections in a way that races with reuse).
 
 Timing: TTFT is the first SSE event that carries text or token ids; each later such event adds
 one inter-token interval (per chunk, as a user sees it; a chunk may carry several tokens, which
@@ -24,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from bench.transport import CompletionRequest, StreamResult
 
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ERROR_BODY = 2048  # bytes of an error response kept for the report
 LINES_PER_TOKEN = 16  # bound on SSE lines read per requested token (data + blank + slack)
+MAX_LINE_BYTES = 4 << 20  # one SSE line (an event with logprobs is long; a runaway one is not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,19 +155,22 @@ class StreamClient:
 
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        if config.new_connection:
-            headers["Connection"] = "close"
-        keepalive = 0 if config.new_connection else None
-        self._http = httpx.AsyncClient(
-            base_url=config.url.rstrip("/"),
-            headers=headers,
-            # No pool limit: an open-loop run must not queue requests inside the client,
-            # where the wait would be charged to the server's TTFT.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=keepalive),
-            timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
-            trust_env=False,  # loopback benchmarks must not go through a proxy from the env
-        )
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._url = config.url.rstrip("/")
+        self._http: aiohttp.ClientSession | None = None  # made on the running loop, at first use
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                headers=self._headers,
+                # No pool limit: an open-loop run must not queue requests inside the client,
+                # where the wait would be charged to the server's TTFT.
+                connector=aiohttp.TCPConnector(limit=0, force_close=self.config.new_connection),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s),
+                read_bufsize=MAX_LINE_BYTES // 2,  # a line may be up to twice this (aiohttp's high-water mark)
+                trust_env=False,  # loopback benchmarks must not go through a proxy from the env
+            )
+        return self._http
 
     async def __aenter__(self) -> StreamClient:
         return self
@@ -173,7 +179,9 @@ class StreamClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     async def complete(self, req: CompletionRequest, timeout_s: float) -> StreamResult:
         """One streamed completion; never raises for a server or network failure."""
@@ -184,7 +192,7 @@ class StreamClient:
                 error = await self._run(req, stream)
         except TimeoutError:
             error = f"timeout after {timeout_s:.1f} s"
-        except (httpx.HTTPError, OSError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         if error is None and not stream.done:
             error = "stream ended before [DONE]"
@@ -194,39 +202,31 @@ class StreamClient:
 
     async def _run(self, req: CompletionRequest, stream: _Stream) -> str | None:
         payload = completion_payload(self.config.model, req)
-        async with self._http.stream("POST", "/v1/completions", json=payload) as response:
-            if response.status_code != 200:
-                body = await _read_bounded(response)
-                return f"HTTP {response.status_code}: {body}"
+        async with self._session().post(f"{self._url}/v1/completions", json=payload) as response:
+            if response.status != 200:
+                body = await response.content.read(MAX_ERROR_BODY)
+                return f"HTTP {response.status}: {body.decode('utf-8', 'replace').strip()}"
             decoder = SSEDecoder()
             max_lines = LINES_PER_TOKEN * (req.output_len + 8)
             n = 0
-            async for line in response.aiter_lines():
+            async for raw in response.content:  # one line each, its terminator included
                 n += 1
                 if n > max_lines:
                     return f"stream exceeded {max_lines} lines"
-                data = decoder.feed(line)
+                data = decoder.feed(raw.decode("utf-8").rstrip("\r\n"))
                 if data is not None and not stream.done:
                     stream.on_event(data, time.perf_counter())
-            # No break at [DONE]: reading the body to its end is what lets httpx return the
-            # connection to the pool for keep-alive reuse.
+            # No break at [DONE]: reading the body to its end is what lets the connection go
+            # back to the pool for keep-alive reuse.
         return None
-
-
-async def _read_bounded(response: httpx.Response) -> str:
-    body = b""
-    async for chunk in response.aiter_bytes():
-        body += chunk
-        if len(body) >= MAX_ERROR_BODY:
-            break
-    return body[:MAX_ERROR_BODY].decode("utf-8", "replace").strip()
 
 
 async def list_models(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> list[str]:
     """Model ids from `GET /v1/models`, in the server's order."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False) as http:
-        response = await http.get("/v1/models")
-        response.raise_for_status()
-        data = response.json().get("data") or []
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     trust_env=False) as http:
+        async with http.get(f"{url.rstrip('/')}/v1/models") as response:
+            response.raise_for_status()
+            data = (await response.json()).get("data") or []
     return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]

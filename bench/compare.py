@@ -57,6 +57,7 @@ from bench.prompts import PromptMode, PromptRenderer, load_tokenizer
 from bench.report import SLO, RunSummary, summarize, to_json
 from bench.runner import RunPlan, default_num_requests, execute
 from bench.serving import SLO_BY_MODEL
+from bench.transport import run as run_loop
 from bench.workloads import WORKLOADS, make_workload
 
 logger = logging.getLogger(__name__)
@@ -429,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--floor {', '.join(sorted(unknown))}: not a peer's --target name")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    doc = asyncio.run(run_comparison(args))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # bench.server_proc polls readiness with httpx
+    doc = run_loop(run_comparison(args))
     line = json.dumps(doc)
     if args.out:
         args.out.write_text(line + "\n")

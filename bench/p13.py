@@ -36,6 +36,7 @@ from bench.client import ClientConfig, StreamClient, list_models
 from bench.prompts import PromptMode, PromptRenderer, load_tokenizer
 from bench.report import SLO, summarize
 from bench.runner import RunPlan, execute
+from bench.transport import run as run_loop
 from bench.workloads import RandomWorkload
 
 P13_TARGET = 1.2  # served ITL p50 / offline decode step, at most
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.requests < 1:
         p.error("--rounds and --requests are at least 1")
-    rounds = asyncio.run(run(args))
+    rounds = run_loop(run(args))
     print(table(rounds), file=sys.stderr)
     if args.out is not None:
         args.out.write_text(json.dumps({"rounds": [asdict(r) for r in rounds], "target": P13_TARGET}, indent=1))

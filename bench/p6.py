@@ -25,7 +25,6 @@ Prints one JSON line per run on stdout and the tables on stderr.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from bench.prompts import PromptMode, PromptRenderer
 from bench.report import percentile
 from bench.runner import RequestRecord, RunPlan, RunResult, execute
 from bench.server_proc import BatonProcess
+from bench.transport import run as run_loop
 from bench.workloads import MixedWorkload, make_workload
 
 P6_TARGET = 1.3  # ITL p99 with / without the long prompts, disaggregated
@@ -242,10 +242,10 @@ def measure(config: str, args: argparse.Namespace, log_dir: Path) -> tuple[list[
                            args.time_cap, progress=False)  # fmt: skip
 
         warm = MixedWorkload(mixed.short_len, 8, mixed.long_len, 2, 0.01)
-        asyncio.run(_run(server.url, name, plan("warmup", 3, 1), warm))
-        base = asyncio.run(_run(server.url, name, plan("without-long", args.requests, args.concurrency), without))
+        run_loop(_run(server.url, name, plan("warmup", 3, 1), warm))
+        base = run_loop(_run(server.url, name, plan("without-long", args.requests, args.concurrency), without))
         num_long = int(base.duration_s // mixed.long_interval_s) if mixed.long_interval_s > 0 else 0
-        loaded = asyncio.run(_run(server.url, name, plan("with-long", args.requests + num_long, args.concurrency), mixed))
+        loaded = run_loop(_run(server.url, name, plan("with-long", args.requests + num_long, args.concurrency), mixed))
     info["exit_code"] = server.returncode
     cells = [cell_of(config, False, base), cell_of(config, True, loaded)]
     for cell in cells:

@@ -16,7 +16,6 @@ per run on stdout and a table on stderr; --out writes all runs to one file, --pl
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from bench.client import ClientConfig, StreamClient, list_models
 from bench.prompts import MissingTokenIds, PromptMode, PromptRenderer, load_tokenizer
@@ -33,6 +32,7 @@ from bench.report import SLO, RunSummary, summarize, table, to_json
 from bench.runner import RunPlan, RunResult, default_num_requests, execute
 from bench.trace import TraceWorkload, load_trace
 from bench.transport import Transport
+from bench.transport import run as run_loop
 from bench.workloads import WORKLOADS, Workload, make_workload
 from engine.errors import BatonError
 
@@ -141,7 +141,7 @@ async def _model(args: argparse.Namespace) -> str:
         return str(args.model)
     try:
         models = await list_models(args.url, args.api_key)
-    except (httpx.HTTPError, OSError, ValueError, TypeError) as exc:
+    except (aiohttp.ClientError, OSError, ValueError, TypeError) as exc:
         raise BatonError(f"cannot list models at {args.url}/v1/models ({exc}); pass --model") from None
     if not models:
         raise BatonError(f"{args.url}/v1/models lists no model; pass --model")
@@ -182,7 +182,7 @@ def open_transport(args: argparse.Namespace, model: str) -> Transport:
 
 def run(args: argparse.Namespace) -> int:
     """The `baton bench` entry point (without --offline)."""
-    runs, summaries, model = asyncio.run(run_grid(args))
+    runs, summaries, model = run_loop(run_grid(args))
     _finish(summaries)
     if args.out:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

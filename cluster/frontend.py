@@ -21,9 +21,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple, Protocol, cast, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from cluster.admission import Admission, AdmissionConfig, Ticket
 from cluster.errors import EdgeError, Kind, classify, invalid
@@ -42,6 +42,8 @@ from engine.structured import GrammarCompiler, StructuredConfig
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 _ENGINE_NODE = "engine-0"  # the colocated engine's node name (cluster.node_status)
@@ -264,18 +266,15 @@ class Frontend:
         stage = engine_trace.span("baton.prefill", req_id=req.req_id, worker=_ENGINE_NODE)  # then decode
         num_tokens = 0
         failure: BaseException | None = None
+        deadline = _Deadline(self._remaining(req))
         try:
             stream = self.engine.generate(
                 req.req_id, req.prompt_ids, req.sampling, req.priority, cache_salt=req.tenant.name
             )
-            # The deadline bounds each wait for the engine, never a `yield`: a timeout armed
-            # across a yield fires in whatever the consumer is awaiting (a socket write) and
-            # surfaces as a cancellation there, not as this request's deadline.
             async with contextlib.aclosing(cast(AsyncGenerator[StepOutput, None], stream)) as outs:
                 while True:
                     try:
-                        async with asyncio.timeout(self._remaining(req)):
-                            out = await anext(outs)
+                        out = await deadline.wait(anext(outs))
                     except StopAsyncIteration:
                         break
                     now = time.monotonic()
@@ -311,6 +310,7 @@ class Frontend:
                 logger.exception("request %s failed", req.req_id)
             raise edge from None
         finally:
+            deadline.cancel()
             ticket.release()
             m.requests.labels(api, outcome).inc()
             m.e2e.observe(time.monotonic() - start)
@@ -357,3 +357,45 @@ class Frontend:
         cached = cache.num_cached_pages if cache else 0
         running = stats.num_running if stats is not None else -1
         return PoolUsage(pages.num_used - cached, cached, pages.num_pages, running)
+
+
+class _Deadline:
+    """A request's deadline over its waits for the engine: one timer per request, where
+    `asyncio.timeout` around each wait armed one per token (a sixth of the event loop's work
+    per streamed token). Like asyncio.timeout it cancels the waiting task and turns that
+    cancellation into TimeoutError; it bounds only the waits, never a `yield`: a cancellation
+    while the consumer holds the token (a socket write) would surface there, as a cancelled
+    request rather than this request's deadline, so a deadline that passes then is raised at
+    the next wait."""
+
+    __slots__ = ("_task", "_handle", "_waiting", "_expired", "_cancelling")
+
+    def __init__(self, remaining_s: float | None) -> None:
+        self._task = asyncio.current_task()
+        self._waiting = self._expired = False
+        self._cancelling = 0
+        self._handle = None if remaining_s is None else asyncio.get_running_loop().call_later(remaining_s, self._fire)
+
+    def _fire(self) -> None:
+        self._expired = True
+        if self._waiting and self._task is not None:
+            self._task.cancel()
+
+    async def wait(self, awaitable: Awaitable[T]) -> T:
+        if self._expired:
+            raise TimeoutError
+        assert self._task is not None
+        self._cancelling = self._task.cancelling()
+        self._waiting = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._expired and self._task.uncancel() <= self._cancelling:
+                raise TimeoutError from None  # ours, not the caller's
+            raise
+        finally:
+            self._waiting = False
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()

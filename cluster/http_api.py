@@ -471,9 +471,9 @@ async def _sse(
         async for index, out in _merge(streams):
             first = not choices[index].completion_tokens and not choices[index].text
             choices[index].add(out)
-            chunk = renderer.chunk(index, out, first)
-            if chunk is not None:
-                yield sse(chunk)
+            data = renderer.chunk_sse(index, out, first)
+            if data is not None:
+                yield data
         if include_usage:
             yield sse(renderer.usage_chunk(choices, prompts))
     except Exception as exc:  # the status line is gone: report in-band, then end the stream

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str  # what json.dumps uses for a str
 from typing import Any
 
 from cluster.errors import EdgeError
@@ -114,6 +115,10 @@ class Renderer:
         self.want_logprobs = want_logprobs
         self.want_token_ids = want_token_ids
         self._offsets: dict[int, int] = {}
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        # what every chunk of this call begins with, up to its choice's index (chunk_sse)
+        self._chunk_head = (f'data: {{"id":{_json_str(call_id)},"object":"{obj}","created":{created:d},'
+                            f'"model":{_json_str(model)},"choices":[{{"index":')
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -144,6 +149,22 @@ class Renderer:
         elif not choice.get("delta", True) and finish is None and logprobs is None:
             return None
         return {**self._envelope(True), "choices": [choice]}
+
+    def chunk_sse(self, index: int, out: StepOutput, first: bool) -> bytes | None:
+        """`sse(self.chunk(index, out, first))`, the same bytes: a token's chunk in the common
+        case (no finish reason, logprobs or tool calls) is written into the call's template
+        rather than built as a dict and serialized, for every token of every stream."""
+        if out.finish_reason is not None or self.tools is not None or (self.want_logprobs and out.logprobs):
+            chunk = self.chunk(index, out, first)
+            return None if chunk is None else sse(chunk)
+        text = _json_str(out.text)
+        ids = f',"token_ids":[{",".join(map(str, out.token_ids))}]' if self.want_token_ids else ""
+        if self.chat:
+            role = '"role":"assistant",' if first else ""
+            choice = f'"delta":{{{role}"content":{text}}}'
+        else:
+            choice = f'"text":{text}'
+        return f'{self._chunk_head}{index:d},{choice},"logprobs":null,"finish_reason":null{ids}}}]}}\n\n'.encode()
 
     def _tool_delta(
         self, tools: ToolUse, index: int, text: str, first: bool, finish: str | None
