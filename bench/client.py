@@ -204,8 +204,7 @@ class StreamClient:
         payload = completion_payload(self.config.model, req)
         async with self._session().post(f"{self._url}/v1/completions", json=payload) as response:
             if response.status != 200:
-                body = await response.content.read(MAX_ERROR_BODY)
-                return f"HTTP {response.status}: {body.decode('utf-8', 'replace').strip()}"
+                return f"HTTP {response.status}: {await _read_bounded(response)}"
             decoder = SSEDecoder()
             max_lines = LINES_PER_TOKEN * (req.output_len + 8)
             n = 0
@@ -221,6 +220,13 @@ class StreamClient:
         return None
 
 
+async def _read_bounded(response: aiohttp.ClientResponse) -> str:
+    body = b""
+    while len(body) < MAX_ERROR_BODY and (piece := await response.content.read(MAX_ERROR_BODY - len(body))):
+        body += piece
+    return body.decode("utf-8", "replace").strip()
+
+
 async def list_models(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> list[str]:
     """Model ids from `GET /v1/models`, in the server's order."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -228,5 +234,5 @@ async def list_models(url: str, api_key: str | None = None, timeout_s: float = 1
                                      trust_env=False) as http:
         async with http.get(f"{url.rstrip('/')}/v1/models") as response:
             response.raise_for_status()
-            data = (await response.json()).get("data") or []
+            data = (await response.json(content_type=None)).get("data") or []  # any content type
     return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
