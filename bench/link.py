@@ -2,6 +2,7 @@
 host to another, against raw grpc.aio streaming over the same veth link, unshaped and shaped.
 
     python -m bench.link [--model baton-small] [--prompt-len 2000] [--rates 0,10000,1000] [--repeats 3]
+                         [--kv-cache-dtype auto|float32|bfloat16|float16]
 
 Two dev hosts (cluster.devhosts: network namespaces on a private bridge), one process on each:
 
@@ -46,12 +47,14 @@ START_TIMEOUT_S = 300.0  # import torch, load the model
 STEP_TIMEOUT_S = 600.0  # a prefill of baton-small, or one rate's repeats at 1 Gbit/s
 
 
-def _engine(model: str) -> Any:
+def _engine(model: str, kv_cache_dtype: str) -> Any:
+    """Both roles' engine: float32 weights, KV pages in `kv_cache_dtype` (bfloat16: half the bytes
+    on the wire, as a deployment on a slow link would choose)."""
     from engine.engine import Engine
     from engine.engine_config import EngineConfig
 
     return Engine(EngineConfig(model=model, dtype="float32", max_prefill_chunk=4096, max_num_batched_tokens=4096,
-                               enable_prefix_cache=False))
+                               enable_prefix_cache=False, kv_cache_dtype=kv_cache_dtype))
 
 
 def _message_options() -> list[tuple[str, int]]:
@@ -81,7 +84,7 @@ async def _next_command() -> dict[str, Any] | None:
 # -- host 1: the receiver ---------------------------------------------------------------------
 
 
-async def _serve(model: str, bind: str) -> None:
+async def _serve(model: str, bind: str, kv_cache_dtype: str) -> None:
     import grpc
 
     from decode.worker import DecodeWorker
@@ -90,7 +93,7 @@ async def _serve(model: str, bind: str) -> None:
     from kvtransfer.transport import KVDestination
     from prefill.worker import PrefillJob
 
-    engine = _engine(model)
+    engine = _engine(model, kv_cache_dtype)
     worker = DecodeWorker(engine, reservation_ttl_s=PUSH_DEADLINE_S)
     dests: dict[str, KVDestination] = {}
 
@@ -250,8 +253,8 @@ class _Sender:
         await self.raw.close()
 
 
-async def _send(model: str, target: str, pages_per_chunk: int) -> None:
-    sender = _Sender(_engine(model), target, pages_per_chunk)
+async def _send(model: str, target: str, pages_per_chunk: int, kv_cache_dtype: str) -> None:
+    sender = _Sender(_engine(model, kv_cache_dtype), target, pages_per_chunk)
     _emit({"event": "ready"})
     try:
         while (cmd := await _next_command()) is not None:
@@ -316,7 +319,8 @@ class _Child:
             self.proc.wait()
 
 
-def measure(model: str, prompt_len: int, rates: list[float], repeats: int, pages_per_chunk: int = 32) -> list[dict[str, Any]]:
+def measure(model: str, prompt_len: int, rates: list[float], repeats: int, pages_per_chunk: int = 32,
+            kv_cache_dtype: str = "auto") -> list[dict[str, Any]]:  # fmt: skip
     """Run both roles on two dev hosts; the header and one row per (rate, path)."""
     from cluster.devhosts import DevHosts
     from engine.builtin import resolve_model_dir
@@ -326,7 +330,8 @@ def measure(model: str, prompt_len: int, rates: list[float], repeats: int, pages
     with DevHosts(2, ray=False) as hosts:
         try:
             def role(i: int, name: str, *argv: str) -> _Child:
-                proc = hosts.popen(i, [sys.executable, "-m", "bench.link", *argv, "--model", path], text=True,
+                proc = hosts.popen(i, [sys.executable, "-m", "bench.link", *argv, "--model", path,
+                                       "--kv-cache-dtype", kv_cache_dtype], text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
                 children.append(_Child(name, proc))
                 return children[-1]
@@ -352,7 +357,7 @@ def measure(model: str, prompt_len: int, rates: list[float], repeats: int, pages
         finally:
             for child in reversed(children):
                 child.stop()
-    header = {"model": model, "prompt_len": prompt_len, "prefill_s": round(head["prefill_s"], 3),
+    header = {"model": model, "kv_cache_dtype": kv_cache_dtype, "prompt_len": prompt_len, "prefill_s": round(head["prefill_s"], 3),
               "bytes": head["bytes"], "pages": head["pages"], "chunk_bytes": head["chunk_bytes"], "repeats": repeats}
     return [header, *(row for rate, run in runs for row in _rows(rate, run, head))]
 
@@ -374,7 +379,7 @@ def _rows(rate: float, run: dict[str, Any], head: dict[str, Any]) -> list[dict[s
 def _print_table(rows: list[dict[str, Any]]) -> None:
     head, body = rows[0], rows[1:]
     print(f"prefill of {head['prompt_len']} tokens on {head['model']}: {head['prefill_s']:.3f} s; "
-          f"KV {head['bytes'] / 1e6:.1f} MB in {head['pages']} pages, chunks of {head['chunk_bytes'] / 1e6:.1f} MB; "
+          f"KV ({head['kv_cache_dtype']}) {head['bytes'] / 1e6:.1f} MB in {head['pages']} pages, chunks of {head['chunk_bytes'] / 1e6:.1f} MB; "
           f"host 0 -> host 1 over veth, median of {head['repeats']}", file=sys.stderr)
     for r in body:
         link = f"{r['rate_mbit']:g} Mbit/s" if r["rate_mbit"] else "unshaped"
@@ -391,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="0,10000,1000", help="Mbit/s on host 1's link, comma-separated; 0: unshaped")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pages-per-chunk", type=int, default=32)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the KV pages' precision on both hosts (auto: the weights')")
     role = parser.add_mutually_exclusive_group()  # the roles this command starts on the dev hosts
     role.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     role.add_argument("--send", action="store_true", help=argparse.SUPPRESS)
@@ -398,10 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        asyncio.run(_serve(args.model, args.bind))
+        asyncio.run(_serve(args.model, args.bind, args.kv_cache_dtype))
         return 0
     if args.send:
-        asyncio.run(_send(args.model, args.target, args.pages_per_chunk))
+        asyncio.run(_send(args.model, args.target, args.pages_per_chunk, args.kv_cache_dtype))
         return 0
     from cluster.devhosts import available
 
@@ -413,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(r < 0 for r in rates) or args.repeats < 1:
         parser.error("rates are Mbit/s (0: unshaped), repeats at least 1")
     try:
-        rows = measure(args.model, args.prompt_len, rates, args.repeats, args.pages_per_chunk)
+        rows = measure(args.model, args.prompt_len, rates, args.repeats, args.pages_per_chunk, args.kv_cache_dtype)
     except KeyboardInterrupt:  # the dev hosts and both roles are gone by now
         print("bench.link: interrupted", file=sys.stderr)
         return 130

@@ -24,7 +24,7 @@ def test_link_benchmark_runs(tiny_model_dir: Path, capsys: pytest.CaptureFixture
             "--pages-per-chunk", "2"]
     assert main(argv) == 0
     head, *rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert head["prompt_len"] == 256 and head["prefill_s"] > 0
+    assert head["prompt_len"] == 256 and head["prefill_s"] > 0 and head["kv_cache_dtype"] == "auto"
     assert head["pages"] == PAGES and head["bytes"] == PAGES * 4 * 2 * 16 * 2 * 64 * 4
     by = {(row["rate_mbit"], row["path"]): row for row in rows}
     assert set(by) == {(r, p) for r in (0, RATE_MBIT) for p in ("kv grpc", "raw grpc.aio")}
