@@ -218,8 +218,11 @@ async def test_quiet_waits_for_idle_cpus_or_gives_up_at_its_bound() -> None:
 
     assert await quiet(0.0, 5.0) == 0.0  # asked for nothing: no wait
     assert await quiet(1.01, 0.3) == 0.3  # never that idle: it waits its bound, then says so
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    burners = [subprocess.Popen([sys.executable, "-c", "print('up', flush=True)\nwhile True: pass"],
+                                stdout=subprocess.PIPE, text=True) for _ in range(os.cpu_count() or 1)]  # fmt: skip
     try:
+        for b in burners:  # each is spinning before the wait starts, however slow its start was
+            assert b.stdout is not None and b.stdout.readline().strip() == "up"
         assert await quiet(0.9, 0.6) == 0.6  # every CPU busy: not quiet within the bound
     finally:
         for b in burners:
