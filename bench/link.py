@@ -225,12 +225,21 @@ class _Sender:
             raise RuntimeError(f"push {req_id} failed: {result.error or 'incomplete'}")
         return _Push(end - start, encode_s, int(done["pages_verified"]))
 
-    async def stream_raw(self, num_bytes: int, message_bytes: int) -> float:
+    def raw_messages(self) -> list[bytes]:
+        """The push's own framed chunks, made once: the raw path streams the very bytes a push
+        carries, each message from its own memory (one buffer sent again and again would be
+        read from cache, a speed no real payload has)."""
+        from kvtransfer.codec import frame
+        from kvtransfer.transport import KVDestination, iter_chunks
+
+        dest = KVDestination("raw", "raw", "raw", b"raw", 1, tuple(range(len(self.kv))))
+        return [frame(chunk) for chunk in iter_chunks(dest, self.kv, 1, self.pages_per_chunk)]
+
+    async def stream_raw(self, payloads: list[bytes]) -> float:
         """The same bytes as opaque messages through a bare client-streaming call."""
-        payload = b"\x01" * message_bytes
 
         async def messages() -> Any:
-            for _ in range(0, num_bytes, message_bytes):
+            for payload in payloads:
                 yield payload
 
         start = time.perf_counter()
@@ -238,12 +247,11 @@ class _Sender:
         return time.perf_counter() - start
 
     async def measure(self, rate_mbit: float, repeats: int) -> dict[str, Any]:
-        num_bytes = len(self.kv) * self.kv[0].numel() * self.kv.element_size()
-        message_bytes = self.pages_per_chunk * self.kv[0].numel() * self.kv.element_size()
+        payloads = self.raw_messages()
         pushes, raw_s = [], []
         for i in range(repeats):
             pushes.append(await self.push(f"r{rate_mbit:g}-{i}"))
-            raw_s.append(await self.stream_raw(num_bytes, message_bytes))
+            raw_s.append(await self.stream_raw(payloads))
         return {"event": "measured", "kv_s": [p.seconds for p in pushes], "encode_s": [p.encode_s for p in pushes],
                 "raw_s": raw_s, "pages_verified": [p.pages_verified for p in pushes]}
 
