@@ -21,6 +21,15 @@ request's rank improves by one token for every prompt token the engine computes 
 arrived (AGING), so one that needs U uncached tokens is overtaken by newcomers for at most U
 tokens of others' work: long prompts are never starved. `policy="fcfs"` keeps arrival order.
 
+Least-uncached also spreads a burst of prompts over steps, shortest remaining first (SRPT): a
+step's prompt work stops growing, in rank order, once it is worth STEP_WORTH times what any step
+costs (c0, measured by engine.step_cost). Eight mostly cached prompts that arrive together
+then get their first tokens one step after another (the first after one eighth of the work)
+instead of all at the end of one long step; each extra step costs c0, at most 1/STEP_WORTH of
+the prompt work it carries. Batching prompts pays on a device whose per-token cost falls with
+the batch (a GPU below saturation: c0 is large against a chunk's cost, and the step takes them
+all); on a CPU, where a prompt token costs about the same in any batch, it only delays.
+
 With an inter-token target (`itl_target_s`), prefill chunks get their own budget per step:
 what the target leaves after this step's decode rows, at the per-token costs this engine has
 measured (engine.step_cost); never less than `min_prefill_tokens`, so prompts always progress.
@@ -57,6 +66,9 @@ POLICIES = ("least-uncached", "fcfs")
 # engine computes after its arrival (1.0: it waits behind at most its own work's worth of others')
 AGING = 1.0
 RANK_WINDOW = 64  # waiting requests ranked per step: the oldest (by priority, then arrival)
+# least-uncached: a step takes prompt chunks, in rank order, until they are worth this many times
+# the fixed cost of a step (c0): the extra steps cost at most 1/STEP_WORTH of the prompt work
+STEP_WORTH = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +90,14 @@ class SchedulerConfig:
             raise ValueError("scheduler.itl_target_s must be positive (or unset)")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+class Rank(NamedTuple):
+    """A waiting request's place in the least-uncached order, for one step."""
+
+    rank: tuple[int, float, int]  # (priority, uncached tokens + aging, arrival): lowest first
+    need: int  # prompt tokens it would compute if admitted now
+    context: int  # tokens before them (cached, or being computed by a running request)
 
 
 class ScheduledRequest(NamedTuple):
@@ -188,7 +208,7 @@ class Scheduler:
         in_flight = self._pages_in_flight()
         window = self._window()
         ranks = self._waiting_ranks(window, in_flight)
-        chunks = self._chunks(min(prefill, budget - self._num_decoding()), ranks)
+        chunks, prefill = self._chunks(min(prefill, budget - self._num_decoding()), prefill, ranks)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         held: list[Request] = []  # running prompts that waiting requests ranked ahead of
@@ -225,7 +245,7 @@ class Scheduler:
                     budget -= num_new
                     prefill -= num_new
         self.work_done += sum(n for _, n in scheduled if n > 1)
-        shape = step_shape(scheduled) if self.cfg.itl_target_s is not None else None
+        shape = step_shape(scheduled) if self.cfg.itl_target_s is not None or self.cfg.policy != "fcfs" else None
         return SchedulerOutput(tuple(scheduled), tuple(preempted), shape)
 
     def _num_decoding(self) -> int:
@@ -239,35 +259,42 @@ class Scheduler:
 
     def _waiting_ranks(
         self, window: list[tuple[tuple[int, int], Request]], in_flight: set[bytes]
-    ) -> dict[str, tuple[tuple[int, float, int], int]]:
-        """least-uncached: the rank and estimated uncached tokens of each request in `window`;
-        {} under fcfs."""
+    ) -> dict[str, Rank]:
+        """least-uncached: the rank, estimated uncached tokens and cached context of each
+        request in `window`; {} under fcfs."""
         if self.cfg.policy == "fcfs":
             return {}
         ranks = {}
         for _, request in window:
             need = self._uncached_estimate(request, in_flight)
-            ranks[request.req_id] = (self._rank(request, need), need)
+            ranks[request.req_id] = Rank(self._rank(request, need), need, request.num_tokens - need)
         return ranks
 
-    def _chunks(self, total: int, ranks: dict[str, tuple[tuple[int, float, int], int]]) -> dict[str, int]:
+    def _chunks(self, total: int, prefill: int, ranks: dict[str, Rank]) -> tuple[dict[str, int], int]:
         """least-uncached: each running prompt's chunk this step, `total` prompt tokens handed
         out in rank order, where waiting requests that rank ahead of a running prompt are
-        served first (they are admitted after the loop over the running ones); {} under fcfs
-        (running order, each chunk from what is left)."""
+        served first (they are admitted after the loop over the running ones), and the step's
+        prefill budget: `prefill`, or what the chunks handed out come to when they reached
+        STEP_WORTH step overheads first. ({}, prefill) under fcfs (running order, each chunk
+        from what is left)."""
+        if self.cfg.policy == "fcfs":
+            return {}, prefill
         prompts = [r for r in self.running if r.num_pending > 1 and not r.finishing]
-        if self.cfg.policy == "fcfs" or not prompts:
-            return {}
-        ranked = [(self._rank(r, r.num_pending), r.num_pending, r.req_id) for r in prompts]
+        ranked = [(self._rank(r, r.num_pending), r.num_pending, r.num_computed_tokens, r.req_id) for r in prompts]
         room = self.cfg.max_num_seqs - len(self.running)
-        ranked += sorted((rank, need, "") for rank, need in ranks.values())[: max(room, 0)]
+        ranked += sorted((rank, need, context, "") for rank, need, context in ranks.values())[: max(room, 0)]
+        overhead = self.costs.step_overhead()
         chunks: dict[str, int] = {}
-        for _, need, req_id in sorted(ranked):
-            take = min(need, self.cfg.max_prefill_chunk, total)
+        handed, worth, full = 0, 0.0, False
+        for _, need, context, req_id in sorted(ranked):
+            take = 0 if full else min(need, self.cfg.max_prefill_chunk, total - handed)
             if req_id:
                 chunks[req_id] = take
-            total -= take
-        return chunks
+            handed += take
+            if overhead is not None and take > 0:
+                worth += self.costs.prefill_cost(take, context)
+                full = worth >= STEP_WORTH * overhead
+        return chunks, min(prefill, handed) if full else prefill
 
     def _rank(self, request: Request, uncached: int) -> tuple[int, float, int]:
         return (request.priority, uncached + AGING * request.work_mark, request.arrival)
@@ -307,7 +334,7 @@ class Scheduler:
 
     def _admit(
         self, budget: int, scheduled: list[ScheduledRequest], window: list[tuple[tuple[int, int], Request]],
-        ranks: dict[str, tuple[tuple[int, float, int], int]], in_flight: set[bytes],
+        ranks: dict[str, Rank], in_flight: set[bytes],
     ) -> int:  # fmt: skip
         """Admit waiting requests while `budget` (the step's tokens left, or its prefill budget
         when that is less) lasts: in rank order under least-uncached (`ranks`; the rest after
@@ -342,13 +369,14 @@ class Scheduler:
         return budget
 
     def _admission_order(
-        self, window: list[tuple[tuple[int, int], Request]], ranks: dict[str, tuple[tuple[int, float, int], int]]
+        self, window: list[tuple[tuple[int, int], Request]], ranks: dict[str, Rank]
     ) -> Iterator[Request]:
         """The waiting requests in the order `_admit` offers them places: the `window` (the
         ones `ranks` covers) by rank, then the rest by priority and arrival. Lazy: a step that
         admits a few looks at the window, not the whole queue (sorting all of it was
         O(n log n) a step, with thousands queued in a burst)."""
-        head = sorted(window, key=lambda item: (item[1].req_id not in ranks, ranks.get(item[1].req_id, item[0])))
+        head = sorted(window, key=lambda item: (item[1].req_id not in ranks, ranks[item[1].req_id][:2]
+                                                if item[1].req_id in ranks else item[0]))  # fmt: skip
         for _, request in head:
             yield request
         if len(head) < len(self._waiting):  # every one of the window taken or passed over

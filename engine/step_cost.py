@@ -1,11 +1,14 @@
 """What a step costs, learned from the steps this engine ran: the scheduler's inter-token target
 (SchedulerConfig.itl_target_s) turns it into a prefill budget per step, stall-free batching as
-in Sarathi-Serve: decode rows always run; prefill chunks fill what the target leaves.
+in Sarathi-Serve: decode rows always run; prefill chunks fill what the target leaves. The
+least-uncached policy uses the fixed cost c0 (`step_overhead`) to decide how much prompt work
+one step is worth (engine.scheduler, STEP_WORTH).
 
     model = StepCostModel()
     model.observe(StepShape(...), seconds)   after every step (its forward pass)
     model.predict(shape)                     seconds
     model.prefill_budget(decodes, target_s, prefill_context)   prefill tokens that fit
+    model.step_overhead(), model.prefill_cost(tokens, context)   c0; one chunk's seconds
 
 A step's time is modelled as linear in what it computes:
 
@@ -56,6 +59,17 @@ class StepCostModel:
 
     def predict(self, shape: StepShape) -> float:
         return float(shape.features() @ self.theta)
+
+    def step_overhead(self) -> float | None:
+        """c0, what a step costs whatever it computes (on a CPU mostly reading the weights; on
+        a GPU launches and the host's work); None while unfitted or not a sensible fit."""
+        if self.num_observed < WARMUP or not self.theta[0] > 0:
+            return None
+        return float(self.theta[0])
+
+    def prefill_cost(self, tokens: int, context: int) -> float:
+        """Seconds a prompt chunk of `tokens` after `context` computed ones adds to a step."""
+        return max(0.0, float(self.theta[1] * tokens + self.theta[2] * tokens * (context + tokens) / 1e3))
 
     def prefill_budget(self, decodes: StepShape, target_s: float, context: int) -> int | None:
         """Prefill tokens a step with these decode rows can add and stay within `target_s`,

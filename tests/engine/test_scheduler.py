@@ -198,8 +198,8 @@ def test_a_queued_requests_estimate_resumes_where_it_stopped_and_rescans_after_a
     apply(s.schedule())  # holds the one running slot: the next request waits
     queued = Request("queued", [*shared, *range(50, 58)], PARAMS, 0, next(_arrival))
     s.add(queued)
-    (_, need), = s._waiting_ranks(s._window(), set()).values()
+    (_, need, _), = s._waiting_ranks(s._window(), set()).values()
     assert (need, queued.rank_pages) == (8, 4)
     assert cache.evict(4) == 4  # the shared pages leave: the estimate must not keep them
-    (_, need), = s._waiting_ranks(s._window(), set()).values()
+    (_, need, _), = s._waiting_ranks(s._window(), set()).values()
     assert (need, queued.rank_pages) == (24, 0)

@@ -104,8 +104,9 @@ def test_an_engine_with_a_target_gives_the_same_tokens(tiny_model_dir: Path) -> 
     prompts = [rng.integers(4, 16_384, size=n).tolist() for n in (40, 700, 1500, 90)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def run(target: float | None) -> tuple[list[list[int]], int]:
-        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", itl_target_ms=target))
+    def run(target: float | None, policy: str = "least-uncached") -> tuple[list[list[int]], int]:
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", itl_target_ms=target,
+                                     scheduler_policy=policy))
         out: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, params)
@@ -115,10 +116,45 @@ def test_an_engine_with_a_target_gives_the_same_tokens(tiny_model_dir: Path) -> 
                 out[o.req_id].extend(o.token_ids)
         return [out[f"r{i}"] for i in range(len(prompts))], engine.scheduler.costs.num_observed
 
-    plain, unobserved = run(None)
+    plain, unobserved = run(None, "fcfs")
     targeted, observed = run(5.0)
     assert targeted == plain
     assert observed > WARMUP  # the engine fed its cost model every step
-    assert unobserved == 0  # without a target the step loop does no cost-model work
+    assert unobserved == 0  # without a target, fcfs does no cost-model work (least-uncached does: STEP_WORTH)
     with pytest.raises(Exception, match="itl_target_ms"):
         EngineConfig(model=str(tiny_model_dir), itl_target_ms=0)
+
+
+def _burst(s: Scheduler, n: int, prompt_len: int) -> list[str]:
+    ids = [f"b{i}" for i in range(n)]
+    for i in ids:
+        s.add(req(i, prompt_len))
+    return ids
+
+
+def test_a_burst_of_prompts_gets_first_tokens_one_step_after_another_when_batching_them_only_delays() -> None:
+    # c0 is 2 ms; a 100-token prompt costs ~10 ms, worth 2 x c0 alone: one prompt a step,
+    # shortest remaining first, while the ones already prefilled decode beside it
+    s = _scheduler(None)
+    ids = _burst(s, 4, 100)
+    for k in range(4):
+        step = apply(s.schedule())
+        assert {i: n for i, n in step.items() if n > 1} == {ids[k]: 100}
+        assert all(step[i] == 1 for i in ids[:k])
+    # 12-token prompts cost ~1.2 ms each: a step takes them until they are worth 4 ms
+    s = _scheduler(None)
+    ids = _burst(s, 8, 12)
+    assert apply(s.schedule()) == dict.fromkeys(ids[:4], 12)
+
+
+def test_without_a_fitted_model_or_under_fcfs_a_burst_shares_one_step() -> None:
+    s = _scheduler(None)
+    s.costs = StepCostModel()  # not fitted: no c0 to weigh the prompts against
+    ids = _burst(s, 4, 100)
+    assert apply(s.schedule()) == dict.fromkeys(ids, 100)
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_prefill_chunk=512, page_size=4,
+                          policy="fcfs")  # fmt: skip
+    fcfs = Scheduler(cfg, PagePool(4096))
+    fcfs.costs = _fitted()
+    ids = _burst(fcfs, 4, 100)
+    assert apply(fcfs.schedule()) == dict.fromkeys(ids, 100)
