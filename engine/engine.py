@@ -31,6 +31,7 @@ from engine.runner import PENDING, Carry, ForwardResult, ModelRunner, RunResult
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, deferrable
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.step_cost import key_weight
 from engine.structured import GrammarMatcher, MaskJob, StructuredOutputs
 from engine.textstate import TextState
 from engine.tokenizer import Tokenizer
@@ -121,6 +122,8 @@ class Engine:
             self.prefix_cache,
             self.fingerprint,
         )
+        self.scheduler.worth.key_weight = key_weight(mc.num_layers, mc.hidden_size, mc.intermediate_size,
+                                                     mc.num_heads, mc.num_kv_heads, mc.head_dim)
         # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
         backend = cfg.resolve_attention_backend(self.model.dtype, self.kv_dtype)

@@ -22,13 +22,14 @@ arrived (AGING), so one that needs U uncached tokens is overtaken by newcomers f
 tokens of others' work: long prompts are never starved. `policy="fcfs"` keeps arrival order.
 
 Least-uncached also spreads a burst of prompts over steps, shortest remaining first (SRPT): a
-step's prompt work stops growing, in rank order, once it is worth STEP_WORTH times what any step
-costs (c0, measured by engine.step_cost). Eight mostly cached prompts that arrive together
-then get their first tokens one step after another (the first after one eighth of the work)
-instead of all at the end of one long step; each extra step costs c0, at most 1/STEP_WORTH of
-the prompt work it carries. Batching prompts pays on a device whose per-token cost falls with
-the batch (a GPU below saturation: c0 is large against a chunk's cost, and the step takes them
-all); on a CPU, where a prompt token costs about the same in any batch, it only delays.
+step's prompt work stops growing, in rank order, once it is worth STEP_WORTH times what a step
+without prompt work costs (both measured: engine.step_cost.StepWorth). Eight mostly cached
+prompts that arrive together then get their first tokens one step after another (the first
+after one eighth of the work) instead of all at the end of one long step; each extra step costs
+at most 1/STEP_WORTH of the prompt work it carries. Batching prompts pays on a device whose
+per-token cost falls with the batch (a GPU below saturation: a step costs much against a
+chunk, and takes them all); on a CPU, where a prompt token costs about the same in any batch,
+it only delays. Until both costs are measured a step takes all it may.
 
 With an inter-token target (`itl_target_s`), prefill chunks get their own budget per step:
 what the target leaves after this step's decode rows, at the per-token costs this engine has
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.request import Request, RequestStatus
-from engine.step_cost import StepCostModel, StepShape
+from engine.step_cost import StepCostModel, StepShape, StepWorth
 from kvcache.hashing import ROOT_HASH, page_hashes
 from kvcache.pool import PagePool
 from kvcache.radix import PrefixCache
@@ -67,7 +68,7 @@ POLICIES = ("least-uncached", "fcfs")
 AGING = 1.0
 RANK_WINDOW = 64  # waiting requests ranked per step: the oldest (by priority, then arrival)
 # least-uncached: a step takes prompt chunks, in rank order, until they are worth this many times
-# the fixed cost of a step (c0): the extra steps cost at most 1/STEP_WORTH of the prompt work
+# a step without prompt work: the extra steps cost at most 1/STEP_WORTH of the prompt work
 STEP_WORTH = 2.0
 
 
@@ -138,6 +139,7 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
         self._by_id: dict[str, Request] = {}
         self.costs = StepCostModel()  # learns from every step when there is a target (observe)
+        self.worth = StepWorth()  # least-uncached's burst rule (the engine sets the model's key weight)
         self.work_done = 0  # prompt tokens scheduled so far: the clock requests age by
 
     # -- queue management -------------------------------------------------------------------
@@ -283,7 +285,7 @@ class Scheduler:
         ranked = [(self._rank(r, r.num_pending), r.num_pending, r.num_computed_tokens, r.req_id) for r in prompts]
         room = self.cfg.max_num_seqs - len(self.running)
         ranked += sorted((rank, need, context, "") for rank, need, context in ranks.values())[: max(room, 0)]
-        overhead = self.costs.step_overhead()
+        overhead = self.worth.step_s
         chunks: dict[str, int] = {}
         handed, worth, full = 0, 0.0, False
         for _, need, context, req_id in sorted(ranked):
@@ -291,8 +293,9 @@ class Scheduler:
             if req_id:
                 chunks[req_id] = take
             handed += take
-            if overhead is not None and take > 0:
-                worth += self.costs.prefill_cost(take, context)
+            cost = self.worth.chunk_s(take, context) if take > 0 else None
+            if overhead is not None and cost is not None:
+                worth += cost
                 full = worth >= STEP_WORTH * overhead
         return chunks, min(prefill, handed) if full else prefill
 
@@ -300,9 +303,14 @@ class Scheduler:
         return (request.priority, uncached + AGING * request.work_mark, request.arrival)
 
     def observe(self, out: SchedulerOutput, forward_s: float) -> None:
-        """The step `out` scheduled took `forward_s`: the ITL target's cost model learns it."""
-        if out.shape is not None:
+        """The step `out` scheduled took `forward_s`: the ITL target's cost model and
+        least-uncached's step worth learn it."""
+        if out.shape is None:
+            return
+        if self.cfg.itl_target_s is not None:
             self.costs.observe(out.shape, forward_s)
+        if self.cfg.policy != "fcfs":
+            self.worth.observe(out.shape, forward_s)
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may compute: all of the step's budget without a target;

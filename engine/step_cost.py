@@ -1,14 +1,12 @@
 """What a step costs, learned from the steps this engine ran: the scheduler's inter-token target
 (SchedulerConfig.itl_target_s) turns it into a prefill budget per step, stall-free batching as
-in Sarathi-Serve: decode rows always run; prefill chunks fill what the target leaves. The
-least-uncached policy uses the fixed cost c0 (`step_overhead`) to decide how much prompt work
-one step is worth (engine.scheduler, STEP_WORTH).
+in Sarathi-Serve: decode rows always run; prefill chunks fill what the target leaves.
+`StepWorth` (below) is what the least-uncached policy weighs a burst's prompts with.
 
     model = StepCostModel()
     model.observe(StepShape(...), seconds)   after every step (its forward pass)
     model.predict(shape)                     seconds
     model.prefill_budget(decodes, target_s, prefill_context)   prefill tokens that fit
-    model.step_overhead(), model.prefill_cost(tokens, context)   c0; one chunk's seconds
 
 A step's time is modelled as linear in what it computes:
 
@@ -60,17 +58,6 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float:
         return float(shape.features() @ self.theta)
 
-    def step_overhead(self) -> float | None:
-        """c0, what a step costs whatever it computes (on a CPU mostly reading the weights; on
-        a GPU launches and the host's work); None while unfitted or not a sensible fit."""
-        if self.num_observed < WARMUP or not self.theta[0] > 0:
-            return None
-        return float(self.theta[0])
-
-    def prefill_cost(self, tokens: int, context: int) -> float:
-        """Seconds a prompt chunk of `tokens` after `context` computed ones adds to a step."""
-        return max(0.0, float(self.theta[1] * tokens + self.theta[2] * tokens * (context + tokens) / 1e3))
-
     def prefill_budget(self, decodes: StepShape, target_s: float, context: int) -> int | None:
         """Prefill tokens a step with these decode rows can add and stay within `target_s`,
         for chunks attending about `context` keys each; None while the model is unfitted."""
@@ -81,3 +68,54 @@ class StepCostModel:
             return None  # not yet a sensible fit (a step's cost must grow with its tokens)
         left = target_s - self.predict(decodes)
         return max(0, int(left / per_token))
+
+
+EMA = 0.1  # StepWorth: the weight of the newest step in its running averages
+
+
+def key_weight(num_layers: int, hidden: int, intermediate: int, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> float:  # fmt: skip
+    """A model's attention FLOPs per (prompt token, key it reads) over its projections' FLOPs
+    per prompt token: how much of a token's work one more key of context is."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    projections = 2 * num_layers * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * intermediate)
+    attention = 4 * num_layers * q  # q.k and p.v, two FLOPs a multiply-add, per head dimension
+    return attention / projections
+
+
+class StepWorth:
+    """What one more step costs and what a prompt chunk costs, from the steps this engine ran,
+    for least-uncached's burst rule (engine.scheduler, STEP_WORTH). Two running averages, each
+    of one well-measured quantity (a regression over step shapes confounds the fixed cost with
+    the decode rows when, as under steady load, their number hardly changes):
+
+        step_s   a step without prompt work (what every step costs at the present decode load)
+        unit_s   a prompt token's work, per unit of tokens x (1 + context x key_weight): a prompt
+                 step's time beyond step_s (all of it before step_s is known), over its work
+
+    `key_weight` (the model's attention FLOPs per key over its projection FLOPs per token) puts
+    a token with a long context on the same scale as one without. Both are None until measured."""
+
+    def __init__(self, key_weight: float = 0.0) -> None:
+        self.key_weight = key_weight
+        self.step_s: float | None = None
+        self.unit_s: float | None = None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if not seconds > 0:
+            return
+        if not shape.prefill_tokens:
+            if shape.decode_rows:
+                self.step_s = seconds if self.step_s is None else self.step_s + EMA * (seconds - self.step_s)
+            return
+        # before any step without prompt work, all of the step counts as prompt work: an
+        # overestimate (a burst is split sooner) that the next steps correct
+        unit = max(0.0, seconds - (self.step_s or 0.0)) / (shape.prefill_tokens + self.key_weight * shape.prefill_keys)
+        self.unit_s = unit if self.unit_s is None else self.unit_s + EMA * (unit - self.unit_s)
+
+    def chunk_s(self, tokens: int, context: int) -> float | None:
+        """Seconds a chunk of `tokens` after `context` computed ones adds to a step (keys as
+        StepShape counts them); None until measured."""
+        if self.unit_s is None:
+            return None
+        return self.unit_s * (tokens + self.key_weight * tokens * (context + tokens))

@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.step_cost import WARMUP, StepCostModel, StepShape
+from engine.step_cost import WARMUP, StepCostModel, StepShape, StepWorth, key_weight
 from kvcache.pool import PagePool
 from tests.engine.test_scheduler import apply, req
 
@@ -104,9 +104,8 @@ def test_an_engine_with_a_target_gives_the_same_tokens(tiny_model_dir: Path) -> 
     prompts = [rng.integers(4, 16_384, size=n).tolist() for n in (40, 700, 1500, 90)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def run(target: float | None, policy: str = "least-uncached") -> tuple[list[list[int]], int]:
-        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", itl_target_ms=target,
-                                     scheduler_policy=policy))
+    def run(target: float | None) -> tuple[list[list[int]], int]:
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", itl_target_ms=target))
         out: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, params)
@@ -114,13 +113,15 @@ def test_an_engine_with_a_target_gives_the_same_tokens(tiny_model_dir: Path) -> 
         while engine.has_unfinished():
             for o in engine.step():
                 out[o.req_id].extend(o.token_ids)
+        worth = engine.scheduler.worth  # least-uncached's burst rule measured the model's steps
+        assert worth.key_weight > 0 and worth.step_s is not None and worth.unit_s is not None
         return [out[f"r{i}"] for i in range(len(prompts))], engine.scheduler.costs.num_observed
 
-    plain, unobserved = run(None, "fcfs")
+    plain, unobserved = run(None)
     targeted, observed = run(5.0)
     assert targeted == plain
     assert observed > WARMUP  # the engine fed its cost model every step
-    assert unobserved == 0  # without a target, fcfs does no cost-model work (least-uncached does: STEP_WORTH)
+    assert unobserved == 0  # without a target the step loop does no cost-model work
     with pytest.raises(Exception, match="itl_target_ms"):
         EngineConfig(model=str(tiny_model_dir), itl_target_ms=0)
 
@@ -132,29 +133,57 @@ def _burst(s: Scheduler, n: int, prompt_len: int) -> list[str]:
     return ids
 
 
+def _measured(step_s: float = 2e-3, unit_s: float = 1e-4) -> StepWorth:
+    worth = StepWorth()  # key weight 0: a prompt token costs unit_s whatever its context
+    worth.step_s, worth.unit_s = step_s, unit_s
+    return worth
+
+
+def test_step_worth_measures_a_step_and_a_prompt_tokens_work() -> None:
+    worth = StepWorth(key_weight=1e-3)
+    assert worth.chunk_s(100, 0) is None
+    worth.observe(StepShape(prefill_tokens=100, prefill_keys=100 * 100), 0.055)  # no base yet: all of it
+    assert worth.unit_s == pytest.approx(0.055 / 110)
+    for rows in (8, 8, 7, 8, 9) * 20:  # decode-only steps of 5 ms, whatever the rows
+        worth.observe(StepShape(decode_rows=rows, decode_keys=rows * 500), 0.005)
+    assert worth.step_s == pytest.approx(0.005)
+    for n, context in ((50, 2000), (400, 0), (512, 1024)) * 40:  # 0.1 ms a unit of work above the 5 ms
+        shape = StepShape(n, n * (context + n), 8, 8 * 500)
+        worth.observe(shape, 0.005 + 1e-4 * (n + 1e-3 * shape.prefill_keys))
+    assert worth.unit_s == pytest.approx(1e-4, rel=1e-3)  # the first guess has faded
+    assert worth.chunk_s(50, 2000) == pytest.approx(1e-4 * 50 * (1 + 1e-3 * 2050), rel=1e-3)
+
+
+def test_a_models_key_weight_is_its_attention_flops_per_key_over_its_projection_flops_per_token() -> None:
+    # baton-tiny: 4 layers, hidden 256, MLP 1024, 4 heads / 2 KV heads of 64
+    projections = 2 * 4 * (256 * (256 + 2 * 128) + 256 * 256 + 3 * 256 * 1024)
+    assert key_weight(4, 256, 1024, 4, 2, 64) == pytest.approx(4 * 4 * 256 / projections)
+
+
 def test_a_burst_of_prompts_gets_first_tokens_one_step_after_another_when_batching_them_only_delays() -> None:
-    # c0 is 2 ms; a 100-token prompt costs ~10 ms, worth 2 x c0 alone: one prompt a step,
-    # shortest remaining first, while the ones already prefilled decode beside it
+    # a step without prompt work costs 2 ms; a 100-token prompt 10 ms, worth 2 steps alone: one
+    # prompt a step, shortest remaining first, while the ones already prefilled decode beside it
     s = _scheduler(None)
+    s.worth = _measured()
     ids = _burst(s, 4, 100)
     for k in range(4):
         step = apply(s.schedule())
         assert {i: n for i, n in step.items() if n > 1} == {ids[k]: 100}
         assert all(step[i] == 1 for i in ids[:k])
-    # 12-token prompts cost ~1.2 ms each: a step takes them until they are worth 4 ms
+    # 12-token prompts cost 1.2 ms each: a step takes them until they are worth 4 ms
     s = _scheduler(None)
+    s.worth = _measured()
     ids = _burst(s, 8, 12)
     assert apply(s.schedule()) == dict.fromkeys(ids[:4], 12)
 
 
-def test_without_a_fitted_model_or_under_fcfs_a_burst_shares_one_step() -> None:
-    s = _scheduler(None)
-    s.costs = StepCostModel()  # not fitted: no c0 to weigh the prompts against
+def test_before_the_costs_are_measured_or_under_fcfs_a_burst_shares_one_step() -> None:
+    s = _scheduler(None)  # a fresh StepWorth: nothing measured
     ids = _burst(s, 4, 100)
     assert apply(s.schedule()) == dict.fromkeys(ids, 100)
     cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_prefill_chunk=512, page_size=4,
                           policy="fcfs")  # fmt: skip
     fcfs = Scheduler(cfg, PagePool(4096))
-    fcfs.costs = _fitted()
+    fcfs.worth = _measured()
     ids = _burst(fcfs, 4, 100)
     assert apply(fcfs.schedule()) == dict.fromkeys(ids, 100)
