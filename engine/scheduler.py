@@ -26,10 +26,11 @@ step's prompt work stops growing, in rank order, once it is worth STEP_WORTH tim
 without prompt work costs (both measured: engine.step_cost.StepWorth). Eight mostly cached
 prompts that arrive together then get their first tokens one step after another (the first
 after one eighth of the work) instead of all at the end of one long step; each extra step costs
-at most 1/STEP_WORTH of the prompt work it carries. Batching prompts pays on a device whose
-per-token cost falls with the batch (a GPU below saturation: a step costs much against a
-chunk, and takes them all); on a CPU, where a prompt token costs about the same in any batch,
-it only delays. Until both costs are measured a step takes all it may.
+at most 1/STEP_WORTH of the prompt work it carries. Where a step costs much against a chunk
+(a device whose per-token cost falls with the batch), the rule takes the burst in one step; on
+a CPU, where a prompt token costs about the same in any batch, batching only delayed the first
+prompts (measured: README, "Side by side with the peers"; not yet measured on a GPU). Until both
+costs are measured a step takes all it may.
 
 With an inter-token target (`itl_target_s`), prefill chunks get their own budget per step:
 what the target leaves after this step's decode rows, at the per-token costs this engine has
@@ -120,7 +121,7 @@ def step_shape(scheduled: Sequence[ScheduledRequest]) -> StepShape:
 class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     preempted: tuple[Request, ...]
-    shape: StepShape | None = None  # what the step computes, for the cost model (with an ITL target)
+    shape: StepShape | None = None  # what the step computes, for the cost models (not under plain fcfs)
 
     @property
     def num_tokens(self) -> int:
@@ -383,8 +384,11 @@ class Scheduler:
         ones `ranks` covers) by rank, then the rest by priority and arrival. Lazy: a step that
         admits a few looks at the window, not the whole queue (sorting all of it was
         O(n log n) a step, with thousands queued in a burst)."""
-        head = sorted(window, key=lambda item: (item[1].req_id not in ranks, ranks[item[1].req_id][:2]
-                                                if item[1].req_id in ranks else item[0]))  # fmt: skip
+        def key(item: tuple[tuple[int, int], Request]) -> tuple[bool, tuple[object, ...]]:
+            found = ranks.get(item[1].req_id)
+            return (False, (found.rank, found.need)) if found is not None else (True, item[0])
+
+        head = sorted(window, key=key)
         for _, request in head:
             yield request
         if len(head) < len(self._waiting):  # every one of the window taken or passed over
