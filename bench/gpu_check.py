@@ -404,8 +404,10 @@ def stage_kernels(plan: Plan, engine: Engine) -> dict[str, Any]:
         return s
 
     per_layer = 0.0
-    for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down)):
-        xin = torch.randn(batch, w.shape[1], device=dev, generator=gen).to(dtype)
+    # in-features from the config: a prepared weight's shape is its linear's layout (flat panels on the CPU)
+    for name, w, width in (("qkv", layer.qkv, cfg.hidden_size), ("o", layer.o, model.q_size),
+                           ("gate_up", layer.gate_up, cfg.hidden_size), ("down", layer.down, cfg.intermediate_size)):
+        xin = torch.randn(batch, width, device=dev, generator=gen).to(dtype)
         per_layer += row(f"gemm_{name}", lambda xin=xin, w=w: model.linear(xin, w), w.numel() * w.element_size())
     pages_per_seq = -(-ctx // lay.page_size)
     table = torch.randint(0, pool.num_pages, (batch, pages_per_seq), device=dev, generator=gen)

@@ -44,7 +44,7 @@ from engine.env import c_compiler, cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c")  # one library: the kernels and engine.cpu_ops'
+SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "linear.c")  # one library: the kernels, engine.cpu_ops' and engine.linear's
 HEADERS = (CSRC / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-std=c11")  # fmt: skip
@@ -110,8 +110,8 @@ def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
             _build(target, defines)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-        logger.warning("CPU attention kernel (%s KV) unavailable (%s): decode attention uses the torch path",
-                       kv_dtype, exc)  # fmt: skip
+        logger.warning("CPU kernels (%s KV) unavailable (%s): decode attention uses the torch path, "
+                       "projections oneDNN's linear or F.linear", kv_dtype, exc)  # fmt: skip
         return None
     fn = lib.baton_paged_decode
     fn.restype = ctypes.c_int
@@ -123,6 +123,8 @@ def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
     lib.baton_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.baton_rope_and_cache.restype = ctypes.c_int
     lib.baton_rope_and_cache.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
+    lib.baton_linear.restype = ctypes.c_int
+    lib.baton_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     return lib
 
 

@@ -28,11 +28,12 @@ def num_threads() -> int | None:
 
 
 def cpu_linear() -> str:
-    """Which matmul the CPU float32 path uses (BATON_CPU_LINEAR): "auto" (oneDNN where torch
-    has it and it agrees with F.linear on a probe, else F.linear), "onednn" or "torch"."""
+    """Which matmul the CPU float32 path uses (BATON_CPU_LINEAR, engine.linear): "auto" (baton's
+    panel kernel where it builds and agrees with F.linear on a probe, else oneDNN's likewise,
+    else F.linear), "panel", "onednn" or "torch"."""
     raw = os.environ.get("BATON_CPU_LINEAR", "auto").strip().lower()
-    if raw not in ("auto", "onednn", "torch"):
-        raise ValueError(f"BATON_CPU_LINEAR must be auto, onednn or torch, not {raw!r}")
+    if raw not in ("auto", "panel", "onednn", "torch"):
+        raise ValueError(f"BATON_CPU_LINEAR must be auto, panel, onednn or torch, not {raw!r}")
     return raw
 
 

@@ -1,4 +1,5 @@
-"""engine.linear: which matmul the model runs, and that oneDNN's agrees with F.linear."""
+"""engine.linear: which matmul the model runs, and that baton's panel kernel and oneDNN's agree
+with F.linear (the reference)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,64 @@ pytestmark = pytest.mark.timeout(60)
 CPU = torch.device("cpu")
 
 
-def test_cpu_float32_takes_onednn_where_torch_has_it() -> None:
+def test_cpu_float32_takes_the_panel_kernel() -> None:
+    assert linear._panels_agree()  # a C compiler is part of the set-up (README), as for attention
+    assert linear.select_linear(CPU, torch.float32) is linear.panel_linear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 63, 64, 65, 130])
+@pytest.mark.parametrize("out_features", [64, 200, 1024])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_panel_kernel_matches_f_linear(rows: int, out_features: int, with_bias: bool) -> None:
+    """Every row count the kernel splits differently (1-3 rows alone, blocks of 4, of 64, a
+    remainder), full panels and a narrow last one (200 = 3 x 64 + 8), bias or none."""
+    gen = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, 96, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, 96, generator=gen)
+    with torch.inference_mode():
+        got = linear.panel_linear(x, linear.prepare(linear.panel_linear, w), b)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_panel_kernel_reads_strided_rows() -> None:
+    """A row view with its own stride (a split of a wider tensor) and a column view (made
+    contiguous first) give F.linear's answer."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(130, 64, generator=gen)
+    wide = torch.randn(9, 200, generator=gen)
+    for x in (wide[:, 10:74], wide[:, ::3][:, :64]):
+        torch.testing.assert_close(linear.panel_linear(x, linear.to_panels(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_panels_are_the_weight_reordered_not_grown() -> None:
+    w = torch.arange(200 * 3, dtype=torch.float32).reshape(200, 3)
+    panels = linear.to_panels(w)
+    assert panels.numel() == w.numel() and panels.is_contiguous()
+    assert panels[: 3 * 64].reshape(3, 64).equal(w[:64].t())  # the first panel: [in, 64]
+    assert panels[3 * 192 :].reshape(3, 8).equal(w[192:].t())  # the last: 8 columns wide
+
+
+def test_the_panel_kernel_refuses_what_does_not_fit() -> None:
+    w = linear.to_panels(torch.randn(64, 32))
+    with pytest.raises(ValueError, match="does not fit"):
+        linear.panel_linear(torch.randn(2, 30), w)  # 30 does not divide the weight's 2,048
+    with pytest.raises(ValueError, match="does not fit"):
+        linear.panel_linear(torch.randn(2, 32), w, torch.randn(63))  # a bias one short
+    with pytest.raises(ValueError, match="does not fit"):
+        linear.panel_linear(torch.randn(2, 32, dtype=torch.float64), w)
+
+
+def test_onednn_is_next_where_the_kernels_cannot_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
     if not linear._onednn_agrees():
         pytest.skip("this torch build has no working oneDNN linear")
+    monkeypatch.setattr(linear, "_panels_agree", lambda: False)
+    assert linear.select_linear(CPU, torch.float32) is linear.onednn_linear
+    monkeypatch.setenv("BATON_CPU_LINEAR", "panel")
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        linear.select_linear(CPU, torch.float32)
+    monkeypatch.setenv("BATON_CPU_LINEAR", "onednn")
     assert linear.select_linear(CPU, torch.float32) is linear.onednn_linear
 
 
@@ -39,6 +95,7 @@ def test_onednn_matches_f_linear_on_model_shapes(rows: int, with_bias: bool) -> 
 def test_only_the_onednn_linear_gets_a_packed_weight() -> None:
     w = torch.randn(8, 4)
     assert linear.prepare(linear.torch_linear, w) is w
+    assert linear.prepare(linear.panel_linear, w).shape == (32,)
     if linear._onednn_agrees():
         packed = linear.prepare(linear.onednn_linear, w)
         assert packed.layout == torch._mkldnn and packed.shape == w.shape  # type: ignore[attr-defined]
@@ -54,7 +111,8 @@ def test_other_dtypes_keep_f_linear(dtype: torch.dtype) -> None:
     assert linear.select_linear(CPU, dtype) is linear.torch_linear
 
 
-def test_a_build_without_it_falls_back_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_build_without_either_falls_back_unless_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "_panels_agree", lambda: False)
     monkeypatch.setattr(linear, "_onednn_agrees", lambda: False)
     assert linear.select_linear(CPU, torch.float32) is linear.torch_linear
     monkeypatch.setenv("BATON_CPU_LINEAR", "onednn")

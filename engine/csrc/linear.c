@@ -1,0 +1,118 @@
+/* Every projection on CPU float32 (engine/linear.py): out [M, N] = x [M, K] @ W^T (+ bias), with
+ * the weight [N, K] held in column panels so that one pass streams it once for up to MR rows.
+ *
+ * Layout ("panels"): the N output columns in panels of PANEL (the last one narrower when PANEL
+ * does not divide N); panel p (columns n0 .. n0 + w) is its K x w block, row k at n0 * K + k * w.
+ * A panel is one contiguous stream, so a decode step (a few rows) reads every weight byte once,
+ * front to back; a prefill chunk re-reads each panel (K * PANEL floats: 256 KiB at K = 1,024)
+ * for each MR rows from cache.
+ *
+ * Arithmetic: float32, each output's products added in k order from zero, then the bias. The
+ * reference is F.linear (tests/engine/test_linear.py); the sum order differs from MKL's and
+ * oneDNN's as theirs differ from each other. OpenMP: torch's pool (see paged_attention.c), over
+ * (panel, block of rows) so that a prefill chunk gives every core work even where N has few
+ * panels; a call too small to repay waking the pool runs on the calling thread.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* a multiply-add is one fused instruction here (the library builds with -std=c11, which turns
+ * contraction off: 1.3x slower at prefill sizes); MKL's and oneDNN's kernels fuse them too */
+#pragma GCC optimize("fp-contract=fast")
+
+#define PANEL 64           /* output columns a panel holds: 4 AVX-512 / 8 AVX2 vectors of accumulators */
+#define MR 4               /* rows a pass over a panel serves: 16 AVX-512 accumulators */
+#define ROW_BLOCK 64       /* rows a task takes: its panel stays in L2 across them */
+#define PARALLEL_MIN 65536 /* multiply-adds below which a call runs on the calling thread */
+
+typedef float vec __attribute__((vector_size(64)));  /* 16 floats: one AVX-512 register, two AVX2 ones */
+#define VECS (PANEL / 16)
+/* a weight vector stays in its register for all the rows (left alone, GCC loads it again from
+ * memory for each row: 4x the loads, 1.6x slower at prefill sizes) */
+#if defined(__x86_64__)
+#define KEEP(v) __asm__("" : "+v"(v))
+#else
+#define KEEP(v) ((void)0)
+#endif
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* out rows [0, mr) of a full panel from x rows [0, mr): mr is a constant where this is inlined,
+ * so the MR x VECS accumulators stay in registers and each weight vector is loaded once for
+ * all rows (written with vectors: the compiler's own choice of loop order was 1.3x slower) */
+static inline __attribute__((always_inline)) void panel_rows(const float *restrict x, int64_t x_stride, int mr,
+                                                             int64_t K, const float *restrict w,
+                                                             const float *restrict bias, float *restrict out,
+                                                             int64_t out_stride) {
+    vec acc[MR][VECS];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < VECS; v++) acc[m][v] = (vec){0};
+    for (int64_t k = 0; k < K; k++) {
+        vec wk[VECS];
+        for (int v = 0; v < VECS; v++) {
+            wk[v] = load(w + k * PANEL + v * 16);
+            KEEP(wk[v]);
+        }
+        for (int m = 0; m < mr; m++) {
+            const vec xv = (vec){0} + x[m * x_stride + k];
+            for (int v = 0; v < VECS; v++) acc[m][v] += xv * wk[v];
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int v = 0; v < VECS; v++) {
+            vec r = acc[m][v];
+            if (bias != NULL) r += load(bias + v * 16);
+            memcpy(out + m * out_stride + v * 16, &r, sizeof r);
+        }
+}
+
+/* the same for N's last panel, narrower than PANEL: width columns, scalar */
+static void narrow_rows(const float *restrict x, int64_t x_stride, int mr, int64_t K, const float *restrict w,
+                        int width, const float *restrict bias, float *restrict out, int64_t out_stride) {
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < width; j++) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += x[m * x_stride + k] * w[k * width + j];
+            out[m * out_stride + j] = bias != NULL ? acc + bias[j] : acc;
+        }
+}
+
+static void rows_of_panel(const float *restrict x, int64_t x_stride, int64_t rows, int64_t K,
+                          const float *restrict w, int width, const float *restrict bias, float *restrict out,
+                          int64_t out_stride) {
+    for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+        const int mr = rows - m0 < MR ? (int)(rows - m0) : MR;
+        const float *restrict xm = x + m0 * x_stride;
+        float *restrict om = out + m0 * out_stride;
+        if (width < PANEL) narrow_rows(xm, x_stride, mr, K, w, width, bias, om, out_stride);
+        else if (mr == MR) panel_rows(xm, x_stride, MR, K, w, bias, om, out_stride);
+        else if (mr == 1) panel_rows(xm, x_stride, 1, K, w, bias, om, out_stride);
+        else if (mr == 2) panel_rows(xm, x_stride, 2, K, w, bias, om, out_stride);
+        else panel_rows(xm, x_stride, 3, K, w, bias, om, out_stride);
+    }
+}
+
+/* out [M, N] (contiguous) = x [M, K] (row stride x_stride) @ W^T + bias (NULL: none), with W in
+ * panels (see above). Returns -1 (nothing written) for a non-positive size or a row stride
+ * below K. */
+int baton_linear(const float *restrict x, int64_t x_stride, int64_t M, int64_t K, const float *restrict w,
+                 int64_t N, const float *restrict bias, float *restrict out) {
+    if (M <= 0 || K <= 0 || N <= 0 || x_stride < K) return -1;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for collapse(2) schedule(static) if (M * K * N >= PARALLEL_MIN)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = p * PANEL, m0 = b * ROW_BLOCK;
+            const int width = N - n0 < PANEL ? (int)(N - n0) : PANEL;
+            const int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+            rows_of_panel(x + m0 * x_stride, x_stride, rows, K, w + n0 * K, width,
+                          bias != NULL ? bias + n0 : NULL, out + m0 * N + n0, N);
+        }
+    }
+    return 0;
+}
