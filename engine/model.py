@@ -69,10 +69,10 @@ class CausalLM:
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.linear = select_linear(device, self.embed.dtype)  # oneDNN's on CPU float32 (engine.linear)
-        # Each projection in the layout the linear reads fastest (oneDNN's packed one on CPU
-        # float32: those tensors are for self.linear only). A tied LM head gets its own packed
-        # copy; the embedding stays as it is for the lookup.
+        self.linear = select_linear(device, self.embed.dtype)  # baton's panel kernel on CPU float32 (engine.linear)
+        # Each projection in the layout the linear reads fastest (column panels on CPU float32,
+        # flat: those tensors are for self.linear only, their shape is not [out, in]). A tied LM
+        # head gets its own copy; the embedding stays as it is for the lookup.
         self.lm_head = prepare(self.linear, self.lm_head)
         self.layers = [
             dataclasses.replace(layer, qkv=prepare(self.linear, layer.qkv), o=prepare(self.linear, layer.o),
