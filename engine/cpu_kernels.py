@@ -97,6 +97,14 @@ def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
         return _kernels[kv_dtype]
 
 
+def require(kv_dtype: torch.dtype, user: str) -> ctypes.CDLL:
+    """`load(kv_dtype)`, or a RuntimeError naming `user` (what cannot run without it)."""
+    lib = load(kv_dtype)
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels ({kv_dtype} KV) could not be built: {user} is unavailable")
+    return lib
+
+
 def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
     defines = KV_DEFINES.get(kv_dtype)
     if defines is None:

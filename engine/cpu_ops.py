@@ -31,10 +31,7 @@ class CpuOps:
     """The three calls over the library built for a pool of `kv_dtype`."""
 
     def __init__(self, kv_dtype: torch.dtype = torch.float32) -> None:
-        lib = cpu_kernels.load(kv_dtype)
-        if lib is None:
-            raise RuntimeError(f"the CPU kernels ({kv_dtype} KV) could not be built: use the torch path")
-        self.lib = lib
+        self.lib = cpu_kernels.require(kv_dtype, "the fused CPU ops (use the torch path)")
         self.kv_dtype = kv_dtype
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

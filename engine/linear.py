@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -52,15 +52,21 @@ PANEL = 64  # output columns in one panel of panel_linear's layout (linear.c's P
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, /) -> torch.Tensor:
     """x [T, in] @ W^T (+ bias) with W prepared by `to_panels`; float32 on the CPU."""
     rows, width = x.shape
-    out_features = weight.numel() // width
-    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.numel() != out_features * width
+    out_features = weight.numel() // width if width > 0 else 0
+    if (out_features == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or weight.numel() != out_features * width
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)))):  # fmt: skip
         raise ValueError(f"panel_linear: x {tuple(x.shape)} {x.dtype} does not fit a weight of {weight.numel()}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     out = torch.empty(rows, out_features, dtype=torch.float32)
-    _kernels().baton_linear(x.data_ptr(), x.stride(0), rows, width, weight.data_ptr(), out_features,
-                            None if bias is None else bias.contiguous().data_ptr(), out.data_ptr())  # fmt: skip
+    if rows == 0:
+        return out
+    if x.stride(1) != 1 or x.stride(0) < width:  # the kernel reads whole rows at a stride of at least `in`
+        x = x.contiguous()
+    rc = cpu_kernels.require(torch.float32, "panel_linear").baton_linear(
+        x.data_ptr(), x.stride(0), rows, width, weight.data_ptr(), out_features,
+        None if bias is None else bias.contiguous().data_ptr(), out.data_ptr())  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"panel_linear: the kernel refused x {tuple(x.shape)} (stride {x.stride()})")
     return out
 
 
@@ -73,13 +79,6 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
         w = min(PANEL, out_features - n)
         panels[n * width : (n + w) * width].view(width, w).copy_(weight[n : n + w].t())
     return panels
-
-
-def _kernels() -> Any:
-    lib = cpu_kernels.load(torch.float32)
-    if lib is None:
-        raise RuntimeError("the CPU kernels could not be built: panel_linear is unavailable")
-    return lib
 
 
 PACK_ROWS = 64  # the batch oneDNN's packed layout is chosen for; any row count reads it

@@ -45,6 +45,17 @@ def test_the_panel_kernel_reads_strided_rows() -> None:
         torch.testing.assert_close(linear.panel_linear(x, linear.to_panels(w)), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_the_panel_kernel_takes_no_rows_and_overlapping_rows() -> None:
+    """Zero rows give an empty answer without a call; rows that overlap (a stride below `in`,
+    as an unfold makes) are copied out first, since the kernel refuses them."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(70, 16, generator=gen)
+    assert linear.panel_linear(torch.empty(0, 16), linear.to_panels(w)).shape == (0, 70)
+    overlapping = torch.randn(40, generator=gen).unfold(0, 16, 8)  # [4, 16], stride (8, 1)
+    torch.testing.assert_close(linear.panel_linear(overlapping, linear.to_panels(w)), F.linear(overlapping, w),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
 def test_panels_are_the_weight_reordered_not_grown() -> None:
     w = torch.arange(200 * 3, dtype=torch.float32).reshape(200, 3)
     panels = linear.to_panels(w)
@@ -61,6 +72,8 @@ def test_the_panel_kernel_refuses_what_does_not_fit() -> None:
         linear.panel_linear(torch.randn(2, 32), w, torch.randn(63))  # a bias one short
     with pytest.raises(ValueError, match="does not fit"):
         linear.panel_linear(torch.randn(2, 32, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        linear.panel_linear(torch.randn(2, 0), w)  # no in-features
 
 
 def test_onednn_is_next_where_the_kernels_cannot_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
