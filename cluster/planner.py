@@ -479,17 +479,18 @@ class LocalRayScaler:
 async def run(
     planner: Planner, scaler: Scaler, sample_fn: Callable[[], Awaitable[Sample]], period_s: float,
     stop_event: asyncio.Event, action_timeout_s: float = 900.0, max_samples: int | None = None,
+    sample_timeout_s: float | None = None,
 ) -> list[Decision]:
     """Sample every period_s until stop_event (or max_samples), act on each decision; returns the
-    decisions the scaler carried out. A sample that fails or takes past period_s is skipped; an
-    action that fails or takes past action_timeout_s is logged and backs off (Planner.failed).
-    Cancelling the task stops it at once."""
+    decisions the scaler carried out. A sample that fails or takes past sample_timeout_s (None:
+    period_s) is skipped; an action that fails or takes past action_timeout_s is logged and backs
+    off (Planner.failed). Cancelling the task stops it at once."""
     done: list[Decision] = []
     taken = 0
     while not stop_event.is_set() and (max_samples is None or taken < max_samples):
         taken += 1
         try:
-            sample = await asyncio.wait_for(sample_fn(), period_s)
+            sample = await asyncio.wait_for(sample_fn(), period_s if sample_timeout_s is None else sample_timeout_s)
         except Exception as exc:
             logger.warning("planner: no sample this period: %r", exc)
         else:

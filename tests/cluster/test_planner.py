@@ -527,6 +527,24 @@ async def test_a_failing_sample_is_skipped() -> None:
     assert calls == 6
 
 
+async def test_a_slow_sample_is_skipped_at_the_period_or_awaited_to_its_own_bound() -> None:
+    observed: list[float] = []
+
+    class Recording(Planner):
+        def observe(self, sample: Sample) -> Decision | None:
+            observed.append(sample.time)
+            return super().observe(sample)
+
+    async def slow() -> Sample:  # 10 ms: ten periods of 1 ms, far inside a 30 s bound
+        await asyncio.sleep(0.01)
+        return Sample(0.0, None, None, 0, (NodeStatus("decode-0", "decode", "ok"),))
+
+    assert await run(Recording(CFG), LocalRayScaler(Pool()), slow, 0.001, asyncio.Event(), max_samples=3) == []
+    assert observed == []  # each one past the period: skipped
+    await run(Recording(CFG), LocalRayScaler(Pool()), slow, 0.001, asyncio.Event(), max_samples=3, sample_timeout_s=30.0)
+    assert len(observed) == 3
+
+
 # -- windowed p90 from the gateway's histograms -------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -93,10 +93,11 @@ class Load:
         self.front._placement = self._real  # type: ignore[method-assign]
 
 
-def wait_for(check: Any, what: str, timeout_s: float = 20.0) -> None:
+def wait_for(check: Any, what: str | Callable[[], str], timeout_s: float = 20.0) -> None:
+    """Until check(); else fail with `what` (a callable: the message as things are at the end)."""
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, what() if callable(what) else what
         time.sleep(0.02)
 
 
@@ -236,9 +237,19 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
                         limits=Limits(min_prefill=len(before), max_prefill=len(before) + 1, min_decode=1,
                                       max_decode=2, min_total=2, max_total=4))  # fmt: skip
     planner, window, stop = Planner(cfg), LatencyWindow(frontend.metrics), asyncio.Event()
+    reasons: list[str] = []  # planner.last_reason before each sample: what it saw, for a failure's message
+
+    def sample() -> Any:
+        if not reasons or reasons[-1] != planner.last_reason:
+            reasons.append(planner.last_reason)
+        return sample_from(frontend, window)
+
+    # Every sample is observed, however long the gateway takes to answer on a loaded machine
+    # (at period_s, the default bound, a slow sample is skipped: the decisions would then hang
+    # on how fast the machine is, not on the load the samples show).
     planning = asyncio.run_coroutine_threadsafe(
-        run(planner, LocalRayScaler(front), lambda: sample_from(frontend, window), 0.5, stop,
-            action_timeout_s=180.0, max_samples=600), pd3.loop)  # fmt: skip
+        run(planner, LocalRayScaler(front), sample, 0.5, stop, action_timeout_s=180.0, max_samples=600,
+            sample_timeout_s=60.0), pd3.loop)  # fmt: skip
 
     halt, failed, ok = threading.Event(), [], [0]
 
@@ -260,14 +271,14 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
         c.start()
     try:
         wait_for(lambda: len({p.name for p in front.prefills if p.is_routable}) > len(before),
-                 f"the planner added no prefill worker ({planner.last_reason})", 120)  # fmt: skip
+                 lambda: f"the planner added no prefill worker; it saw: {reasons[-8:]}", 120)  # fmt: skip
     finally:
         halt.set()
         for c in clients:
             c.join(60)
     assert failed == [] and ok[0] > 0
     wait_for(lambda: len({p.name for p in front.prefills if p.is_routable}) == len(before),
-             f"the planner did not scale back in ({planner.last_reason})", 120)  # fmt: skip
+             lambda: f"the planner did not scale back in; it saw: {reasons[-8:]}", 120)  # fmt: skip
     stop.set()
     decisions = planning.result(30)
     assert [(d.action, d.role) for d in decisions] == [("add", "prefill"), ("remove", "prefill")], decisions

@@ -75,10 +75,11 @@ def on_loop(handle: ServerHandle, coro: Coroutine[Any, Any, T], timeout_s: float
     return asyncio.run_coroutine_threadsafe(coro, handle.loop).result(timeout_s)
 
 
-def wait_for(check: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
+def wait_for(check: Callable[[], object], what: str | Callable[[], str], timeout_s: float = 30.0) -> None:
+    """Until check(); else fail with `what` (a callable: the message as things are at the end)."""
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what() if callable(what) else what}"
         time.sleep(0.02)
 
 

@@ -25,7 +25,7 @@ from tests.etcd_server import EtcdServer, is_listening
 from tests.faults.conftest import disaggregated, front_of, wait_for
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)  # the waits below, each at its bound, and the fixture
 
 OUTAGE_S = 30.0
 
@@ -64,7 +64,12 @@ def test_an_etcd_outage_under_load_fails_no_request(leased: ServerHandle, etcd: 
         wait_for(lambda: all(h.is_routable for h in [*front.prefills, *front.decodes]),
                  "the gateway routes to every worker again", 30)  # fmt: skip
         after = load.ok
-        wait_for(lambda: load.ok >= after + 5, "serving after the outage", 30)
+
+        def stalled() -> str:  # what the gateway saw, should serving not resume
+            pairs = [(v.prefill, v.decode, v.routable, v.failures, v.reason) for v in front.pairs.views()]
+            return f"serving after the outage: {load.ok - after} done, failed {load.failed[:3]}, pairs {pairs}"
+
+        wait_for(lambda: load.ok >= after + 5, stalled, 60)
     finally:
         if etcd.proc is None or etcd.proc.poll() is not None:
             etcd.start()  # the session's etcd stays up for the suites after this one
