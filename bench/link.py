@@ -155,7 +155,7 @@ class _Push(NamedTuple):
 class _Sender:
     """The prompt's pages and the channels to host 1, kept across rates and repeats."""
 
-    def __init__(self, engine: Any, target: str, pages_per_chunk: int) -> None:
+    def __init__(self, engine: Any, target: str, pages_per_chunk: int | None) -> None:
         import grpc
 
         from kvtransfer.codec import chunk_pages
@@ -164,7 +164,7 @@ class _Sender:
         self.engine = engine
         self.kv: Any = None  # the exported pages, page-major
         self.digests: list[str] = []
-        self.pages_per_chunk = pages_per_chunk
+        self.pages_per_chunk: Any = pages_per_chunk  # None: the workers' default (chunk_pages)
         self.kv_sender = GrpcSender()
         self.control = grpc.aio.insecure_channel(f"{target}:{KV_PORT}")
         self.raw = grpc.aio.insecure_channel(f"{target}:{RAW_PORT}", options=_message_options())
@@ -261,7 +261,7 @@ class _Sender:
         await self.raw.close()
 
 
-async def _send(model: str, target: str, pages_per_chunk: int, kv_cache_dtype: str) -> None:
+async def _send(model: str, target: str, pages_per_chunk: int | None, kv_cache_dtype: str) -> None:
     sender = _Sender(_engine(model, kv_cache_dtype), target, pages_per_chunk)
     _emit({"event": "ready"})
     try:
@@ -327,7 +327,7 @@ class _Child:
             self.proc.wait()
 
 
-def measure(model: str, prompt_len: int, rates: list[float], repeats: int, pages_per_chunk: int = 32,
+def measure(model: str, prompt_len: int, rates: list[float], repeats: int, pages_per_chunk: int | None = None,
             kv_cache_dtype: str = "auto") -> list[dict[str, Any]]:  # fmt: skip
     """Run both roles on two dev hosts; the header and one row per (rate, path)."""
     from cluster.devhosts import DevHosts
@@ -346,7 +346,8 @@ def measure(model: str, prompt_len: int, rates: list[float], repeats: int, pages
 
             target = hosts.hosts[1].ip
             server = role(1, "receiver (host 1)", "--serve", "--bind", target)
-            sender = role(0, "sender (host 0)", "--send", "--target", target, "--pages-per-chunk", str(pages_per_chunk))
+            chunking = ("--pages-per-chunk", str(pages_per_chunk)) if pages_per_chunk is not None else ()
+            sender = role(0, "sender (host 0)", "--send", "--target", target, *chunking)
             server.expect("ready", START_TIMEOUT_S)
             sender.expect("ready", START_TIMEOUT_S)
             sender.send({"cmd": "prefill", "prompt_len": prompt_len})  # the receiver idles meanwhile
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--rates", default="0,10000,1000", help="Mbit/s on host 1's link, comma-separated; 0: unshaped")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--pages-per-chunk", type=int, default=32)
+    parser.add_argument("--pages-per-chunk", type=int, default=None, help="default: the workers' (about 4 MiB chunks)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the KV pages' precision on both hosts (auto: the weights')")
     role = parser.add_mutually_exclusive_group()  # the roles this command starts on the dev hosts

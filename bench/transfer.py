@@ -164,9 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.transfer", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--model", default="baton-small")
     parser.add_argument("--prompt-len", type=int, default=2000)
-    parser.add_argument("--pages-per-chunk", type=int, default=32)
+    parser.add_argument("--pages-per-chunk", type=int, default=None, help="default: the workers' (about 4 MiB chunks)")
     args = parser.parse_args(argv)
+    from kvtransfer.codec import chunk_pages
+
     exported, decode, prefill_s = _prefill(args.model, args.prompt_len)
+    page = exported.kv[0]
+    args.pages_per_chunk = chunk_pages(page.numel() * page.element_size(), args.pages_per_chunk)
     rows = []
     # Both engines share this process and device: NCCL refuses two ranks on one GPU, so on CUDA
     # the nccl row is gpu_check's (send-to-self); between CPU pools it runs over gloo.

@@ -111,7 +111,7 @@ class TransferSection(_Section):
     transport: Literal["auto", "grpc", "shm", "nccl"] = "auto"
     deadline_s: float = Field(default=10.0, gt=0)
     reservation_ttl_s: float = Field(default=30.0, gt=0)
-    pages_per_chunk: int = Field(default=32, ge=1, le=4096)
+    pages_per_chunk: int | None = Field(default=None, ge=1, le=4096)  # unset: chunks of about 4 MiB
     shm_slots: int = Field(default=4, ge=0, le=256)
     # the decode workers' KV listener (kvtransfer.listen): auto (loopback on one node, the node's
     # address on more), node, or an IP; advertise_host: what senders dial, when not the bound address

@@ -85,7 +85,7 @@ class DecodeActor(KVPublisher, Registered):
         admit_lease_s: float = DEFAULT_DEADLINE_S,
         max_feed_steps: int = 4096,
         shm_slots: int = 0,  # > 0: also serve PushShm from a /dev/shm region of this many slots
-        shm_slot_pages: int = 32,  # pages one slot holds: the senders' pages per chunk
+        shm_slot_pages: int | None = None,  # pages one slot holds: the senders' pages per chunk
         pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
         epoch: int = 1,  # of its KV events (a restarted worker gets a new one)
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)

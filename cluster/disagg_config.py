@@ -51,7 +51,7 @@ class DisaggConfig:
     transfer_deadline_s: float = 10.0  # first token -> every page arrived (then re-dispatch)
     reservation_ttl_s: float = 30.0  # reserve -> every page arrived (queueing and prefill too)
     num_threads: int = 1  # torch threads per actor
-    pages_per_chunk: int = 32
+    pages_per_chunk: int | None = None  # None: chunks of about 4 MiB (kvtransfer.codec.chunk_pages)
     chunk_pause_s: float = 0.0  # fault drills only: prefill pauses before each chunk
     poll_wait_s: float = 1.0  # the output stream's long-poll bound
     ray_address: str | None = None  # None: a private local Ray (or the one this process has)

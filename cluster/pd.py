@@ -179,7 +179,7 @@ class PDFront:
                         decode_worker=DECODE_NODE, pages=len(dest.dest_page_ids)) as transfer:  # fmt: skip
             start = time.perf_counter()
             page_bytes = exported.kv[0].numel() * exported.kv.element_size()
-            chunks = build_chunks(dest, exported.kv, self.epoch, chunk_pages(page_bytes, 32, self.limits))
+            chunks = build_chunks(dest, exported.kv, self.epoch, chunk_pages(page_bytes, None, self.limits))
             error = await self.decode.call(lambda _: receive_all(self.worker.receiver, chunks, self.limits))
             seconds = time.perf_counter() - start
             transfer.set(bytes=sum(len(c.payload) for c in chunks), seconds=seconds)

@@ -116,7 +116,7 @@ class PrefillActor(KVPublisher, Registered):
         self,
         cfg: EngineConfig,
         epoch: int = 1,
-        pages_per_chunk: int = 32,
+        pages_per_chunk: int | None = None,  # None: chunks of about 4 MiB
         num_threads: int = 1,
         push_deadline_s: float = DEFAULT_DEADLINE_S,
         chunk_pause_s: float = 0.0,  # fault drills only: a pause before each chunk

@@ -102,7 +102,7 @@ class PagesReady:
 
 class PrefillWorker:
     def __init__(
-        self, engine: Engine, epoch: int = 1, pages_per_chunk: int = 32, limits: CodecLimits | None = None
+        self, engine: Engine, epoch: int = 1, pages_per_chunk: int | None = None, limits: CodecLimits | None = None
     ) -> None:
         self.engine = engine
         self.epoch = epoch  # fencing token: decode refuses pages from a stale epoch

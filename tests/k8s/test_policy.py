@@ -321,7 +321,7 @@ NCCL_SHM_BYTES = 4 << 30  # NCCL's buffers between peers: a few GiB
 @pytest.mark.parametrize("target", TARGETS)
 def test_dev_shm_is_memory_backed_and_sized(builds: dict[str, list[Obj]], target: str) -> None:
     objects, f = builds[target], cluster_file(builds[target])
-    transport = f.transfer.shm_slots * f.transfer.pages_per_chunk
+    transport = f.transfer.shm_slots * (f.transfer.pages_per_chunk or 0)  # the gpu overlay sets it
     for group, containers in (
         ("head", ("ray-head", "gateway")),
         ("prefill", ("ray-worker",)),

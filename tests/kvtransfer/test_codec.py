@@ -10,10 +10,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.codec import (
+    CHUNK_TARGET_BYTES,
     ChunkMeta,
     CodecLimits,
     TransferError,
     WireChunk,
+    chunk_pages,
     decode_chunk,
     encode_chunk,
     frame,
@@ -156,3 +158,13 @@ def test_malformed_frames_are_refused() -> None:
     for bad in (b"", b"\x01\x00", (10**6).to_bytes(4, "little") + wire[4:], wire[:4] + b"\xff" * 20):
         with pytest.raises(TransferError):
             decode_chunk(unframe(bad), LIMITS)
+
+
+def test_chunk_pages_fit_the_target_and_the_receivers_bounds() -> None:
+    assert chunk_pages(393_216) == CHUNK_TARGET_BYTES // 393_216 == 10  # baton-small, float32: 3.9 MB chunks
+    assert chunk_pages(16 << 10) == 256  # a small page: the page-count bound, not 4 MiB
+    assert chunk_pages(8 << 20) == 1  # a page over the target still travels, one a chunk
+    assert chunk_pages(2 << 20, 32) == 16  # asked for: as many as fit in 32 MiB
+    assert chunk_pages(2 << 20, 3) == 3
+    with pytest.raises(ValueError, match="over the"):
+        chunk_pages(64 << 20)
