@@ -90,8 +90,8 @@ async def _serve(model: str, bind: str, kv_cache_dtype: str) -> None:
     from decode.worker import DecodeWorker
     from engine.sampling import SamplingParams
     from kvtransfer.grpc_transport import start_kv_server
+    from kvtransfer.jobs import PrefillJob
     from kvtransfer.transport import KVDestination
-    from prefill.worker import PrefillJob
 
     engine = _engine(model, kv_cache_dtype)
     worker = DecodeWorker(engine, reservation_ttl_s=PUSH_DEADLINE_S)

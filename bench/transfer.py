@@ -44,12 +44,12 @@ async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int
     from decode.worker import DecodeWorker
     from engine.sampling import SamplingParams
     from kvtransfer.grpc_transport import GrpcSender, start_kv_server
+    from kvtransfer.jobs import PrefillJob
     from kvtransfer.local import LocalSender
     from kvtransfer.nccl import device_chunks
     from kvtransfer.nccl_link import NcclEndpoint, NcclSender, nccl_handler
     from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
     from kvtransfer.transport import build_chunks
-    from prefill.worker import PrefillJob
 
     worker = DecodeWorker(decode, address="decode-0")
     server = region = endpoint = None

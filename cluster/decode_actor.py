@@ -39,6 +39,7 @@ from engine.outputs import StepOutput
 from kvcache.report import CacheReport, cache_report
 from kvtransfer.codec import chunk_pages
 from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.listen import LOOPBACK, listen_address
 from kvtransfer.nccl import nccl_usable
 from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
@@ -46,7 +47,6 @@ from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
-from prefill.worker import PrefillJob
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,10 @@ from engine.engine import Engine
 from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, TransferError, chunk_pages
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import receive_all
 from kvtransfer.transport import KVDestination, build_chunks
-from prefill.worker import PrefillJob, PrefillWorker
+from prefill.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
 

@@ -45,13 +45,14 @@ from engine.omp import release_thread_pool
 from kvcache.report import cache_report
 from kvtransfer.codec import DeviceChunk, TransferError, WireChunk
 from kvtransfer.grpc_transport import GrpcSender
+from kvtransfer.jobs import AbortedIds, PrefillJob
 from kvtransfer.nccl import nccl_usable
 from kvtransfer.nccl_link import NcclSender
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmSender
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination, KVSender
-from prefill.worker import AbortedIds, Chunk, PrefillDone, PrefillJob, PrefillWorker
+from prefill.worker import Chunk, PrefillDone, PrefillWorker
 
 logger = logging.getLogger(__name__)
 

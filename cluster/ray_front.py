@@ -64,8 +64,8 @@ from engine.sampling import SamplingParams
 from kvcache.events import KVEvent, Tier
 from kvcache.hashing import page_hashes
 from kvcache.report import CacheReport
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.transport import KVDestination
-from prefill.worker import PrefillJob
 
 import ray  # isort: skip
 

@@ -28,8 +28,8 @@ from engine.engine import Engine
 from engine.outputs import StepOutput
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import TransferError
+from kvtransfer.jobs import AbortedIds, PrefillJob
 from kvtransfer.transport import KVDestination, PoolReceiver, Reservation, ReservationBook
-from prefill.worker import AbortedIds, PrefillJob
 
 
 class _Receiver:

@@ -23,8 +23,6 @@ A plain class: cluster/ wraps it in a Ray actor; tests drive it directly.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,7 +30,6 @@ import torch
 from engine.engine import Engine
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
-from engine.sampling import SamplingParams
 from kvtransfer.codec import (
     ChunkMeta,
     CodecLimits,
@@ -41,43 +38,11 @@ from kvtransfer.codec import (
     chunk_pages,
     encode_chunk,
 )
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.nccl import device_chunks
 from kvtransfer.transport import KVDestination
 
-
-class AbortedIds:
-    """Request ids the gateway aborted, each kept `ttl_s`: a call for one that Ray delivers
-    after its abort (an async actor's calls are not ordered) is refused, not started."""
-
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self._at: dict[str, float] = {}  # oldest first
-
-    def add(self, req_id: str) -> None:
-        self.expire()
-        self._at.pop(req_id, None)
-        self._at[req_id] = self.clock()
-
-    def expire(self) -> None:
-        now = self.clock()
-        while self._at and next(iter(self._at.values())) + self.ttl_s <= now:
-            del self._at[next(iter(self._at))]
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._at
-
-
 Chunk = WireChunk | DeviceChunk  # on the wire (grpc, shm) or on the device (nccl)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillJob:
-    req_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    priority: int = 0
-    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from cluster.worker_msgs import OutputBatch
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
-from prefill.worker import PrefillJob
+from kvtransfer.jobs import PrefillJob
 from tests.cluster.conftest import kill_actor
 
 ray = pytest.importorskip("ray")

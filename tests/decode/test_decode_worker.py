@@ -14,9 +14,9 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import receive_all
 from kvtransfer.transport import KVDestination, build_chunks
-from prefill.worker import PrefillJob
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = tuple(range(100, 180))  # 80 tokens: 5 pages

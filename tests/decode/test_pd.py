@@ -18,10 +18,11 @@ from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, decode_chunk
 from kvtransfer.grpc_transport import GrpcSender, start_kv_server
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import LocalSender
 from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
 from kvtransfer.transport import build_chunks
-from prefill.worker import PrefillJob, PrefillWorker
+from prefill.worker import PrefillWorker
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -17,10 +17,11 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, DeviceChunk, WireChunk
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import LocalSender, receive_all
 from kvtransfer.nccl import NcclReceiver
 from kvtransfer.transport import KVDestination
-from prefill.worker import PrefillDone, PrefillJob, PrefillWorker
+from prefill.worker import PrefillDone, PrefillWorker
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 CHUNK = 64  # prefill tokens per step: 4 pages of 16

@@ -45,9 +45,9 @@ from kvcache.disk import DiskTier
 from kvcache.disk_record import encode_record
 from kvtransfer.codec import ChunkMeta, encode_chunk, frame
 from kvtransfer.grpc_transport import PUSH, GrpcSender, start_kv_server
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.shm import PUSH_SHM, ShmRegion, shm_handler
 from kvtransfer.transport import KVDestination, build_chunks
-from prefill.worker import PrefillJob
 from tests.etcd_server import EtcdServer
 from tests.security.conftest import ALPHA_KEY, MODEL, OPEN_PATHS, ROOT, Canary, Guarded, bearer
 

@@ -32,9 +32,9 @@ from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import ChunkMeta, WireChunk, encode_chunk
 from kvtransfer.grpc_transport import GrpcSender, start_kv_server
+from kvtransfer.jobs import PrefillJob
 from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
 from kvtransfer.transport import KVDestination, build_chunks
-from prefill.worker import PrefillJob
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,0 +1,70 @@
+"""docs/architecture.md's import rules, checked on every module's AST (imports inside functions
+included), and every file the page names exists."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def layer_rules(text: str) -> dict[str, frozenset[str]]:
+    """The ```layers block: `package: what it may import` ('-' for nothing), one a line."""
+    block = re.search(r"```layers\n(.*?)```", text, re.S)
+    assert block is not None, "docs/architecture.md has no ```layers block"
+    rules = {}
+    for line in block.group(1).splitlines():
+        name, _, allowed = line.partition(":")
+        rules[name.strip()] = frozenset(a for a in allowed.split() if a != "-")
+    return rules
+
+
+def crossings(package: str, rules: dict[str, frozenset[str]], root: Path = ROOT) -> list[str]:
+    """`file:line -> module` for each import in `package` of a baton package it may not import."""
+    bad = []
+    for path in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in rules and top != package and top not in rules[package]:
+                    bad.append(f"{path.relative_to(root)}:{node.lineno} -> {module}")
+    return bad
+
+
+RULES = layer_rules(DOC.read_text())
+
+
+def test_the_layers_cover_every_package() -> None:
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages - {"tests"} <= set(RULES), f"packages without a layer: {packages - {'tests'} - set(RULES)}"
+    for name, allowed in RULES.items():
+        assert allowed <= set(RULES), f"{name} may import unknown packages {allowed - set(RULES)}"
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_no_import_crosses_a_layer(package: str) -> None:
+    assert crossings(package, RULES) == []
+
+
+def test_a_crossing_is_found_and_named(tmp_path: Path) -> None:
+    (tmp_path / "decode").mkdir()
+    (tmp_path / "decode" / "worker.py").write_text("import engine\n\ndef f():\n    from prefill.worker import X\n")
+    assert crossings("decode", RULES, tmp_path) == ["decode/worker.py:4 -> prefill.worker"]
+
+
+def test_every_file_the_page_names_exists() -> None:
+    named = set(re.findall(r"`([\w./-]+/[\w.-]+\.(?:py|c|h|html|md|yaml|proto))`", DOC.read_text()))
+    assert named, "the page names no files"
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
