@@ -176,13 +176,12 @@ def test_decode_killed_with_handoffs_pending_frees_the_prefill_side(slow1: Serve
     front = front_of(slow1)
     assert _at_baseline(slow1)
 
-    async def main() -> list[BaseException | None]:
+    async def main() -> list[BaseException | list[str]]:
         async with httpx.AsyncClient(base_url=slow1.url, timeout=60) as client:
-            async def one(i: int) -> None:
+            async def one(i: int) -> list[str]:
                 body = _body(f"handoff {i}", True)
                 async with client.stream("POST", "/v1/completions", json=body) as response:
-                    async for _ in response.aiter_lines():
-                        pass
+                    return [line async for line in response.aiter_lines() if line]
 
             prefill = front.prefills[0].actor
             await asyncio.to_thread(ray.get, prefill.hold_pushes.remote(True), timeout=30)
@@ -199,5 +198,10 @@ def test_decode_killed_with_handoffs_pending_frees_the_prefill_side(slow1: Serve
             done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
             return list(done)
 
-    asyncio.run(main())  # both streams ended (an error event or a cut stream), none hung
+    ended = asyncio.run(main())  # both streams ended within 10 s, none hung
+    for outcome in ended:  # and each as a failure the client can see: an error event, or a cut stream
+        if isinstance(outcome, list):
+            assert any('"error"' in line for line in outcome), outcome[-3:]
+        else:
+            assert isinstance(outcome, httpx.HTTPError), repr(outcome)
     assert not front.is_alive

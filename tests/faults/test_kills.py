@@ -74,6 +74,18 @@ def _hold(prefills: list[PrefillHandle], hold: bool) -> None:
             pass
 
 
+def _pushing(prefills: list[PrefillHandle]) -> PrefillHandle:
+    """The one worker with a push in flight. The client's first token can reach it before the
+    push task has begun, so this waits for it; with pushes held it then stays in flight."""
+    deadline = time.monotonic() + 20
+    while True:
+        busy = [p for p in prefills if _prefill_stats(p).num_inflight_transfers == 1]
+        if len(busy) == 1:
+            return busy[0]
+        assert time.monotonic() < deadline, f"no single push in flight: {len(busy)} of {len(prefills)}"
+        time.sleep(0.02)
+
+
 def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> None:
     front = front_of(slow)
     baseline = wait_decode_idle(front)
@@ -84,7 +96,7 @@ def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> N
             with http.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.iter_lines()  # held: dropping the iterator would close the stream
                 assert next(line for line in lines if line.startswith("data:"))  # the first token
-                [pushing] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
+                pushing = _pushing(front.prefills)
                 assert decode_stats(front).num_open_reservations == 1  # its pages are still moving
         deadline = time.monotonic() + 10  # the aborts reach both actors (the push is still held)
         while (_prefill_stats(pushing).num_pinned_pages or decode_stats(front).num_reserved_pages) and (
@@ -161,7 +173,7 @@ def test_prefill_killed_mid_transfer_then_all_gone(slow: ServerHandle, server: S
         reader.start()
         assert first.wait(30)
         # The first token is out while its pages are still moving: a transfer is in flight.
-        [victim] = [p for p in front.prefills if _prefill_stats(p).num_inflight_transfers == 1]
+        victim = _pushing(front.prefills)
         assert _prefill_stats(victim).num_pinned_pages > 0
         assert decode_stats(front).num_open_reservations == 1
         _kill(victim)
