@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from bench.prompts import Segment
-from bench.sim_cache import EventBus, TieredCache
-from bench.sim_calibration import BUILTIN, Calibration, load_calibration
-from bench.sim_engine import FleetConfig, Simulation
-from bench.sim_policies import Baton, PrefixOnly, RoundRobin
-from bench.sim_report import RequestRecord
-from bench.sim_traffic import Mix, PromptHasher, SessionRun, load_trace_traffic, parse_mix
-from bench.sim_workers import DecodeWorker, SimRequest
+from bench.sim.cache import EventBus, TieredCache
+from bench.sim.calibration import BUILTIN, Calibration, load_calibration
+from bench.sim.policies import Baton, PrefixOnly, RoundRobin
+from bench.sim.report import RequestRecord
+from bench.sim.simulation import FleetConfig, Simulation
+from bench.sim.traffic import Mix, PromptHasher, SessionRun, load_trace_traffic, parse_mix
+from bench.sim.workers import DecodeWorker, SimRequest
 from bench.workloads import Session, Turn
 from cluster.cli import main as baton_main
 from cluster.global_index import GlobalIndex

@@ -6,16 +6,16 @@ prefix-only routing, on the same traffic, in virtual time.
     baton sim --prefill 64 --decode 64 --workload agent:2+multiturn+rag --tenants 32 --rate 160
     baton sim --trace trace.jsonl --calibration my-gpu.json --policies baton,prefix-only
 
-Workers cost what measured runs say (bench.sim_calibration: baton-small by default, or
+Workers cost what measured runs say (bench.sim.calibration: baton-small by default, or
 --calibration FILE.json); their caches evict least recently used pages and tell the index by
 real KV events (--event-delay / --event-loss exercise its snapshots). Per policy: goodput
 under the TTFT / ITL SLOs, throughput, TTFT p50/p99, ITL p99, token-weighted prefix hit
-rate, locality given up, and load imbalance (bench.sim_report). The table goes to stdout,
+rate, locality given up, and load imbalance (bench.sim.report). The table goes to stdout,
 with the calibration and its source; --json FILE writes every figure.
 
-The pieces: sim_calibration (costs), sim_cache (tiered LRU + event bus), sim_workers
-(prefill queue, decode batch), sim_traffic (sessions and page hashes), sim_policies,
-sim_engine (the event loop), sim_report (figures).
+The pieces (bench/sim/): calibration (costs), cache (tiered LRU + event bus), workers
+(prefill queue, decode batch), traffic (sessions and page hashes), policies, simulation (the
+event loop), report (figures).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from bench.sim_calibration import BUILTIN, Calibration, load_calibration
-from bench.sim_engine import FleetConfig, Simulation
-from bench.sim_policies import POLICIES
-from bench.sim_report import SimResult, ratios, table
-from bench.sim_traffic import Mix, Traffic, load_trace_traffic, parse_mix
+from bench.sim.calibration import BUILTIN, Calibration, load_calibration
+from bench.sim.policies import POLICIES
+from bench.sim.report import SimResult, ratios, table
+from bench.sim.simulation import FleetConfig, Simulation
+from bench.sim.traffic import Mix, Traffic, load_trace_traffic, parse_mix
 from engine.errors import BatonError
 
 DEFAULT_WORKLOAD = "agent:2+multiturn+rag"
@@ -85,7 +85,7 @@ def register(sub: Any) -> None:
     p.add_argument("--speed", type=float, default=1.0, help="trace: replay speed-up")
     p.add_argument("--limit", type=int, default=None, help="trace: first N requests")
     p.add_argument("--calibration", default="baton-small",
-                   help=f"{' or '.join(BUILTIN)}, or a JSON file of bench.sim_calibration.Calibration fields")
+                   help=f"{' or '.join(BUILTIN)}, or a JSON file of bench.sim.calibration.Calibration fields")
     p.add_argument("--transport", default="grpc", help="prefill -> decode path (a calibration transport)")
     p.add_argument("--prefill-pages", type=int, default=_FLEET.prefill_pages, help="device pages per prefill worker")
     p.add_argument("--host-pages", type=int, default=_FLEET.host_pages, help="per prefill worker")

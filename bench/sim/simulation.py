@@ -27,12 +27,12 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from bench.sim_cache import EventBus, TieredCache
-from bench.sim_calibration import Calibration
-from bench.sim_policies import POLICIES, Baton
-from bench.sim_report import Recorder, SimResult
-from bench.sim_traffic import PromptHasher, SessionRun, Traffic
-from bench.sim_workers import DecodeWorker, PrefillWorker, SimRequest
+from bench.sim.cache import EventBus, TieredCache
+from bench.sim.calibration import Calibration
+from bench.sim.policies import POLICIES, Baton
+from bench.sim.report import Recorder, SimResult
+from bench.sim.traffic import PromptHasher, SessionRun, Traffic
+from bench.sim.workers import DecodeWorker, PrefillWorker, SimRequest
 from cluster.global_index import GlobalIndex
 from cluster.placement import PlacementConfig, PlacementKind, Role, WorkerStats
 from kvcache.hashing import model_fingerprint

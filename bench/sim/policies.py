@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple
 
-from bench.sim_workers import SimRequest
+from bench.sim.workers import SimRequest
 from cluster.global_index import GlobalIndex, PrefixMatch
 from cluster.placement import PlacementConfig, PlacementKind, Placer, WorkerStats
 

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 if TYPE_CHECKING:
-    from bench.sim_cache import EventBus
-    from bench.sim_policies import Policy
-    from bench.sim_workers import DecodeWorker, PrefillWorker, SimRequest
+    from bench.sim.cache import EventBus
+    from bench.sim.policies import Policy
+    from bench.sim.workers import DecodeWorker, PrefillWorker, SimRequest
 
 
 @dataclass(frozen=True, slots=True)

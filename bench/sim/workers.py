@@ -1,5 +1,5 @@
 """Simulated prefill and decode workers for `baton sim`: state machines over a virtual clock.
-The simulation (bench/sim.py) calls them when an event of theirs is due and schedules the
+The simulation (bench/sim/cli.py) calls them when an event of theirs is due and schedules the
 times they return; they never sleep and hold no threads.
 
     PrefillWorker  FIFO queue; a job matches its own cache at start (device, then host), costs
@@ -27,8 +27,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench.sim_cache import CacheHit, TieredCache
-from bench.sim_calibration import Calibration
+from bench.sim.cache import CacheHit, TieredCache
+from bench.sim.calibration import Calibration
 
 
 @dataclass(slots=True, eq=False)
