@@ -1,5 +1,5 @@
 """The cluster-wide KV index: which worker holds which page, in which tier, learned only from
-the workers' KV events (DESIGN.md section 3, steps 2 and 6).
+the workers' KV events (docs/architecture.md, One request, step 2).
 
     add_worker(id, epoch)      a worker joined: ask it for a snapshot
     apply(event)               STORED / REMOVED / TIER_CHANGED, in the worker's seq order; a

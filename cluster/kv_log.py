@@ -1,4 +1,4 @@
-"""A worker actor's KV events, kept for the gateway's GlobalIndex to poll (DESIGN.md section 3).
+"""A worker actor's KV events, kept for the gateway's GlobalIndex to poll (docs/architecture.md, One request).
 
     log = KVEventLog(engine.prefix_cache, epoch)   the cache publishes into it from now on
     log.events(after_seq, limit)                   the next events, oldest first (a bounded batch)

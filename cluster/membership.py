@@ -1,4 +1,4 @@
-"""Who is in the cluster: one interface, two backends (DESIGN.md section 7).
+"""Who is in the cluster: one interface, two backends (docs/architecture.md, Membership and control).
 
     epoch = await m.register(info)      join (create-if-absent) under a lease kept alive in the
                                         background; a lost lease -> joins again, a new epoch

@@ -1,4 +1,4 @@
-"""Membership over etcd (aetcd), the production backend (DESIGN.md section 7).
+"""Membership over etcd (aetcd), the production backend (docs/architecture.md, Membership and control).
 
     worker     lease = grant(ttl); txn(create_revision(key) == 0 -> put(key, info, lease))
                epoch = that put's revision (= the key's create_revision: it only grows)

@@ -1,5 +1,5 @@
-"""Placement: which prefill worker computes a prompt, and which decode worker runs it (DESIGN.md
-section 3, step 2), by one cost model over measured numbers. Pure: no Ray, no I/O, so the
+"""Placement: which prefill worker computes a prompt, and which decode worker runs it (docs/architecture.md,
+One request, step 2), by one cost model over measured numbers. Pure: no Ray, no I/O, so the
 gateway and the simulator (`baton sim`) run the same code.
 
     place(req_id, hashes, num_tokens, tenant)

@@ -1,5 +1,6 @@
 """The P:D planner: decides the prefill:decode ratio and the total size from what the gateway
-measures, one sample per period, and applies it one worker at a time (DESIGN.md section 7).
+measures, one sample per period, and applies it one worker at a time (docs/architecture.md,
+Membership and control).
 
     sample = await sample_from(frontend, window)   TTFT and ITL p90 over the last period (the
                                                    gateway's histograms, differenced), every

@@ -1,5 +1,5 @@
 """Disaggregated serving on Ray, seen from the gateway: the EngineFront the HTTP and gRPC edges
-call when the engines live in PrefillActors and DecodeActors (DESIGN.md section 3).
+call when the engines live in PrefillActors and DecodeActors (docs/architecture.md, One request).
 
     generate(req)
       p = placer.place(prompt's page hashes)    cluster.placement over a GlobalIndex fed by the

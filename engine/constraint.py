@@ -7,7 +7,7 @@
 
 The spec is a frozen, hashable value inside `SamplingParams`, built at the edge from client
 fields, and — like every other sampling field — checked in its constructor, in pure Python and
-in time linear in its size, before any grammar is compiled (DESIGN.md section 8):
+in time linear in its size, before any grammar is compiled (docs/architecture.md, Rules):
 
 - size: a schema or grammar of at most 64 KiB, a regex of at most 2,000 characters;
 - nesting: a schema's JSON document at most 64 containers deep (scanned before it is parsed, so

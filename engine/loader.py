@@ -1,6 +1,6 @@
 """Weights from a Hugging Face checkpoint directory: safetensors only, checked tensor by tensor.
 
-baton never unpickles anything (DESIGN.md section 8): a directory holding only pickle weights
+baton never unpickles anything (docs/architecture.md, Rules): a directory holding only pickle weights
 (`pytorch_model.bin`, `*.pt`, ...) is refused with instructions to convert it, without opening
 those files. Every tensor is checked against the shape the config implies before its data is
 read, so a checkpoint that does not match its config.json fails with the tensor's name instead

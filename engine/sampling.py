@@ -1,7 +1,7 @@
 """A request's sampling parameters, validated when they are built.
 
 The HTTP and gRPC edges build a `SamplingParams` straight from client fields and rely on the
-constructor to bound every one of them before anything is allocated (DESIGN.md section 8), so
+constructor to bound every one of them before anything is allocated (docs/architecture.md, Rules), so
 each field is checked for its type (a bool is not an int here, NaN and infinities are refused)
 and its range, and a bad one raises `SamplingError` naming the field and what is allowed.
 The one bound checked elsewhere is `max_tokens` against the model's context, which only the

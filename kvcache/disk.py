@@ -1,6 +1,6 @@
 """The disk tier of the KV cache: pages evicted from host RAM, kept in local segment files.
 
-Lifecycle of a page (DESIGN.md section 5):
+Lifecycle of a page (docs/architecture.md, The tiered KV cache):
 
     put ──append──▶ pending ──fsync (batched)──▶ indexed ──get──▶ hit (LRU refresh)
                        │                            │

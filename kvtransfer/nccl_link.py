@@ -1,5 +1,5 @@
 """The nccl transport between two workers: a communicator per (prefill, decode) pair, opened
-when the pair is routed, and KVTransfer/PushNccl for the headers (DESIGN.md section 6).
+when the pair is routed, and KVTransfer/PushNccl for the headers (docs/architecture.md, KV transfer).
 
     rendezvous  the launcher asks the decode worker to listen (NcclEndpoint.listen): it names a
                 channel, makes a unique id (NCCL's; a gloo rendezvous between CPU pools) and

@@ -1,5 +1,5 @@
 """Which transport moves a (prefill, decode) pair's pages, chosen once per pair from where the
-two workers run (DESIGN.md section 6):
+two workers run (docs/architecture.md, KV transfer):
 
     same process (node id and pid)         -> local   direct calls into the receiver
     both hold KV on CUDA, NCCL on both     -> nccl    device to device, no host staging

@@ -1,6 +1,6 @@
 """Transports move a request's KV pages from a prefill worker to the decode worker holding them.
 
-Lifecycle of one transfer (DESIGN.md sections 3 and 6):
+Lifecycle of one transfer (docs/architecture.md: One request, KV transfer):
 
     decode:  pages = pool.allocate(n); dest = book.reserve(req_id, pages, sender_epoch, ttl)
     prefill: sender.send(dest, build_chunks(dest, pages, epoch), deadline_s) -> PushResult

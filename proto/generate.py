@@ -6,7 +6,7 @@
 protoc runs with `-I proto`, so descriptors keep their wire-contract names
 (`baton/v1/generation.proto`, package `baton.v1`) and reflection shows those. The Python
 modules live one level deeper, in the `batonpb` package (no top-level package may be named
-`proto`, DESIGN.md section 2), so the generated `from baton.v1 import ...` lines are rewritten
+`proto`, docs/architecture.md, Layers), so the generated `from baton.v1 import ...` lines are rewritten
 to `from batonpb.baton.v1 import ...`. Output depends only on the .proto files and the
 pinned grpcio-tools / mypy-protobuf versions, so a rerun is byte-identical.
 """

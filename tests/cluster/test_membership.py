@@ -1,4 +1,5 @@
-"""Membership over a real etcd server on loopback (DESIGN.md section 7; issue 6, acceptance 1).
+"""Membership over a real etcd server on loopback (docs/architecture.md, Membership and control;
+issue 6, acceptance 1).
 
 One etcd per session (tests/etcd_server.py), short leases (1-2 s); each test uses its own
 cluster name, so its keys are its own. A fault is proved before its outcome is asserted: the

@@ -1,4 +1,4 @@
-"""Every listener binds loopback unless configured otherwise (DESIGN.md section 8).
+"""Every listener binds loopback unless configured otherwise (docs/architecture.md, Rules).
 
 The real servers are started with their defaults (the gateway's HTTP and gRPC, a decode
 worker's KV server with its shm transport) and what they bound is read from the kernel:

@@ -1,4 +1,4 @@
-"""No module that serves, moves or stores data can unpickle (DESIGN.md section 8).
+"""No module that serves, moves or stores data can unpickle (docs/architecture.md, Rules).
 
 Every module under the serving packages is parsed (AST, not grep, so comments and strings do
 not count and aliases do) and refused if it imports a pickle-family module or calls a loader

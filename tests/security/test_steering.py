@@ -1,5 +1,5 @@
 """Client-supplied ids and routing hints never steer placement or cross tenant caches
-(DESIGN.md sections 3 and 8).
+(docs/architecture.md: One request, Rules).
 
 Everything that decides where a request runs and which cached pages it may use is the
 request id, the prompt, the sampling, the priority and the cache salt, as the edge hands them
