@@ -194,21 +194,47 @@ def test_sentencepiece_style_round_trip_and_stream(sp_tok: Tokenizer, text: str)
     assert not any("\ufffd" in d for d in deltas)
 
 
+SP_BYTE0 = 3  # <0x00>'s id: the byte tokens follow the three specials
+
+
+def _sp_piece(sp_tok: Tokenizer) -> st.SearchStrategy[list[int]]:
+    """One character as its <0xNN> byte tokens (UTF-8, mostly past ASCII: lead and continuation
+    bytes, the hard part), or one ordinary piece ("▁", a letter, a merge)."""
+    char = st.characters(min_codepoint=0x80, max_codepoint=0x10FFFF, exclude_categories=("Cs",),
+                         exclude_characters="\ufffd")  # what an invalid byte decodes to
+    as_bytes = char.map(lambda c: [SP_BYTE0 + b for b in c.encode()])
+    piece = st.integers(SP_BYTE0 + 256, sp_tok.vocab_size - 1).map(lambda i: [i])
+    return st.one_of(as_bytes, as_bytes, piece)
+
+
 @settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(ids=st.lists(st.integers(0, 300), max_size=40))
+@given(data=st.data())
 def test_sentencepiece_style_detokenizer_matches_full_decode(
-    sp_tok: Tokenizer, ids: list[int]
+    sp_tok: Tokenizer, data: st.DataObject
 ) -> None:
-    ids = [i for i in ids if i < sp_tok.vocab_size]
+    # Whole characters only: ByteFallback decodes a run of <0xNN> tokens as a whole, so one
+    # invalid byte would turn the run into U+FFFDs, even a character streamed earlier; every
+    # example here is exact, none skipped.
+    ids = [i for part in data.draw(st.lists(_sp_piece(sp_tok), max_size=20)) for i in part]
     deltas = stream(sp_tok.new_detokenizer([]), ids)
     full = sp_tok.decode(ids)
-    # ByteFallback decodes a run of <0xNN> tokens as a whole: one invalid byte turns the run
-    # into U+FFFDs, even a valid character streamed earlier. Exact only for valid output.
-    if "\ufffd" not in full:
-        assert "".join(deltas) == full
-        assert not any("\ufffd" in d for d in deltas)
+    assert "\ufffd" not in full
+    assert "".join(deltas) == full
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_the_sentencepiece_property_sees_multibyte_characters(sp_tok: Tokenizer) -> None:
+    seen: list[int] = []
+
+    @settings(max_examples=50, deadline=None, database=None)
+    @given(part=_sp_piece(sp_tok))
+    def draw(part: list[int]) -> None:
+        seen.extend(part)
+
+    draw()
+    assert sum(SP_BYTE0 + 0x80 <= i < SP_BYTE0 + 256 for i in seen) >= 20  # bytes >= 0x80, often
 
 
 # --- chat templates ---------------------------------------------------------------------------
