@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -470,3 +471,60 @@ def test_random_operations_match_a_model(ops: list[tuple[str, int]]) -> None:
             tier.check_integrity()
         assert tier.stats().corrupt == 0
         tier.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs mounted for this test (root only): a file system that really fills up."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("a real full file system needs root to mount a small tmpfs (CI runs as root)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        if os.environ.get("BATON_REQUIRE_MULTIHOST") == "1":  # CI: root, and mounts must work
+            pytest.fail(f"could not mount a tmpfs: {done.stderr.strip()}", pytrace=False)
+        pytest.skip(f"could not mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_really_full_file_system_stores_nothing_and_raises_nothing(small_fs: Path) -> None:
+    """No patched write: records go to a 256 KiB tmpfs until the kernel says ENOSPC. What did not
+    fit is refused and counted, what fit reads back bit for bit, and once the file system has
+    room again (a filler file removed, from outside the tier) writes go on."""
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * (64 << 10))
+    tier = DiskTier(directory=small_fs / "disk", fingerprint=FP, page_shape=SHAPE, dtype=torch.float32,
+                    capacity_pages=10_000, sync_every_pages=1, sync_interval_s=1e9)  # fmt: skip
+    try:
+        stored, refused = [], []
+        for i in range(4 * (256 << 10) // RECORD):  # bounded: four times what could fit
+            (refused if tier.put(h(i), page(i)) == [h(i)] else stored).append(i)
+            if len(refused) >= 3:
+                break
+        assert stored and len(refused) == 3, (len(stored), len(refused))
+        assert tier.stats().io_errors >= 3  # each ENOSPC counted, none raised
+        tier.flush()
+        assert sorted(tier.hashes()) == sorted(h(i) for i in stored)  # nothing half-written is indexed
+        assert all(same(tier.get(h(i)), page(i)) for i in stored)
+        tier.check_integrity()
+
+        filler.unlink()  # room again
+        later = [10_000 + i for i in range(8)]
+        assert all(tier.put(h(i), page(i)) == [] for i in later)
+        tier.flush()
+        assert all(same(tier.get(h(i)), page(i)) for i in [*stored, *later])
+        tier.check_integrity()
+    finally:
+        tier.close()
+    reopened = DiskTier(directory=small_fs / "disk", fingerprint=FP, page_shape=SHAPE, dtype=torch.float32,
+                        capacity_pages=10_000, sync_every_pages=1, sync_interval_s=1e9)  # fmt: skip
+    try:  # what the disk holds after a full file system is exactly what was stored
+        assert sorted(reopened.hashes()) == sorted(h(i) for i in [*stored, *later])
+        assert reopened.stats().corrupt == 0
+    finally:
+        reopened.close()
