@@ -16,7 +16,7 @@ from cluster.disagg_config import DisaggConfig
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import ServerHandle
 from tests.faults.conftest import disaggregated
-from tests.security.test_listeners import LOOPBACK, Listener, listening
+from tests.security.test_listeners import LOOPBACK, Listener, listening, socket_inodes
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(180)
@@ -45,22 +45,6 @@ def descendants(root: int) -> set[int]:
         out.add(pid)
         todo.extend(children.get(pid, ()))
     return out
-
-
-def socket_inodes(pid: int) -> set[int]:
-    inodes = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
 
 
 def _command(pid: int) -> str:

@@ -77,11 +77,16 @@ def listening() -> list[Listener]:
     return out
 
 
-def own_socket_inodes() -> set[int]:
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
+def socket_inodes(pid: int | str = "self") -> set[int]:
+    """The inodes of the sockets process `pid` holds open (none if it is gone)."""
+    inodes: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if target.startswith("socket:["):
@@ -90,7 +95,7 @@ def own_socket_inodes() -> set[int]:
 
 
 def own_listeners() -> list[Listener]:
-    mine = own_socket_inodes()
+    mine = socket_inodes()
     return [s for s in listening() if s.inode in mine]
 
 
