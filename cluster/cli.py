@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from engine.env import api_key
 from engine.errors import BatonError
 
 logger = logging.getLogger("baton")
@@ -335,7 +336,6 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
 def _cmd_status(args: argparse.Namespace) -> int:
     """GET /status, printed as a table; the key (if the gateway has keys) from BATON_API_KEY."""
     import json
-    import os
     import urllib.error
     import urllib.request
 
@@ -345,7 +345,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if not url.startswith(("http://", "https://")):
         raise BatonError(f"--url {args.url!r}: use http://host:port or https://host:port")
     request = urllib.request.Request(url, headers={"Accept": "application/json"})
-    if key := os.environ.get("BATON_API_KEY"):
+    if key := api_key():
         request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=args.timeout) as reply:  # noqa: S310  (http(s) only, above)

@@ -28,13 +28,14 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from engine.env import FAULT_INJECTION_ENV, fault_injection_allowed  # os and pathlib only: no torch
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_OBJECT_STORE_BYTES = 256 << 20  # KV pages travel over gRPC, not the object store
 # Every worker process of this job: SIGTERM drains an actor instead of killing it (cluster.worker_signals).
 WORKER_ENV = {"worker_process_setup_hook": "cluster.worker_signals.install"}
-FAULTS_ENV = "BATON_FAULT_INJECTION"  # engine.faults.ENV (not imported: this module loads before torch)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -52,8 +53,8 @@ def _runtime_env() -> dict[str, object]:
     """The job's runtime_env: the worker setup hook; a gateway allowed fault drills
     (engine.faults) passes the permission on to its actors."""
     env: dict[str, object] = dict(WORKER_ENV)
-    if os.environ.get(FAULTS_ENV) == "1":
-        env["env_vars"] = {FAULTS_ENV: "1"}
+    if fault_injection_allowed():
+        env["env_vars"] = {FAULT_INJECTION_ENV: "1"}
     return env
 
 

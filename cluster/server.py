@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import signal
 import sys
 import time
@@ -43,6 +42,7 @@ from engine.allocator import tune_allocator
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.env import api_keys_file
 from engine.errors import ConfigError
 from engine.omp import release_thread_pool
 from kvcache.tiers import TierConfig
@@ -75,7 +75,7 @@ class ServerConfig:
 
 def load_api_keys(path: Path | None) -> ApiKeys:
     """From the config, else the BATON_API_KEYS file; no keys means no auth (loopback default)."""
-    raw = path or (Path(os.environ["BATON_API_KEYS"]) if os.environ.get("BATON_API_KEYS") else None)
+    raw = path or api_keys_file()
     return ApiKeys.from_file(raw) if raw else ApiKeys({})
 
 
@@ -225,7 +225,7 @@ def _pin_step_thread(_engine: Engine, core: int) -> int:
 
 async def serve(cfg: ServerConfig) -> None:
     running = await start(cfg)
-    _announce(cfg, running.frontend.model_name, bool(cfg.api_keys_file or os.environ.get("BATON_API_KEYS")),
+    _announce(cfg, running.frontend.model_name, bool(cfg.api_keys_file or api_keys_file()),
               running.grpc is not None)
     try:
         await running.http.serve()

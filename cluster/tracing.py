@@ -32,7 +32,6 @@ tracestate are dropped), so it cannot steer sampling, placement or anything else
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import uuid
@@ -42,6 +41,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from cluster.errors import EdgeError, Kind, classify
+from engine.env import OTLP_ENDPOINT_ENV, otlp_endpoint
 from engine.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Attr = str | bool | int | float
-ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")  # the standard names
+ENDPOINT_ENV = OTLP_ENDPOINT_ENV  # the standard names (engine.env reads them)
 EXPORT_TIMEOUT_S = 5.0  # one export, retries included
 SHUTDOWN_S = 5.0  # then a collector that does not answer gets no more tries (what is queued is dropped)
 _MAX_TRACEPARENT_CHARS = 128  # a version-00 traceparent has 55
@@ -78,7 +78,7 @@ class TracingConfig:
         """The configured endpoint, else the standard environment variables (traces' own first)."""
         if self.otlp_endpoint:
             return self.otlp_endpoint
-        return next((os.environ[name] for name in ENDPOINT_ENV if os.environ.get(name)), None)
+        return otlp_endpoint()
 
 
 # -- the no-op side: what every call gets when nothing records ------------------------------------

@@ -1,4 +1,7 @@
-"""The one place the engine reads environment variables (all prefixed BATON_)."""
+"""The one place baton reads environment variables: its own (BATON_*), the C compiler (CC), the
+cache base (XDG_CACHE_HOME) and the standard OpenTelemetry endpoint names. Nothing here sets one.
+Ray's own RAY_* settings are cluster/ray_runtime.py's: Ray reads some of them once, at its own
+import, so that module sets them at its import and reads the auth ones where it starts Ray."""
 
 from __future__ import annotations
 
@@ -44,3 +47,30 @@ def malloc_policy() -> str:
     if raw not in ("engine", "system"):
         raise ValueError(f"BATON_MALLOC must be engine or system, not {raw!r}")
     return raw
+
+
+FAULT_INJECTION_ENV = "BATON_FAULT_INJECTION"  # "1": this process (and its actors) allow fault drills
+
+
+def fault_injection_allowed() -> bool:
+    """Whether fault drills may be armed here (engine.faults); off unless BATON_FAULT_INJECTION=1."""
+    return os.environ.get(FAULT_INJECTION_ENV) == "1"
+
+
+def api_keys_file() -> Path | None:
+    """The gateway's API keys file when the configuration names none (BATON_API_KEYS)."""
+    raw = os.environ.get("BATON_API_KEYS")
+    return Path(raw) if raw else None
+
+
+def api_key() -> str | None:
+    """The key a client command (`baton status`) sends (BATON_API_KEY)."""
+    return os.environ.get("BATON_API_KEY") or None
+
+
+OTLP_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")  # the standard names
+
+
+def otlp_endpoint() -> str | None:
+    """The OTLP endpoint from the standard variables, traces' own first."""
+    return next((os.environ[name] for name in OTLP_ENDPOINT_ENV if os.environ.get(name)), None)

@@ -16,10 +16,12 @@ payload byte flipped in flight), "transfer_truncate" (the stream ends before its
 
 from __future__ import annotations
 
-import os
 import threading
 
-ENV = "BATON_FAULT_INJECTION"
+from engine.env import FAULT_INJECTION_ENV, fault_injection_allowed
+
+ENV = FAULT_INJECTION_ENV  # the variable that allows drills (engine.env reads it)
+
 TRANSFER = ("transfer_corrupt", "transfer_truncate", "transfer_stall")
 POINTS = frozenset({"forward", *TRANSFER})
 
@@ -30,7 +32,7 @@ class InjectedFault(RuntimeError):
 
 
 def injection_enabled() -> bool:
-    return os.environ.get(ENV) == "1"
+    return fault_injection_allowed()
 
 
 class FaultPoints:

@@ -68,3 +68,28 @@ def test_every_file_the_page_names_exists() -> None:
     named = set(re.findall(r"`([\w./-]+/[\w.-]+\.(?:py|c|h|html|md|yaml|proto))`", DOC.read_text()))
     assert named, "the page names no files"
     assert sorted(p for p in named if not (ROOT / p).exists()) == []
+
+
+# Where the environment may be touched outside engine/env.py, and why.
+ENV_EXCEPTIONS = {
+    "cluster/ray_runtime.py": "Ray's own RAY_* settings, set at import because Ray reads them at its import",
+    "cluster/cli.py": "RAY_AUTH_MODE for a driver attaching to a token-auth cluster, before `ray` is imported",
+    "cluster/devhosts.py": "the environment its dev hosts' processes inherit, RAY_* taken out",
+}
+
+
+def environment_uses(root: Path = ROOT) -> list[str]:
+    """`file:line` of each os.environ / os.getenv / os.putenv in a serving package."""
+    found = []
+    for package in ("engine", "kvcache", "kvtransfer", "prefill", "decode", "cluster"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv")
+                        and isinstance(node.value, ast.Name) and node.value.id == "os"):  # fmt: skip
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_environment_variables_are_read_in_one_module() -> None:
+    stray = [use for use in environment_uses() if use.split(":")[0] not in {"engine/env.py", *ENV_EXCEPTIONS}]
+    assert stray == [], stray
