@@ -38,9 +38,8 @@ from cluster.worker_membership import Registered
 from cluster.worker_msgs import PrefillResult, PrefillStats, TransferReport
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from engine.faults import ENV as FAULT_ENV
 from engine.faults import TRANSFER as TRANSFER_FAULTS
-from engine.faults import injection_enabled
+from engine.faults import require_injection
 from engine.omp import release_thread_pool
 from kvcache.report import cache_report
 from kvtransfer.codec import DeviceChunk, TransferError, WireChunk
@@ -256,8 +255,7 @@ class PrefillActor(KVPublisher, Registered):
         it or break it, instead of one caught by polling while it lasts. A push already under
         way, or one of a single chunk, is not held. Refused unless the worker's environment
         allows fault injection."""
-        if not injection_enabled():
-            raise PermissionError(f"fault injection is off in this process (set {FAULT_ENV}=1 to allow drills)")
+        require_injection()
         if hold:
             self._flowing.clear()
         else:

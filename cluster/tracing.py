@@ -41,7 +41,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from cluster.errors import EdgeError, Kind, classify
-from engine.env import OTLP_ENDPOINT_ENV, otlp_endpoint
+from engine.env import otlp_endpoint
 from engine.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Attr = str | bool | int | float
-ENDPOINT_ENV = OTLP_ENDPOINT_ENV  # the standard names (engine.env reads them)
 EXPORT_TIMEOUT_S = 5.0  # one export, retries included
 SHUTDOWN_S = 5.0  # then a collector that does not answer gets no more tries (what is queued is dropped)
 _MAX_TRACEPARENT_CHARS = 128  # a version-00 traceparent has 55

@@ -20,8 +20,6 @@ import threading
 
 from engine.env import FAULT_INJECTION_ENV, fault_injection_allowed
 
-ENV = FAULT_INJECTION_ENV  # the variable that allows drills (engine.env reads it)
-
 TRANSFER = ("transfer_corrupt", "transfer_truncate", "transfer_stall")
 POINTS = frozenset({"forward", *TRANSFER})
 
@@ -31,8 +29,11 @@ class InjectedFault(RuntimeError):
     a corrupted weight read) that leaves the engine's state in doubt."""
 
 
-def injection_enabled() -> bool:
-    return fault_injection_allowed()
+
+def require_injection() -> None:
+    """PermissionError unless this process allows fault drills (a drill's first call)."""
+    if not fault_injection_allowed():
+        raise PermissionError(f"fault injection is off in this process (set {FAULT_INJECTION_ENV}=1 to allow drills)")
 
 
 class FaultPoints:
@@ -41,8 +42,7 @@ class FaultPoints:
         self._lock = threading.Lock()  # arm() comes from an actor call, hit() from the step thread
 
     def arm(self, point: str, times: int = 1) -> None:
-        if not injection_enabled():
-            raise PermissionError(f"fault injection is off in this process (set {ENV}=1 to allow drills)")
+        require_injection()
         if point not in POINTS:
             raise ValueError(f"unknown fault point {point!r}; known: {sorted(POINTS)}")
         if not 1 <= times <= 1000:

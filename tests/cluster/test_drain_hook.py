@@ -10,7 +10,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,18 +19,12 @@ import pytest
 from cluster.http_api import HttpConfig
 from engine.async_engine import AsyncEngine
 from tests.cluster.conftest import ServerHandle
+from tests.faults.conftest import wait_for
 from tests.k8s.test_hooks import DRAIN
 
 pytestmark = pytest.mark.timeout(120)
 
 OPS_KEY, TENANT_KEY = "o" * 32, "t" * 32
-
-
-def _until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_the_prestop_hook_drains_a_real_gateway(make_server: Callable[..., ServerHandle], tmp_path: Path) -> None:
@@ -52,11 +45,11 @@ def test_the_prestop_hook_drains_a_real_gateway(make_server: Callable[..., Serve
     hook: subprocess.Popen[str] | None = None
     try:
         client.start()
-        _until(lambda: handle.running.frontend.admission.num_inflight == 1, "the request is in flight")
+        wait_for(lambda: handle.running.frontend.admission.num_inflight == 1, "the request is in flight")
         hook = subprocess.Popen([sys.executable, str(DRAIN), "--url", handle.url, "--token-file", str(token),
                                  "--interval", "0.05", "--timeout", "5", "--deadline", "60"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        _until(lambda: httpx.get(handle.url + "/ready", timeout=10).status_code == 503, "the gateway drains")
+        wait_for(lambda: httpx.get(handle.url + "/ready", timeout=10).status_code == 503, "the gateway drains")
         refused = httpx.post(handle.url + "/v1/completions", json=body, headers=tenant, timeout=30)
         assert refused.status_code == 503 and "Retry-After" in refused.headers
         assert hook.poll() is None  # one request still in flight: the hook waits for it

@@ -22,6 +22,7 @@ from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
 from cluster import tracing
 from cluster.http_api import TracedCalls
 from cluster.tracing import NO_TRACE, OFF, TracingConfig, configure
+from engine.env import OTLP_ENDPOINT_ENV
 from tests.cluster.conftest import ServerHandle, free_port
 from tests.cluster.otlp import Got, Receiver, children
 
@@ -210,7 +211,7 @@ def test_in_process_pd_writes_placement_and_transfer(
 
 
 def test_off_by_default(make_server: Callable[..., ServerHandle], monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in tracing.ENDPOINT_ENV:
+    for name in OTLP_ENDPOINT_ENV:
         monkeypatch.delenv(name, raising=False)
     made: list[object] = []
     real_init = tracing._RecordingRequest.__init__
@@ -233,7 +234,7 @@ def test_off_by_default(make_server: Callable[..., ServerHandle], monkeypatch: p
 def test_the_standard_endpoint_variable_and_the_file() -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
     with pytest.MonkeyPatch.context() as mp:
-        for name in tracing.ENDPOINT_ENV:
+        for name in OTLP_ENDPOINT_ENV:
             mp.delenv(name, raising=False)
         assert TracingConfig().endpoint() is None and configure(TracingConfig()) is OFF
         for name, value in env.items():

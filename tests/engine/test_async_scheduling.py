@@ -156,7 +156,8 @@ def test_turning_async_off_with_a_step_in_flight_reads_it_first(tiny_model_dir: 
 def test_a_failed_step_keeps_the_step_in_flight_for_the_next(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A forward that raises (a drill's injected fault) after a deferred step: the deferred
     tokens are not lost; the next step reads them and the outputs are the synchronous ones."""
-    from engine.faults import ENV, InjectedFault
+    from engine.env import FAULT_INJECTION_ENV as ENV
+    from engine.faults import InjectedFault
 
     monkeypatch.setenv(ENV, "1")
     prompt = [120, 45, 999, 3012, 77, 5150, 23, 8000]

@@ -33,6 +33,7 @@ from tests.cluster.test_ray_serving import (
     metric,
     wait_decode_idle,
 )
+from tests.faults.conftest import wait_for
 
 ray = pytest.importorskip("ray")
 
@@ -77,13 +78,12 @@ def _hold(prefills: list[PrefillHandle], hold: bool) -> None:
 def _pushing(prefills: list[PrefillHandle]) -> PrefillHandle:
     """The one worker with a push in flight. The client's first token can reach it before the
     push task has begun, so this waits for it; with pushes held it then stays in flight."""
-    deadline = time.monotonic() + 20
-    while True:
-        busy = [p for p in prefills if _prefill_stats(p).num_inflight_transfers == 1]
-        if len(busy) == 1:
-            return busy[0]
-        assert time.monotonic() < deadline, f"no single push in flight: {len(busy)} of {len(prefills)}"
-        time.sleep(0.02)
+    def busy() -> list[PrefillHandle]:
+        return [p for p in prefills if _prefill_stats(p).num_inflight_transfers == 1]
+
+    wait_for(lambda: len(busy()) == 1, "one push in flight", 20)
+    [pushing] = busy()  # held: it stays in flight
+    return pushing
 
 
 def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> None:

@@ -141,7 +141,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_fault_injection_is_refused_without_permission(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.faults import ENV, FaultPoints
+    from engine.env import FAULT_INJECTION_ENV as ENV
+    from engine.faults import FaultPoints
 
     monkeypatch.delenv(ENV)
     with pytest.raises(PermissionError, match=ENV):
