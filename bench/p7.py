@@ -29,9 +29,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from bench.report import percentile
-from cluster import ray_runtime
 from cluster.disagg_config import DisaggConfig
-from cluster.ray_front import RayFront
+from cluster.fleet import ray_runtime
+from cluster.fleet.front import RayFront
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
 
@@ -67,7 +67,7 @@ async def hits(front: RayFront) -> int:
 
 
 async def run_policy(policy: str, engine_cfg: EngineConfig, args: argparse.Namespace) -> Result:
-    from cluster.ray_launch import launch
+    from cluster.fleet.launch import launch
 
     front = await launch(engine_cfg, DisaggConfig(num_prefill=2, num_decode=2, transport="grpc", placement=policy))
     front.start()

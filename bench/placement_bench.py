@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cluster.global_index import GlobalIndex
-from cluster.placement import PlacementConfig, Placer, Role, WorkerStats
+from cluster.placement.global_index import GlobalIndex
+from cluster.placement.policy import PlacementConfig, Placer, Role, WorkerStats
 from kvcache.events import EventKind, KVEvent, Tier
 from kvcache.hashing import page_hashes
 

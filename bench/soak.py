@@ -57,7 +57,7 @@ from bench.soak_faults import FaultEvent, FaultPlan, inject, nodes, wait_rejoine
 from bench.soak_load import MODEL, LoadConfig, load
 from kvtransfer.shm import orphans
 
-OUTCOMES = ("ok", "error", "cancelled", "deadline", "rejected")  # cluster.frontend, cluster.http_api
+OUTCOMES = ("ok", "error", "cancelled", "deadline", "rejected")  # cluster.edge.frontend, cluster.edge.http_api
 # unsent: a unary call abandoned before its request was written (the server never saw it)
 CLIENT_OUTCOMES = ("ok", "cancelled", "unsent", "timeout", "invalid", "not-400", "refused", "error")
 IDLE_GAUGES = ("baton_inflight_requests", "baton_queue_waiting_requests", "baton_kv_transfers_inflight",

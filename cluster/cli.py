@@ -294,7 +294,7 @@ def _config_file(args: argparse.Namespace, command: str):  # type: ignore[no-unt
 def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: ignore[no-untyped-def]
     from cluster.cluster_config import ASYNC_SCHEDULING
     from cluster.disagg_config import DisaggConfig
-    from cluster.http_api import HttpConfig
+    from cluster.edge.http_api import HttpConfig
     from cluster.server import ServerConfig
     from engine.engine_config import EngineConfig
     from kvcache.tiers import TierConfig
@@ -339,7 +339,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from cluster.status_view import render_status
+    from cluster.ops.status_view import render_status
 
     url = args.url.rstrip("/") + "/status"
     if not url.startswith(("http://", "https://")):

@@ -23,12 +23,12 @@ value of the wrong type or out of its range. An example with every key is exampl
     placement:  policy (cache, round_robin), local_prefill_tokens
     membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port}
     planner:    enabled, period_s, ttft_slo_s, itl_slo_s, min/max_prefill, min/max_decode,
-                max_total, out_samples, in_samples, cooldown_s   (cluster.planner)
+                max_total, out_samples, in_samples, cooldown_s   (cluster.ops.planner)
     api:        host, port, grpc_port (0: off), api_keys_file, tls_cert, tls_key,
                 allow_priority_field, request_timeout_s, max_body_bytes
     admission:  max_waiting_requests, max_waiting_tokens, max_inflight_requests
     tracing:    otlp_endpoint (null: $OTEL_EXPORTER_OTLP_ENDPOINT, else off), service_name,
-                sample_ratio, insecure                                 (cluster.tracing)
+                sample_ratio, insecure                                 (cluster.ops.tracing)
 
 No pickle: the file is parsed with yaml.safe_load, then checked by the schema below.
 """
@@ -243,11 +243,11 @@ def load_cluster_config(path: str | Path):  # type: ignore[no-untyped-def]  # ->
 
 
 def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> ServerConfig
-    from cluster.admission import AdmissionConfig
     from cluster.disagg_config import DisaggConfig, MembershipConfig
-    from cluster.http_api import HttpConfig
+    from cluster.edge.admission import AdmissionConfig
+    from cluster.edge.http_api import HttpConfig
+    from cluster.ops.tracing import TracingConfig
     from cluster.server import ServerConfig
-    from cluster.tracing import TracingConfig
     from engine.engine_config import EngineConfig
     from kvcache.tiers import TierConfig
     from kvtransfer.tls import KVTlsPaths
@@ -319,7 +319,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
 
 
 def _planner(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> PlannerConfig
-    from cluster.planner import Limits, PlannerConfig
+    from cluster.ops.planner import Limits, PlannerConfig
 
     pl = f.planner
     return PlannerConfig(

@@ -22,7 +22,7 @@ touched (Ray's plasma store unlinks its files at once: it leaves nothing there b
 Drivers belong on host 0: Ray 2.60 finds a driver's raylet with `ps`, which sees every host's
 (one pid namespace), and picks the head node's unless ray.init names `_node_ip_address`.
 
-Children run without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (cluster.ray_runtime sets it to 0, which
+Children run without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (cluster.fleet.ray_runtime sets it to 0, which
 keeps every listener on loopback and makes a second node refuse to join) and with a fresh
 token (RAY_AUTH_MODE=token). Root only: `available()` says why not. A killed owner's leftovers
 are removed by `sweep_stale()`, which every `up()` runs first (cluster/devhosts_footprint.py:

@@ -60,10 +60,10 @@ class DisaggConfig:
     bind_host: str = "auto"  # the decode workers' KV listener (kvtransfer.listen): auto, node or an IP
     advertise_host: str = ""  # what senders dial ("": the bound address, or the node's)
     pair_failures: int = 3  # consecutive failed transfers after which a (prefill, decode) pair is unroutable
-    pair_retry_s: float = 30.0  # an unroutable pair gets one probing transfer this often (cluster.pair_health)
+    pair_retry_s: float = 30.0  # an unroutable pair gets one probing transfer this often (cluster.placement.pair_health)
     kv_tls: KVTlsPaths = NO_TLS  # mutual TLS between workers' KV ports (kvtransfer.tls); off by default
-    pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.cpu)
-    placement: str = "cache"  # cache: the cost model (cluster.placement); round_robin: for comparison (P7)
+    pin_cores: bool = False  # each actor on its own core, round robin: prefills first (cluster.fleet.cpu)
+    placement: str = "cache"  # cache: the cost model (cluster.placement.policy); round_robin: for comparison (P7)
     prefill_resources: ActorResources = ActorResources()
     decode_resources: ActorResources = ActorResources()
     decode_threads: int | None = None  # torch threads per decode actor (None: num_threads)

@@ -9,7 +9,7 @@ available) in front of one of three engine sides; the edges do not change betwee
     Ray PD         RayFront: P PrefillActors and D DecodeActors on Ray (--prefill P --decode D);
                    a private loopback Ray, or an existing cluster (`baton serve --ray-address`)
 
---pin-cores puts each engine on its own core (cluster.cpu): in this process, each step
+--pin-cores puts each engine on its own core (cluster.fleet.cpu): in this process, each step
 thread (prefill first); on Ray, each actor's whole process (prefills first, then decodes).
 """
 
@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 import uvloop
 
-from cluster.admission import AdmissionConfig
-from cluster.cpu import available_cores, core_for, pin_thread
 from cluster.disagg_config import DisaggConfig
-from cluster.frontend import Frontend
-from cluster.http_api import HttpConfig, create_app
-from cluster.metrics import watch_loop_lag
-from cluster.pair_health import PairCollector
-from cluster.pd import PDFront
-from cluster.tenants import ApiKeys
-from cluster.tracing import TracingConfig, configure
+from cluster.edge.admission import AdmissionConfig
+from cluster.edge.frontend import Frontend
+from cluster.edge.http_api import HttpConfig, create_app
+from cluster.edge.tenants import ApiKeys
+from cluster.fleet.cpu import available_cores, core_for, pin_thread
+from cluster.fleet.pd import PDFront
+from cluster.ops.metrics import watch_loop_lag
+from cluster.ops.tracing import TracingConfig, configure
+from cluster.placement.pair_health import PairCollector
 from engine.allocator import tune_allocator
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
@@ -48,8 +48,8 @@ from engine.omp import release_thread_pool
 from kvcache.tiers import TierConfig
 
 if TYPE_CHECKING:
-    from cluster.planner import PlannerConfig
-    from cluster.ray_front import RayFront
+    from cluster.fleet.front import RayFront
+    from cluster.ops.planner import PlannerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     front: AsyncEngine | PDFront | RayFront
     ray_front: RayFront | None = None
     if cfg.disagg is not None:
-        from cluster.ray_launch import launch
+        from cluster.fleet.launch import launch
 
         front = ray_front = await launch(cfg.engine, cfg.disagg, cfg.shared_prefix_texts)
         engine = None
@@ -144,7 +144,7 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
 
 
 async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, front: RayFront) -> None:
-    from cluster.planner import LatencyWindow, LocalRayScaler, Planner, run, sample_from
+    from cluster.ops.planner import LatencyWindow, LocalRayScaler, Planner, run, sample_from
 
     window = LatencyWindow(frontend.metrics)
     await run(Planner(cfg), LocalRayScaler(front), lambda: sample_from(frontend, window), period_s, asyncio.Event())
@@ -205,7 +205,7 @@ async def _start_in_process(cfg: ServerConfig, engine: Engine | None) -> tuple[E
 async def _pin_step_threads(front: AsyncEngine | PDFront | RayFront) -> None:
     """--pin-cores in one process: each engine's step thread (the one thread that runs torch,
     on one torch thread) on its own core, prefill first; the edge (HTTP, gRPC, detokenizing)
-    runs anywhere. Ray actors pin themselves (cluster.ray_launch)."""
+    runs anywhere. Ray actors pin themselves (cluster.fleet.launch)."""
     if isinstance(front, PDFront):
         steppers = [front.prefill, front.decode]
     elif isinstance(front, AsyncEngine):
@@ -246,7 +246,7 @@ async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> A
     if cfg.grpc_port is None:
         return None
     try:
-        from cluster.grpc_api import GrpcConfig, create_grpc_server
+        from cluster.edge.grpc_api import GrpcConfig, create_grpc_server
     except ImportError as exc:  # the gRPC extra is not installed
         logger.warning("gRPC disabled: %s", exc)
         return None
@@ -282,7 +282,7 @@ def run(cfg: ServerConfig) -> int:
     if cfg.disagg is None:
         uvloop.run(serve(cfg))
         return 0
-    from cluster import ray_runtime  # before anything imports `ray`
+    from cluster.fleet import ray_runtime  # before anything imports `ray`
 
     # Ray first, outside the event loop: its init blocks for seconds and wants the main thread.
     address = cfg.disagg.ray_address

@@ -1,6 +1,6 @@
 """The one place baton reads environment variables: its own (BATON_*), the C compiler (CC), the
 cache base (XDG_CACHE_HOME) and the standard OpenTelemetry endpoint names. Nothing here sets one.
-Ray's own RAY_* settings are cluster/ray_runtime.py's: Ray reads some of them once, at its own
+Ray's own RAY_* settings are cluster/fleet/ray_runtime.py's: Ray reads some of them once, at its own
 import, so that module sets them at its import and reads the auth ones where it starts Ray."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ engine raises InjectedFault the next `times` times it is reached.
                                            armed, costs one dict lookup when not
 
 Points: "forward" (Engine.step, in place of the model's forward pass); and a prefill
-worker's next push (cluster.prefill_actor, the points of TRANSFER): "transfer_corrupt" (a
+worker's next push (cluster.fleet.prefill_actor, the points of TRANSFER): "transfer_corrupt" (a
 payload byte flipped in flight), "transfer_truncate" (the stream ends before its last chunk),
 "transfer_stall" (the push stops sending past its deadline).
 """

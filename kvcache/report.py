@@ -1,5 +1,5 @@
 """One engine's KV cache at a glance, by tier: what a worker reports to the gateway for
-`baton status`, the /status page and the per-node Prometheus families (cluster/node_status.py).
+`baton status`, the /status page and the per-node Prometheus families (cluster/ops/node_status.py).
 
     report = cache_report(engine.pool.pages, engine.prefix_cache, page_size)
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # engine.faults: the fault suite arms failures in engines, in this process and in Ray actors
-# (cluster.ray_runtime passes it on to them); production processes never have it.
+# (cluster.fleet.ray_runtime passes it on to them); production processes never have it.
 os.environ["BATON_FAULT_INJECTION"] = "1"
 
 

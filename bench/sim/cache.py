@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from cluster.global_index import GlobalIndex, SnapshotRequest
+from cluster.placement.global_index import GlobalIndex, SnapshotRequest
 from kvcache.events import EventKind, KVEvent, Tier
 
 EPOCH = 1

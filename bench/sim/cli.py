@@ -1,5 +1,5 @@
 """`baton sim`: the capacity planner's cluster simulator (BENCHMARKS.md P11). baton's real
-scheduler (cluster.placement.Placer) and index (cluster.global_index.GlobalIndex) place
+scheduler (cluster.placement.policy.Placer) and index (cluster.placement.global_index.GlobalIndex) place
 requests on simulated prefill and decode workers, next to round-robin, least-loaded and
 prefix-only routing, on the same traffic, in virtual time.
 

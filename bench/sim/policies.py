@@ -5,7 +5,7 @@
                    worker with the fewest requests outstanding (the router's own books)
     prefix-only    the prefill worker holding the longest prefix of the prompt, however loaded
                    (equal holders: a random one; no holder: round robin); decode least-loaded
-    baton          cluster.placement.Placer: one cost model over queues, hits, tiers and
+    baton          cluster.placement.policy.Placer: one cost model over queues, hits, tiers and
                    transfers, conditional disaggregation, fairness; may answer SATURATED
 
 Every decision reports, in the index's view, the hit of the prefill site it chose and the
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple
 
 from bench.sim.workers import SimRequest
-from cluster.global_index import GlobalIndex, PrefixMatch
-from cluster.placement import PlacementConfig, PlacementKind, Placer, WorkerStats
+from cluster.placement.global_index import GlobalIndex, PrefixMatch
+from cluster.placement.policy import PlacementConfig, PlacementKind, Placer, WorkerStats
 
 
 class Decision(NamedTuple):

@@ -33,8 +33,8 @@ from bench.sim.policies import POLICIES, Baton
 from bench.sim.report import Recorder, SimResult
 from bench.sim.traffic import PromptHasher, SessionRun, Traffic
 from bench.sim.workers import DecodeWorker, PrefillWorker, SimRequest
-from cluster.global_index import GlobalIndex
-from cluster.placement import PlacementConfig, PlacementKind, Role, WorkerStats
+from cluster.placement.global_index import GlobalIndex
+from cluster.placement.policy import PlacementConfig, PlacementKind, Role, WorkerStats
 from kvcache.hashing import model_fingerprint
 
 MAX_EVENTS = 200_000_000

@@ -24,8 +24,8 @@ from bench.sim.traffic import Mix, PromptHasher, SessionRun, load_trace_traffic,
 from bench.sim.workers import DecodeWorker, SimRequest
 from bench.workloads import Session, Turn
 from cluster.cli import main as baton_main
-from cluster.global_index import GlobalIndex
-from cluster.placement import PlacementConfig, PlacementKind, Role, WorkerStats
+from cluster.placement.global_index import GlobalIndex
+from cluster.placement.policy import PlacementConfig, PlacementKind, Role, WorkerStats
 from kvcache.events import EventKind, KVEvent, Tier
 
 PS = 16

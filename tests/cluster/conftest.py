@@ -16,7 +16,7 @@ import pytest
 import uvloop
 
 from bench.server_proc import free_port
-from cluster import ray_runtime  # sets Ray's environment before any test module imports `ray`
+from cluster.fleet import ray_runtime  # sets Ray's environment before any test module imports `ray`
 from cluster.server import Running, ServerConfig, start
 from engine.engine import Engine
 from engine.engine_config import EngineConfig

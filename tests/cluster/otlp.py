@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
-from cluster.tracing import Tracing
+from cluster.ops.tracing import Tracing
 
 if TYPE_CHECKING:
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2

@@ -1,4 +1,4 @@
-"""cluster.cpu: pinning a worker to a core (`--pin-cores`) and the step loop's yield."""
+"""cluster.fleet.cpu: pinning a worker to a core (`--pin-cores`) and the step loop's yield."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from cluster.cpu import YIELDS_BETWEEN_STEPS, available_cores, between_steps, core_for
-from cluster.pd import PDFront
+from cluster.fleet.cpu import YIELDS_BETWEEN_STEPS, available_cores, between_steps, core_for
+from cluster.fleet.pd import PDFront
 from cluster.server import _pin_step_threads
 from engine.async_engine import AsyncEngine
 
@@ -35,7 +35,7 @@ import json, os, threading
 started = threading.Event(); stop = threading.Event()
 def wait(): started.set(); stop.wait()
 before = threading.Thread(target=wait); before.start(); started.wait()
-from cluster.cpu import pin_process
+from cluster.fleet.cpu import pin_process
 pin_process({core})
 after = threading.Thread(target=stop.wait); after.start()
 tasks = {{t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}}

@@ -26,7 +26,7 @@ from selenium.webdriver.chrome.webdriver import WebDriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
-from cluster.node_status import NodeStatus
+from cluster.ops.node_status import NodeStatus
 from tests.cluster.conftest import ServerHandle
 
 ROOT = Path(__file__).resolve().parents[2]

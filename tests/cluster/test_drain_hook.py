@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.http_api import HttpConfig
+from cluster.edge.http_api import HttpConfig
 from engine.async_engine import AsyncEngine
 from tests.cluster.conftest import ServerHandle
 from tests.faults.conftest import wait_for

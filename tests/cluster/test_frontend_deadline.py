@@ -1,4 +1,4 @@
-"""The stream's deadline (cluster.frontend._Deadline): one timer per request that bounds the
+"""The stream's deadline (cluster.edge.frontend._Deadline): one timer per request that bounds the
 waits for the engine, never the consumer's hold of a token. Each case gates its order with
 futures; the only timers are the deadlines themselves (0 s: due at the loop's next turn)."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from cluster.frontend import _Deadline
+from cluster.edge.frontend import _Deadline
 
 
 async def test_a_wait_past_the_deadline_is_a_timeout() -> None:

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.global_index import GlobalIndex, PrefixHit, SnapshotRequest
+from cluster.placement.global_index import GlobalIndex, PrefixHit, SnapshotRequest
 from kvcache.disk import DiskTier
 from kvcache.events import EventKind, KVEvent, Tier
 from kvcache.hashing import page_hashes

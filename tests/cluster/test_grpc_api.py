@@ -20,11 +20,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from batonpb.baton.v1 import generation_pb2 as pb
 from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
 from bench.server_proc import free_port
-from cluster.admission import AdmissionConfig
 from cluster.client import AsyncBatonClient, BatonClient, BatonClientError, Message, Sampling
-from cluster.frontend import Frontend
-from cluster.grpc_api import GrpcConfig, create_grpc_server
-from cluster.tenants import ApiKeys, Tenant
+from cluster.edge.admission import AdmissionConfig
+from cluster.edge.frontend import Frontend
+from cluster.edge.grpc_api import GrpcConfig, create_grpc_server
+from cluster.edge.tenants import ApiKeys, Tenant
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig

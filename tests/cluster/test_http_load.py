@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from cluster.admission import AdmissionConfig
+from cluster.edge.admission import AdmissionConfig
 from tests.cluster.conftest import ServerHandle
 
 MODEL = "baton-tiny"

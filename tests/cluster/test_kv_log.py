@@ -1,12 +1,12 @@
-"""cluster.kv_log: a worker's KV events in bounded batches, a snapshot, and how a gateway that
+"""cluster.placement.kv_log: a worker's KV events in bounded batches, a snapshot, and how a gateway that
 fell behind the log's bound finds the gap and recovers through the snapshot."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from cluster.global_index import GlobalIndex
-from cluster.kv_log import KVEventLog
+from cluster.placement.global_index import GlobalIndex
+from cluster.placement.kv_log import KVEventLog
 from kvcache.hashing import model_fingerprint, page_hashes
 from kvcache.pool import PagePool
 from kvcache.radix import PrefixCache

@@ -18,7 +18,8 @@ from pathlib import Path
 import aetcd  # type: ignore[import-untyped]
 import pytest
 
-from cluster.membership import (
+from cluster.membership.etcd import EtcdConfig, EtcdMembership
+from cluster.membership.protocol import (
     EpochFence,
     EventKind,
     EventStream,
@@ -28,7 +29,6 @@ from cluster.membership import (
     WorkerIdTaken,
     WorkerInfo,
 )
-from cluster.membership_etcd import EtcdConfig, EtcdMembership
 from tests.etcd_server import EtcdServer, TcpGate, is_listening
 
 pytestmark = pytest.mark.timeout(60)
@@ -180,8 +180,8 @@ async def test_dead_worker_leaves_within_ttl_plus_2s(cluster: Cluster, raw: aetc
     events = scheduler.watch()
     code = (
         "import asyncio, sys\n"
-        "from cluster.membership import Role, WorkerInfo\n"
-        "from cluster.membership_etcd import EtcdConfig, EtcdMembership\n"
+        "from cluster.membership.protocol import Role, WorkerInfo\n"
+        "from cluster.membership.etcd import EtcdConfig, EtcdMembership\n"
         "async def main():\n"
         f"    m = await EtcdMembership.open(EtcdConfig(port={etcd.port}, cluster='{cluster.name}', lease_ttl_s={ttl_s}))\n"
         "    print(await m.register(WorkerInfo('p-dead', Role.PREFILL, 'x', 'node-b')), flush=True)\n"

@@ -1,4 +1,4 @@
-"""Membership for the embedded `baton up` (cluster/membership_ray.py): the registry in-process
+"""Membership for the embedded `baton up` (cluster/membership/embedded.py): the registry in-process
 (fast, most cases), then once as a real Ray actor on the session's local Ray.
 
 A member reaches the registry through a port the test can cut: a partition of that member
@@ -14,7 +14,16 @@ from typing import Any
 
 import pytest
 
-from cluster.membership import (
+from cluster.membership.embedded import (
+    Changes,
+    RayMembership,
+    Registry,
+    RegistryPort,
+    Snapshot,
+    actor_port,
+    spawn_registry,
+)
+from cluster.membership.protocol import (
     EpochFence,
     EventKind,
     EventStream,
@@ -23,15 +32,6 @@ from cluster.membership import (
     Role,
     WorkerIdTaken,
     WorkerInfo,
-)
-from cluster.membership_ray import (
-    Changes,
-    RayMembership,
-    Registry,
-    RegistryPort,
-    Snapshot,
-    actor_port,
-    spawn_registry,
 )
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.openai_render import Renderer, sse
+from cluster.edge.openai_render import Renderer, sse
 from engine.outputs import StepOutput
 from engine.request import FinishReason
 from engine.sampler import TokenLogprobs

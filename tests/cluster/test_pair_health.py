@@ -1,4 +1,4 @@
-"""cluster.pair_health: a pair whose transfers keep failing is named and avoided, probed now and
+"""cluster.placement.pair_health: a pair whose transfers keep failing is named and avoided, probed now and
 then, and routable again once a probe succeeds; a pair that cannot work is never tried."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cluster.pair_health import PairCollector, PairHealth, PairRoute
-from cluster.status_view import render_status
+from cluster.ops.status_view import render_status
+from cluster.placement.pair_health import PairCollector, PairHealth, PairRoute
 
 
 class Clock:
@@ -35,7 +35,7 @@ def test_consecutive_failures_make_a_pair_unroutable_and_a_probe_restores_it(cap
     for _ in range(2):
         pairs.failed("prefill-0", "decode-0", "transport error: UNAVAILABLE")
     assert pairs.can_route("prefill-0", "decode-0")
-    with caplog.at_level(logging.ERROR, logger="cluster.pair_health"):
+    with caplog.at_level(logging.ERROR, logger="cluster.placement.pair_health"):
         pairs.failed("prefill-0", "decode-0", "transport error: UNAVAILABLE")
     assert "prefill-0 (10.0.0.2) -> decode-0 (10.0.0.3) is unroutable" in caplog.text
     assert not pairs.can_route("prefill-0", "decode-0")

@@ -8,7 +8,7 @@ from typing import Any
 import openai
 
 from cluster.client import BatonClient, Sampling
-from cluster.pd import PDFront
+from cluster.fleet.pd import PDFront
 from tests.cluster.conftest import ServerHandle, free_port
 
 MODEL = "baton-tiny"

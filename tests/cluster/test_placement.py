@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from cluster.global_index import GlobalIndex, PrefixHit, PrefixMatch
-from cluster.placement import (
+from cluster.placement.global_index import GlobalIndex, PrefixHit, PrefixMatch
+from cluster.placement.policy import (
     Placement,
     PlacementConfig,
     PlacementKind,
@@ -326,7 +326,7 @@ def test_a_link_measured_slow_is_tried_again_once_its_measure_ages() -> None:
     """Placement sends nothing over a link it judges slow, so no push would revise that: an
     unused link's time per byte goes back toward the configured rate, half the way per
     AGE_HALF_LIFE_S."""
-    from cluster.links import AGE_HALF_LIFE_S, Links
+    from cluster.placement.links import AGE_HALF_LIFE_S, Links
 
     now = [0.0]
     links = Links(1e9, clock=lambda: now[0])
@@ -341,7 +341,7 @@ def test_a_link_measured_slow_is_tried_again_once_its_measure_ages() -> None:
 
 
 def test_links_skip_pushes_too_small_to_measure_and_follow_a_changed_link() -> None:
-    from cluster.links import MIN_BYTES, Links
+    from cluster.placement.links import MIN_BYTES, Links
 
     links = Links(1e9)
     links.observe("p", "d", MIN_BYTES - 1, 1e-6)  # latency, not bandwidth

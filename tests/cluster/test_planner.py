@@ -1,4 +1,4 @@
-"""The P:D planner (cluster.planner, cluster.planner_k8s), without Ray.
+"""The P:D planner (cluster.ops.planner, cluster.ops.planner_k8s), without Ray.
 
 Decisions run on metric series generated here, deterministically (seeded): a demand trace per
 role, turned into samples by a small queueing model of the cluster (`Sim`) that also carries out
@@ -34,9 +34,9 @@ import numpy as np
 import pytest
 import yaml
 
-from cluster.metrics import EdgeMetrics
-from cluster.node_status import NodeStatus
-from cluster.planner import (
+from cluster.ops.metrics import EdgeMetrics
+from cluster.ops.node_status import NodeStatus
+from cluster.ops.planner import (
     Decision,
     LatencyWindow,
     Limits,
@@ -50,7 +50,7 @@ from cluster.planner import (
     run,
     sample_from,
 )
-from cluster.planner_k8s import MERGE_PATCH, KubeRayScaler, scale_patch
+from cluster.ops.planner_k8s import MERGE_PATCH, KubeRayScaler, scale_patch
 from engine.errors import ConfigError
 from kvcache.report import CacheReport, TierReport
 from tests.k8s.manifests import CRDS, crd_schema
@@ -834,7 +834,7 @@ async def test_the_real_kubernetes_client_merge_patches_and_rereads_on_conflict(
 
 
 def test_planner_k8s_imports_without_the_kubernetes_client() -> None:
-    code = ("import sys; import cluster.planner_k8s; "
+    code = ("import sys; import cluster.ops.planner_k8s; "
             "assert 'kubernetes' not in sys.modules, 'kubernetes imported eagerly'")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from cluster.ray_front import RayFront
-from cluster.ray_workers import PrefillHandle
-from cluster.worker_msgs import PrefillStats
+from cluster.fleet.front import RayFront
+from cluster.fleet.worker_msgs import PrefillStats
+from cluster.fleet.workers import PrefillHandle
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from cluster.disagg_config import DisaggConfig, MembershipConfig
-from cluster.ray_front import RayFront
+from cluster.fleet.front import RayFront
 from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
@@ -219,7 +219,7 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     (the least valuable cache), back to the minimum. Every client request succeeds."""
     import httpx
 
-    from cluster.planner import (
+    from cluster.ops.planner import (
         LatencyWindow,
         Limits,
         LocalRayScaler,

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from cluster.disagg_config import DisaggConfig
+from cluster.fleet.worker_msgs import PrefillStats
 from cluster.server import ServerConfig
-from cluster.worker_msgs import PrefillStats
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import ServerHandle, start_server
 from tests.cluster.test_ray_serving import LONG, MODEL, OTHER, front_of, metric, wait_decode_idle

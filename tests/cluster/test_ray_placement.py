@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cluster.disagg_config import DisaggConfig
-from cluster.ray_front import RayFront
+from cluster.fleet.front import RayFront
 from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
@@ -147,7 +147,7 @@ def test_the_gateway_follows_membership(pd2: ServerHandle, tiny_engine_config: E
     """Workers register themselves (the `ray` backend here; etcd is the same interface): one
     that leaves gets no new work but stays up, comes back with a new epoch that its KV events
     and pushes carry, and a worker the gateway never launched is adopted when it joins."""
-    from cluster.ray_actors import spawn_prefill
+    from cluster.fleet.actors import spawn_prefill
 
     front = pd2.running.front
     assert isinstance(front, RayFront) and front.membership is not None

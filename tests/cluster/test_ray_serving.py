@@ -22,9 +22,9 @@ import pytest
 
 from cluster.client import BatonClient, Sampling
 from cluster.disagg_config import DisaggConfig
-from cluster.ray_front import RayFront
+from cluster.fleet.front import RayFront
+from cluster.fleet.worker_msgs import DecodeStats
 from cluster.server import ServerConfig
-from cluster.worker_msgs import DecodeStats
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import ServerHandle, free_port, start_server
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cluster.ray_actors import DecodeStats, spawn_decode, spawn_prefill
-from cluster.worker_msgs import OutputBatch
+from cluster.fleet.actors import DecodeStats, spawn_decode, spawn_prefill
+from cluster.fleet.worker_msgs import OutputBatch
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cluster.status_view import render_status
+from cluster.ops.status_view import render_status
 from tests.cluster.conftest import ServerHandle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_drain_refuses_new_work_and_finishes_inflight(make_server: Any) -> None:
 
     import httpx
 
-    from cluster.http_api import HttpConfig
+    from cluster.edge.http_api import HttpConfig
 
     assert make_server().client().post("/admin/drain").status_code == 404  # admin routes: off by default
     drained = make_server(http=HttpConfig(enable_admin=True))

@@ -26,9 +26,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from cluster.client import BatonClient, BatonClientError, Message, Sampling, Tool, Tools
+from cluster.edge.frontend import Frontend
 from cluster.errors import EdgeError, Kind
-from cluster.frontend import Frontend
-from cluster.pd import PDFront
+from cluster.fleet.pd import PDFront
 from cluster.server import ServerConfig
 from engine.config import ModelConfig
 from engine.constraint import Constraint

@@ -1,4 +1,4 @@
-"""cluster.tool_calls without a server: the parser reads back what the grammar writes, however
+"""cluster.edge.tool_calls without a server: the parser reads back what the grammar writes, however
 the text is split into steps, and the grammar admits exactly that format."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.tool_calls import OPEN, Tool, ToolCallParser, ToolChoice, ToolUse, finish_reason
+from cluster.edge.tool_calls import OPEN, Tool, ToolCallParser, ToolChoice, ToolUse, finish_reason
 from engine.structured import GrammarCompiler, StructuredConfig
 from engine.tokenizer import Tokenizer
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (cluster.tracing) from a real baton server to a real OTLP/gRPC collector on
+"""OpenTelemetry traces (cluster.ops.tracing) from a real baton server to a real OTLP/gRPC collector on
 loopback: one baton.request root per call with its req_id, the engine side's spans under it,
 the client's traceparent as the parent (and nothing more), error status on a refused call, no
 API key and no prompt text in any span; off by default (no SDK object, no thread, no span)."""
@@ -19,9 +19,9 @@ import pytest
 
 from batonpb.baton.v1 import generation_pb2 as pb
 from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
-from cluster import tracing
-from cluster.http_api import TracedCalls
-from cluster.tracing import NO_TRACE, OFF, TracingConfig, configure
+from cluster.edge.http_api import TracedCalls
+from cluster.ops import tracing
+from cluster.ops.tracing import NO_TRACE, OFF, TracingConfig, configure
 from engine.env import OTLP_ENDPOINT_ENV
 from tests.cluster.conftest import ServerHandle, free_port
 from tests.cluster.otlp import Got, Receiver, children
@@ -275,7 +275,7 @@ def test_without_the_sdk_tracing_is_off_and_says_so_once(
 ) -> None:
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # importing it raises ImportError
     monkeypatch.setattr(tracing, "_warned", [])
-    with caplog.at_level(logging.WARNING, logger="cluster.tracing"):
+    with caplog.at_level(logging.WARNING, logger="cluster.ops.tracing"):
         assert configure(TracingConfig("127.0.0.1:4317")) is OFF
         assert configure(TracingConfig("127.0.0.1:4317")) is OFF
     assert [r.getMessage().startswith("tracing is off") for r in caplog.records] == [True]

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from cluster.disagg_config import DisaggConfig
+from cluster.ops.tracing import TracingConfig
 from cluster.server import ServerConfig
-from cluster.tracing import TracingConfig
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import ServerHandle, start_server
 from tests.cluster.otlp import Got, Receiver, children

@@ -128,7 +128,7 @@ def test_transformers_tokenizer_agrees(tiny_model_dir: Path) -> None:
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     rendered = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == ours.apply_chat_template(messages)
-    # The tool section (cluster.tool_calls' format) renders the same in transformers' Jinja.
+    # The tool section (cluster.edge.tool_calls' format) renders the same in transformers' Jinja.
     tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
     calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": {"x": i}}} for i in (1, 2)]
     messages += [{"role": "assistant", "content": "", "tool_calls": calls},

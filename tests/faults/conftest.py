@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from cluster.disagg_config import DisaggConfig, MembershipConfig
-from cluster.ray_front import RayFront
+from cluster.fleet.front import RayFront
 from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import (

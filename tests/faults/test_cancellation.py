@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from cluster.disagg_config import DisaggConfig
-from cluster.worker_msgs import DecodeStats, PrefillStats
+from cluster.fleet.worker_msgs import DecodeStats, PrefillStats
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import ServerHandle
 from tests.cluster.test_ray_serving import metric
@@ -170,7 +170,7 @@ def test_decode_killed_with_handoffs_pending_frees_the_prefill_side(slow1: Serve
     two pushes are in flight to it. The prefill worker's pinned pages return to baseline
     within the push lease (transfer deadline + grace) + 5 s, and the clients get an error,
     not a hang."""
-    from cluster.prefill_actor import LEASE_GRACE_S
+    from cluster.fleet.prefill_actor import LEASE_GRACE_S
     from tests.cluster.conftest import kill_actor
 
     front = front_of(slow1)

@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from cluster.disagg_config import DisaggConfig
-from cluster.ray_workers import PrefillHandle
+from cluster.fleet.worker_msgs import PrefillStats
+from cluster.fleet.workers import PrefillHandle
 from cluster.server import ServerConfig
-from cluster.worker_msgs import PrefillStats
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import ServerHandle, kill_actor, start_server
 from tests.cluster.test_ray_serving import (
@@ -40,7 +40,7 @@ ray = pytest.importorskip("ray")
 # 12 pages of LONG in chunks of 2, over gRPC; a transfer is caught in flight by holding the
 # prefill workers' pushes after their first chunk (PrefillActor.hold_pushes), not by racing a
 # slowed push. The drills below fail both pairs' pushes on purpose, one after another: with the
-# default pair_failures (3) both pairs would turn unroutable (cluster.pair_health, tested on its
+# default pair_failures (3) both pairs would turn unroutable (cluster.placement.pair_health, tested on its
 # own and across hosts), and the tests after them would find no pair to kill a transfer on.
 # round_robin: each uncached prompt goes to a prefill worker whatever the links measured (held
 # and stalled pushes here; tests/cluster/test_ray_serving.py's pd says more).

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.worker_msgs import PrefillStats
+from cluster.fleet.worker_msgs import PrefillStats
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import ServerHandle
 from tests.cluster.test_ray_serving import metric

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from cluster.ray_workers import DecodeHandle
-from cluster.worker_msgs import DecodeStats
+from cluster.fleet.worker_msgs import DecodeStats
+from cluster.fleet.workers import DecodeHandle
 from tests.cluster.conftest import ServerHandle
 from tests.faults.conftest import (
     WATCHDOG_S,

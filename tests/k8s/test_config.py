@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cluster_config import to_server_config
-from cluster.tenants import ApiKeys
+from cluster.edge.tenants import ApiKeys
 from tests.k8s.manifests import (
     K8S,
     TARGETS,

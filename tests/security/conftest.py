@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.http_api import HttpConfig
+from cluster.edge.http_api import HttpConfig
 from engine.engine_config import EngineConfig
 from tests.cluster.conftest import (
     ServerHandle,

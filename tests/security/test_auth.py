@@ -23,8 +23,8 @@ from fastapi.routing import APIRoute
 from starlette.routing import Route
 
 from batonpb.baton.v1 import generation_pb2 as gen_pb
-from cluster.frontend import Frontend
-from cluster.http_api import HttpConfig
+from cluster.edge.frontend import Frontend
+from cluster.edge.http_api import HttpConfig
 from engine.outputs import StepOutput
 from tests.cluster.conftest import ServerHandle
 from tests.security.conftest import (
@@ -114,7 +114,7 @@ def test_every_route_but_the_probes_needs_a_key(guarded: Guarded) -> None:
 
 def test_the_open_dashboard_is_a_static_page_with_no_data(guarded: Guarded) -> None:
     page = httpx.get(guarded.url + "/dashboard", timeout=10)
-    static = (ROOT / "cluster" / "static" / "dashboard.html").read_bytes()
+    static = (ROOT / "cluster" / "ops" / "static" / "dashboard.html").read_bytes()
     assert page.status_code == 200 and page.content == static  # the file, nothing filled in
     assert MODEL.encode() not in page.content and b"alpha" not in page.content
     assert "frame-ancestors 'none'" in page.headers["content-security-policy"]

@@ -33,8 +33,8 @@ from starlette.routing import Route
 
 from batonpb.baton.v1 import generation_pb2 as gen_pb
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
-from cluster.membership import Role, WorkerInfo
-from cluster.membership_etcd import EtcdConfig, EtcdMembership
+from cluster.membership.etcd import EtcdConfig, EtcdMembership
+from cluster.membership.protocol import Role, WorkerInfo
 from decode.worker import DecodeWorker
 from engine.config import ModelConfig
 from engine.engine import Engine

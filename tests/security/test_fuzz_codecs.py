@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 
 from batonpb.baton.v1 import generation_pb2 as gen_pb
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from cluster.edge.grpc_api import _check_prompt, build_sampling
 from cluster.errors import EdgeError
-from cluster.grpc_api import _check_prompt, build_sampling
-from cluster.membership import Role, WorkerInfo
+from cluster.membership.protocol import Role, WorkerInfo
 from engine.errors import BatonError
 from kvcache.disk import DiskTier
 from kvcache.disk_record import (

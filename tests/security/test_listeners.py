@@ -3,7 +3,7 @@
 The real servers are started with their defaults (the gateway's HTTP and gRPC, a decode
 worker's KV server with its shm transport) and what they bound is read from the kernel:
 every listening socket this process gained is on 127.0.0.1 or ::1, and nothing anywhere
-listens on those ports on another address. Ray is not started: the settings cluster.ray_runtime
+listens on those ports on another address. Ray is not started: the settings cluster.fleet.ray_runtime
 hands it are checked against a stand-in `ray` module. Every configuration surface (the CLI,
 cluster.yaml, the config dataclasses, the actors) defaults to loopback, and no serving module
 spells a wildcard address.
@@ -25,13 +25,13 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from cluster import ray_runtime
 from cluster.cli import _build_parser
 from cluster.cluster_config import parse_cluster_file, to_server_config
-from cluster.decode_actor import DecodeActor
-from cluster.grpc_api import GrpcConfig
-from cluster.http_api import HttpConfig
-from cluster.membership_etcd import EtcdConfig
+from cluster.edge.grpc_api import GrpcConfig
+from cluster.edge.http_api import HttpConfig
+from cluster.fleet import ray_runtime
+from cluster.fleet.decode_actor import DecodeActor
+from cluster.membership.etcd import EtcdConfig
 from cluster.server import ServerConfig
 from kvcache.pool import DevicePool, KVLayout
 from kvtransfer.grpc_transport import start_kv_server
@@ -161,7 +161,7 @@ def test_every_configuration_surface_defaults_to_loopback() -> None:
 
 
 def test_local_ray_is_asked_for_loopback_token_auth_and_no_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import: cluster.ray_runtime sets it
+    # Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import: cluster.fleet.ray_runtime sets it
     assert os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
     calls: list[dict[str, Any]] = []

@@ -30,8 +30,8 @@ import httpx
 import pytest
 
 from batonpb.baton.v1 import generation_pb2 as gen_pb
-from cluster.frontend import EngineFront
-from cluster.placement import Placer
+from cluster.edge.frontend import EngineFront
+from cluster.placement.policy import Placer
 from engine.async_engine import AsyncEngine
 from engine.sampling import SamplingParams
 from tests.security.conftest import ALPHA_KEY, BETA_KEY, MODEL, OPS_KEY, Guarded, bearer
@@ -207,8 +207,8 @@ ALLOWED_PARAMETERS = ["self", "req_id", "prompt_ids", "sampling", "priority", "c
 
 def test_the_engine_side_and_the_placer_take_no_hint() -> None:
     # Everything placement may use crosses this signature; a hint would need a new parameter
-    from cluster.pd import PDFront
-    from cluster.ray_front import RayFront
+    from cluster.fleet.front import RayFront
+    from cluster.fleet.pd import PDFront
 
     for front in (EngineFront, AsyncEngine, PDFront, RayFront):
         assert list(inspect.signature(front.generate).parameters) == ALLOWED_PARAMETERS, front

@@ -1,0 +1,504 @@
+"""The gRPC API: `baton.v1.Generation` (proto/baton/v1/generation.proto) on grpc.aio.
+
+One call, the same internal path as the HTTP API (cluster/edge/frontend.py):
+
+    key     = `authorization: Bearer <key>` or `x-api-key`  -> keys.lookup   (UNAUTHENTICATED)
+    bounds  = model, prompt / messages, sampling fields,     (INVALID_ARGUMENT, NOT_FOUND)
+              constraint and tools (cluster.edge.grpc_output)
+    ticket  = frontend.admit()                               (RESOURCE_EXHAUSTED + retry metadata)
+    req     = frontend.prepare(tokenize(prompt), sampling, tenant, deadline of the call)
+    frontend.check_tenant(ticket, req)
+    frontend.prepare_constraint(req.sampling, field)         (INVALID_ARGUMENT: does not compile)
+    async for out in frontend.stream(req, ticket, "grpc"): context.write(delta)
+
+With tools, a reply's `text` is the content and its tool calls come apart (cluster.edge.tool_calls).
+
+Handlers are coroutines that write with `context.write`, not async generators: when the
+client cancels or the deadline passes, grpc.aio cancels the handler's task, and the
+CancelledError then lands inside our own `await`, so `aclosing` closes the frontend stream at
+once (its `finally` aborts the engine request and frees its pages). An async-generator handler
+suspended at `yield` would instead be closed only whenever the garbage collector gets to it.
+
+Tracing (cluster.ops.tracing, when configured): Generate and Complete each open a `baton.request`
+span before anything is checked; its parent is the `traceparent` metadata the client sent.
+
+Health (`grpc.health.v1`, SERVING while the step loop is live and the frontend not draining)
+and reflection are registered on the same server and need no key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NoReturn, ParamSpec, TypeVar, cast
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from batonpb.baton.v1 import generation_pb2 as pb
+from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
+from cluster.edge.admission import Ticket
+from cluster.edge.constraint_fields import OutputSpec
+from cluster.edge.frontend import Frontend, GenerateRequest
+from cluster.edge.grpc_output import (
+    ended_in_calls,
+    output_spec,
+    split_tool_calls,
+    template_messages,
+)
+from cluster.edge.tenants import ApiKeys, Tenant
+from cluster.edge.tool_calls import ToolCallParser
+from cluster.errors import EdgeError, Kind, classify, invalid
+from cluster.ops.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
+from engine.errors import ConfigError
+from engine.outputs import StepOutput
+from engine.request import FinishReason
+from engine.sampler import TokenLogprobs
+from engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "baton.v1.Generation"
+MAX_MODEL_NAME_CHARS = 256
+MAX_PROMPT_CHARS = 4_000_000  # as the HTTP API; the message size limit bounds it first
+MAX_MESSAGES = 2048
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_PRIORITY = 100
+_BIG_TEXT_CHARS = 20_000  # tokenized off the event loop beyond this
+
+T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
+
+# The edge's error kinds are named after gRPC's status codes, and the engine's finish
+# reasons after the proto's enum values.
+_CODES = {kind: grpc.StatusCode[kind.name] for kind in Kind}
+_FINISH = {r: pb.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (logged)
+    max_receive_message_bytes: int = 8 << 20  # bounds every request before it is parsed
+    max_send_message_bytes: int = 64 << 20  # a Complete reply with logprobs of a long context
+    tls_cert_file: str | None = None  # PEM; both or neither
+    tls_key_file: str | None = None
+    allow_priority_field: bool = False  # let callers set `priority` (else it comes from the key)
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("grpc.tls", "set both tls_cert_file and tls_key_file, or neither")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("grpc.port", f"must be in [0, 65535], got {self.port}")
+        for name in ("max_receive_message_bytes", "max_send_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"grpc.{name}", "must be positive")
+
+
+def create_grpc_server(frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> grpc.aio.Server:
+    """A server with Generation, health and reflection bound to cfg's address (not started)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_send_message_bytes),
+        # gRPC sets SO_REUSEPORT by default: a second server on the same port would silently
+        # take half the connections instead of failing to start.
+        ("grpc.so_reuseport", 0),
+    ])
+    _add_generation(GenerationService(frontend, keys, cfg), server)
+    health_pb2_grpc.add_HealthServicer_to_server(LiveHealth(frontend, ("", SERVICE_NAME)), server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls_cert_file is not None and cfg.tls_key_file is not None:
+        pair = (Path(cfg.tls_key_file).read_bytes(), Path(cfg.tls_cert_file).read_bytes())
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+    else:
+        port = server.add_insecure_port(address)
+    logger.info("gRPC API on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_file else "no TLS")
+    return server
+
+
+class _Malformed:
+    """What a request that does not parse as its message becomes (INVALID_ARGUMENT, not the
+    UNKNOWN with the decoder's exception class that grpc's own deserializer path answers)."""
+
+
+MALFORMED = _Malformed()
+
+
+def _tolerant(message: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except Exception:  # DecodeError, and whatever else a hostile byte string provokes
+            return MALFORMED
+
+    return parse
+
+
+def _add_generation(service: GenerationService, server: grpc.aio.Server) -> None:
+    """The generated add_GenerationServicer_to_server, with tolerant request parsing."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            service.Complete, request_deserializer=_tolerant(pb.GenerateRequest),
+            response_serializer=pb.CompleteResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            service.Tokenize, request_deserializer=_tolerant(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+    }  # fmt: skip
+    assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _check_parsed(request: object) -> None:
+    if request is MALFORMED:
+        raise invalid("the request is not a valid protobuf message of this method's type", None)
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> None:
+        self.frontend = frontend
+        self.keys = keys
+        self.cfg = cfg
+
+    # grpc.aio accepts a coroutine that writes with context.write for a streaming method; the
+    # generated stub types only the iterator form (see the module docstring for why).
+    async def Generate(  # type: ignore[override]
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        with self._trace("Generate", context) as trace:
+            await _guarded(context, self._generate(request, context, trace), trace)
+
+    async def Complete(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CompleteResponse:
+        with self._trace("Complete", context) as trace:
+            return await _guarded(context, self._complete(request, context, trace), trace)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        return await _guarded(context, self._tokenize(request, context))
+
+    # -- the three calls --------------------------------------------------------------------
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
+    ) -> None:
+        req, ticket, spec = await self._open(request, context, trace)
+        parser = spec.tools.parser() if spec.tools is not None and spec.tools.is_parsed else None
+        try:
+            async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
+                request_id = req.req_id
+                async for out in outs:
+                    await context.write(_delta(out, request_id, parser))
+                    request_id = ""  # only the first message carries it
+        finally:
+            ticket.release()
+
+    async def _complete(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
+    ) -> pb.CompleteResponse:
+        req, ticket, spec = await self._open(request, context, trace)
+        reply = pb.CompleteResponse(request_id=req.req_id)
+        texts: list[str] = []
+        try:
+            async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
+                async for out in outs:
+                    reply.token_ids.extend(out.token_ids)
+                    reply.logprobs.extend(_logprob(lp) for lp in out.logprobs)
+                    texts.append(out.text)
+                    if out.finish_reason is not None:
+                        reply.finish_reason = _FINISH[out.finish_reason]
+                        reply.usage.CopyFrom(_usage(out))
+        finally:
+            ticket.release()
+        reply.text = "".join(texts)
+        if spec.tools is not None and spec.tools.is_parsed:
+            parser = spec.tools.parser()
+            split_tool_calls(reply, parser, True)
+            ended_in_calls(reply, parser)
+        return reply
+
+    async def _tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        _check_parsed(request)
+        self._authenticate(context)
+        self._check_model(request.model)
+        if len(request.text) > MAX_PROMPT_CHARS:
+            raise invalid(f"text: at most {MAX_PROMPT_CHARS} characters", "text")
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = await self._encode(request.text, special)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
+
+    # -- the shared path --------------------------------------------------------------------
+
+    def _trace(self, method: str, context: grpc.aio.ServicerContext) -> RequestTrace:
+        tracing = self.frontend.tracing
+        if not tracing.is_enabled:  # off: the metadata is not even read
+            return NO_TRACE
+        return tracing.request("grpc", f"/{SERVICE_NAME}/{method}", context.invocation_metadata() or ())
+
+    async def _open(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
+    ) -> tuple[GenerateRequest, Ticket, OutputSpec]:
+        """Authenticate, bound, admit, tokenize and prepare: the frozen request and its ticket.
+        A refusal here counts as outcome "rejected" (nothing reached an engine)."""
+        try:
+            _check_parsed(request)
+            return await self._admit(request, context, trace)
+        except Exception:
+            self.frontend.metrics.requests.labels("grpc", "rejected").inc()
+            raise
+
+    async def _admit(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
+    ) -> tuple[GenerateRequest, Ticket, OutputSpec]:
+        tenant = self._authenticate(context)
+        trace.set(tenant=tenant.name)
+        self._check_model(request.model)
+        trace.set(model=self.frontend.model_name)
+        _check_prompt(request, self.frontend.max_model_len)
+        sampling, max_tokens_given = build_sampling(request.sampling, self.frontend.max_model_len)
+        spec = output_spec(request)
+        sampling = replace(sampling, constraint=spec.constraint)
+        tenant = self._priority(request, tenant)
+        deadline = self.frontend.deadline(context.time_remaining())
+        ticket = self.frontend.admit()
+        try:
+            prompt_ids = await self._prompt_ids(request, spec)
+            req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, max_tokens_given, trace.req_id)
+            self.frontend.check_tenant(ticket, req)
+            await self.frontend.prepare_constraint(req.sampling, spec.param)
+        except BaseException:
+            ticket.release()
+            raise
+        return req, ticket, spec
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
+        tenant = self.keys.lookup(api_key(context.invocation_metadata() or ()))
+        if tenant is None:
+            raise EdgeError(Kind.UNAUTHENTICATED, "a valid API key is required")
+        return tenant
+
+    def _check_model(self, model: str) -> None:
+        if not model:
+            raise invalid("model: required", "model")
+        if len(model) > MAX_MODEL_NAME_CHARS:
+            raise invalid(f"model: at most {MAX_MODEL_NAME_CHARS} characters", "model")
+        if model != self.frontend.model_name:
+            raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
+
+    def _priority(self, request: pb.GenerateRequest, tenant: Tenant) -> Tenant:
+        if not (self.cfg.allow_priority_field and request.HasField("priority")):
+            return tenant
+        if not -MAX_PRIORITY <= request.priority <= MAX_PRIORITY:
+            raise invalid(f"priority: must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
+        return replace(tenant, priority=request.priority)
+
+    async def _prompt_ids(self, request: pb.GenerateRequest, spec: OutputSpec) -> list[int]:
+        if request.chat:
+            messages = template_messages(request)
+            tools = [t.template_value() for t in spec.tools.tools] if spec.tools is not None else None
+            render = functools.partial(self.frontend.tokenizer.apply_chat_template, tools=tools)
+            text = await _maybe_in_thread(
+                sum(len(m.content) for m in request.messages), render, messages, True
+            )
+            return await self._encode(text, False)
+        if request.WhichOneof("prompt") == "text":
+            return await self._encode(request.text, True)
+        return list(request.token_ids.ids)
+
+    async def _encode(self, text: str, special: bool) -> list[int]:
+        return await _maybe_in_thread(len(text), self.frontend.tokenizer.encode, text, special)
+
+
+def _stream(
+    frontend: Frontend, req: GenerateRequest, ticket: Ticket, trace: RequestTrace
+) -> AsyncGenerator[StepOutput, None]:
+    # Frontend.stream is an async generator function (annotated as an AsyncIterator): name the
+    # type that has aclose(), which is what closes it at once on cancellation.
+    return cast(AsyncGenerator[StepOutput, None], frontend.stream(req, ticket, "grpc", trace))
+
+
+async def _maybe_in_thread(
+    size: int, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+) -> R:
+    """Run fn inline when the input is small, on a thread when it would stall the loop."""
+    if size > _BIG_TEXT_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T], trace: Span = NO_SPAN) -> T:
+    """Run a call; turn any failure into its status (internals never leak)."""
+    try:
+        return await work
+    except Exception as exc:
+        err = classify(exc)
+        trace.fail(err)
+        if err.kind == Kind.INTERNAL and not isinstance(exc, EdgeError):
+            logger.exception("gRPC call failed")
+        await abort(context, err)
+
+
+async def abort(context: grpc.aio.ServicerContext, err: EdgeError) -> NoReturn:
+    details = err.message
+    if err.kind == Kind.INVALID_ARGUMENT and err.param and not details.startswith(err.param):
+        details = f"{err.param}: {details}"  # the details start with the field's name
+    await context.abort(_CODES[err.kind], details, retry_metadata(err.retry_after_s))
+    raise AssertionError("context.abort returned")  # it always raises
+
+
+def retry_metadata(retry_after_s: float | None) -> tuple[tuple[str, str], ...]:
+    """gRPC's own pushback key (read by clients with a retry policy) and an HTTP-style one."""
+    if retry_after_s is None:
+        return ()
+    return (
+        ("grpc-retry-pushback-ms", str(max(1, math.ceil(retry_after_s * 1000)))),
+        ("retry-after", str(max(1, math.ceil(retry_after_s)))),
+    )
+
+
+def api_key(metadata: Sequence[tuple[str, Any]]) -> str | None:
+    for key, value in metadata:
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+        if key == "x-api-key" and isinstance(value, str):
+            return value.strip()
+    return None
+
+
+# -- bounds and conversions -----------------------------------------------------------------
+
+
+def _check_prompt(request: pb.GenerateRequest, max_model_len: int) -> None:
+    """Bound the prompt's shape before anything is tokenized or copied."""
+    kind = request.WhichOneof("prompt")
+    if request.chat:
+        if kind is not None:
+            raise invalid("prompt: must be unset when chat is true (use messages)", "prompt")
+        if not 1 <= len(request.messages) <= MAX_MESSAGES:
+            raise invalid(f"messages: 1 to {MAX_MESSAGES} messages when chat is true", "messages")
+        for m in request.messages:
+            if m.role not in CHAT_ROLES:
+                roles = ", ".join(sorted(CHAT_ROLES))
+                raise invalid(f"messages.role: must be one of {roles}", "messages.role")
+        if sum(len(m.content) for m in request.messages) > MAX_PROMPT_CHARS:
+            too_long = f"messages.content: at most {MAX_PROMPT_CHARS} characters in all"
+            raise invalid(too_long, "messages.content")
+        return
+    if request.messages:
+        raise invalid("messages: only with chat = true", "messages")
+    if kind is None:
+        raise invalid("prompt: set text or token_ids (or chat with messages)", "prompt")
+    size = len(request.text) if kind == "text" else len(request.token_ids.ids)
+    limit = MAX_PROMPT_CHARS if kind == "text" else max_model_len - 1
+    if not 1 <= size <= limit:
+        raise invalid(f"prompt: {kind} must have 1 to {limit} elements, got {size}", "prompt")
+
+
+def build_sampling(s: pb.Sampling, max_model_len: int) -> tuple[SamplingParams, bool]:
+    """SamplingParams from the message (its constructor bounds every field, naming the bad
+    one); also whether max_tokens was given (absent: the rest of the context)."""
+    given = s.HasField("max_tokens")
+    params = SamplingParams(
+        max_tokens=s.max_tokens if given else max_model_len,
+        min_tokens=s.min_tokens,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
+    return params, given
+
+
+def _delta(out: StepOutput, request_id: str, parser: ToolCallParser | None = None) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=request_id, token_ids=out.token_ids, text=out.text,
+        logprobs=[_logprob(lp) for lp in out.logprobs],
+    )
+    if parser is not None:
+        split_tool_calls(msg, parser, out.finish_reason is not None)
+    if out.finish_reason is not None:
+        msg.finish_reason = _FINISH[out.finish_reason]
+        msg.usage.CopyFrom(_usage(out))
+        if parser is not None:
+            ended_in_calls(msg, parser)
+    return msg
+
+
+def _logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
+
+
+def _usage(out: StepOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+        cached_tokens=out.num_cached_tokens,
+    )
+
+
+# -- health ---------------------------------------------------------------------------------
+
+
+class LiveHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # grpc_health is untyped
+    """grpc.health.v1, computed from the frontend on every call: there is no stored status to
+    keep in sync, so a dead step loop or a drain shows at once. "" is the whole server."""
+
+    def __init__(
+        self, frontend: Frontend, services: Sequence[str], watch_interval_s: float = 1.0
+    ) -> None:
+        self.frontend = frontend
+        self.services = frozenset(services)
+        self.watch_interval_s = watch_interval_s
+
+    def status(self, service: str) -> int:
+        if service not in self.services:
+            return int(health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        if self.frontend.is_ready():  # live and not draining
+            return int(health_pb2.HealthCheckResponse.SERVING)
+        return int(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = self.status(request.service)
+        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        last = None
+        while True:  # until the client cancels
+            status = self.status(request.service)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            await asyncio.sleep(self.watch_interval_s)

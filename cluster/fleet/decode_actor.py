@@ -1,0 +1,286 @@
+"""The decode role as a Ray actor: its own step loop, a KV server, one output feed.
+
+    start()                          serve KV pushes (gRPC, and shm when it has a region) and
+                                     start the step loop; the address
+    place(job, epoch | None)         reserve pages for a push -> KVDestination; or, when the
+                                     uncached part is short, no prefill worker is healthy
+                                     (epoch None) or no pages are free, prefill here -> None
+    admit(job, dest, first, wait_s)  once every page arrived: join the batch -> True; a
+                                     transfer that fails or misses wait_s -> False, pages freed
+    next_batch(after, wait_s)        the output stream: every step after `after` (long-poll)
+    abort(req_id) / cancel(dest)     the request or its reservation lets go of its pages
+
+The engine steps run on the actor's event loop between awaits, so pushes land between two
+steps, never inside one. Reservations that are never completed expire at their deadline;
+complete ones that are never admitted expire at their admission lease (decode.worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import grpc
+import torch
+
+from cluster.fleet.cpu import between_steps, core_for, pin_process
+from cluster.fleet.output_feed import OutputFeed
+from cluster.fleet.registration import Registered
+from cluster.fleet.worker_msgs import DecodeStats, OutputBatch
+from cluster.membership.protocol import Role
+from cluster.placement.kv_log import KVEventLog, KVPublisher
+from decode.worker import DecodeWorker
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.omp import release_thread_pool
+from engine.outputs import StepOutput
+from kvcache.report import CacheReport, cache_report
+from kvtransfer.codec import chunk_pages
+from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.jobs import PrefillJob
+from kvtransfer.listen import LOOPBACK, listen_address
+from kvtransfer.nccl import nccl_usable
+from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
+from kvtransfer.select import WorkerPlace
+from kvtransfer.shm import ShmRegion, shm_handler
+from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
+from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.25  # expiry runs at least this often
+CACHE_REPORT_S = 0.5  # the cache report (it walks the prefix cache) rides on output batches this often
+
+
+class _Signal:
+    """Wakes everyone waiting for 'something changed' (a broadcast, unlike one Event)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._event.wait(), max(timeout_s, 0.0))
+        except TimeoutError:
+            pass
+
+
+class DecodeActor(KVPublisher, Registered):
+    role = Role.DECODE
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        reservation_ttl_s: float = DEFAULT_DEADLINE_S,
+        local_prefill_tokens: int = 32,
+        num_threads: int = 1,
+        bind_host: str = "auto",  # the KV listener (kvtransfer.listen): auto, node or an IP
+        advertise_host: str = "",  # what senders dial, when not the bound address
+        admit_lease_s: float = DEFAULT_DEADLINE_S,
+        max_feed_steps: int = 4096,
+        shm_slots: int = 0,  # > 0: also serve PushShm from a /dev/shm region of this many slots
+        shm_slot_pages: int | None = None,  # pages one slot holds: the senders' pages per chunk
+        pin_slot: int | None = None,  # set: pin this process to core_for(pin_slot) (--pin-cores)
+        epoch: int = 1,  # of its KV events (a restarted worker gets a new one)
+        exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
+        tls: KVTlsPaths = NO_TLS,  # mutual TLS on the KV server (kvtransfer.tls)
+    ) -> None:
+        self.exit_on_failure = exit_on_failure
+        self.tls = KVTls.load(tls)
+        self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
+        torch.set_num_threads(num_threads)
+        self._settled = _Signal()
+        self.worker = DecodeWorker(Engine(cfg), "", reservation_ttl_s, local_prefill_tokens, admit_lease_s,
+                                   on_settle=self._settled.fire)
+        release_thread_pool()  # Ray may step on another thread than this one: one OpenMP pool (engine.omp)
+        self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
+        self.fingerprint_bytes = self.worker.engine.fingerprint
+        self.bind_host, self.advertise_host = bind_host, advertise_host
+        self.feed = OutputFeed(max_feed_steps)
+        self._wake = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+        self._loop: asyncio.Task[None] | None = None
+        self.shm_slots, self.shm_slot_pages = shm_slots, shm_slot_pages
+        self._region: ShmRegion | None = None
+        self.nccl = NcclEndpoint(self.worker.engine.device)  # channels of nccl-routed prefill workers
+        self.error: str = ""
+        self._report, self._report_at = CacheReport(), -CACHE_REPORT_S
+        self._acked = 0  # the last output step the gateway confirmed (a drain waits for all)
+
+    async def start(self) -> str:
+        """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
+        if self._server is None:
+            receiver = self.worker.receiver
+            extra = [nccl_handler(receiver, self.nccl)]
+            if self.shm_slots:
+                pool = self.worker.engine.pool
+                page_bytes = pool.kv[:, :, 0].numel() * pool.kv.element_size()
+                # a slot holds one chunk, as large as the senders make them (codec.chunk_pages)
+                self._region = ShmRegion(self.shm_slots, chunk_pages(page_bytes, self.shm_slot_pages) * page_bytes)
+                extra.append(shm_handler(receiver, self._region))
+            listen = listen_address(self.bind_host, self.advertise_host, *_node())
+            self._server, port = await start_kv_server(receiver, listen.bind_at(0), extra_handlers=extra, tls=self.tls)
+            self.worker.address = listen.advertise_at(port)
+            logger.info("KV server on %s, advertised as %s", listen.bind_at(port), self.worker.address)
+            self._loop = asyncio.create_task(self._run())
+        return self.worker.address
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def place(self, job: PrefillJob, sender_epoch: int | None) -> KVDestination | None:
+        self._check_started()
+        # A constraint compiles here, off the step loop and before any page is reserved
+        # (ConstraintError reaches the gateway as this call's error: a 400 there).
+        if job.sampling.constraint is not None:
+            await asyncio.to_thread(self.worker.engine.prepare, job.sampling)
+        if self.worker.was_aborted(job.req_id):  # its abort came first: the caller is gone
+            return None
+        if sender_epoch is not None and not self.worker.prefers_local(job):
+            dest = self.worker.reserve(job, sender_epoch)
+            if dest is not None:
+                return dest
+        self.worker.start_local(job)  # no room to reserve: the engine queues it like any request
+        self._wake.set()
+        return None
+
+    async def admit(self, job: PrefillJob, dest: KVDestination, first: StepOutput, wait_s: float) -> bool:
+        """Join the batch once the transfer completes; False (pages freed) if it fails first."""
+        end = time.monotonic() + wait_s
+        while not self.worker.is_settled(dest) and time.monotonic() < end:
+            await self._settled.wait(end - time.monotonic())
+        if not self.worker.is_complete(dest):
+            self.worker.cancel(dest)
+            return False
+        self.worker.start_prefilled(job, dest, first.token_ids[0], first.num_cached_tokens)
+        self._wake.set()
+        return True
+
+    async def nccl_listen(self) -> tuple[str, bytes]:
+        """Open a channel for one prefill worker (its route's rendezvous): its name and unique
+        id; this side joins it now, the prefill worker within the rendezvous deadline."""
+        self._check_started()
+        return await self.nccl.listen()
+
+    async def cancel(self, dest: KVDestination) -> None:
+        self.worker.cancel(dest)
+        self._settled.fire()
+
+    async def abort(self, req_id: str) -> None:
+        self.worker.abort(req_id)
+        self._settled.fire()
+
+    async def next_batch(self, after: int, wait_s: float) -> OutputBatch:
+        self._acked = max(self._acked, after)  # the gateway has every step up to here
+        if self.error:
+            raise RuntimeError(f"decode step loop died: {self.error}")
+        taken = await self.feed.take(after, wait_s)
+        return OutputBatch(taken.first_seq, taken.last_seq, taken.outputs, self._stats())
+
+    async def stats(self) -> DecodeStats:
+        return self._stats()
+
+    async def cores(self) -> list[int]:
+        """The cores this actor may run on (one, when pinned)."""
+        return sorted(os.sched_getaffinity(0))
+
+    async def place_of(self) -> WorkerPlace:
+        """Where this worker runs, for the choice of transport (kvtransfer.select)."""
+        import ray
+
+        return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(),
+                           self.worker.engine.device.type == "cuda", has_nccl=nccl_usable(self.worker.engine.device),
+                           has_shm=self._region is not None, host=_node()[0])  # fmt: skip
+
+    def _kv_address(self) -> str:
+        return self.worker.address
+
+    def _engine(self) -> Engine:
+        return self.worker.engine
+
+    def _is_idle(self) -> bool:
+        engine = self.worker.engine
+        return not engine.has_unfinished() and not self.worker.book.num_open and self._acked >= self.feed.seq
+
+    def _num_unfinished(self) -> int:
+        return len(self.worker.engine.scheduler.running) + self.worker.engine.scheduler.num_waiting
+
+    async def _shutdown(self) -> None:
+        await self.stop()
+
+    async def stop(self) -> None:
+        await self.leave()
+        if self._loop is not None:
+            self._loop.cancel()
+        if self._server is not None:
+            await self._server.stop(None)
+        if self._region is not None:
+            self._region.close()
+        self.nccl.close()
+        self._server = self._loop = self._region = None
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        engine = self.worker.engine
+        try:
+            while True:
+                self.worker.expire()
+                if not engine.has_unfinished():
+                    engine.flush_cache()
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), IDLE_WAIT_S)
+                    except TimeoutError:
+                        pass
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self.feed.publish(outputs)
+                await between_steps()  # pushes and calls run between steps
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # report the death through next_batch, never vanish
+            logger.exception("decode step loop died")
+            self.error = repr(exc)
+            self._engine_failed(exc)
+
+    def _check_started(self) -> None:
+        if self._server is None:
+            raise RuntimeError("start() the decode actor before placing requests")
+
+    def _stats(self) -> DecodeStats:
+        self._follow_epoch()
+        w, engine, book = self.worker, self.worker.engine, self.worker.book
+        cache = engine.prefix_cache
+        cached = cache.num_cached_pages if cache is not None else 0
+        return DecodeStats(
+            w.address, engine.pool.num_pages, engine.pool.pages.num_used, engine.free_pages_at_idle(), cached,
+            w.num_reserved_pages, book.num_open, book.num_expired, w.num_lease_expired,
+            len(engine.scheduler.running), engine.scheduler.num_waiting,
+            book.refused_bad_token, book.refused_stale_epoch, book.refused_bad_page,
+            self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
+            self._cache_report(), engine.num_preempted_total,
+        )  # fmt: skip
+
+    def _cache_report(self) -> CacheReport:
+        now = time.monotonic()
+        if now - self._report_at >= CACHE_REPORT_S:
+            engine = self.worker.engine
+            self._report, self._report_at = cache_report(engine.pool.pages, engine.prefix_cache, engine.cfg.page_size), now
+        return self._report
+
+
+def _node() -> tuple[str, int]:
+    """This node's address and the number of live nodes in the Ray cluster (outside Ray, as
+    in tests that build the actor directly: loopback, one)."""
+    import ray
+
+    if not ray.is_initialized():
+        return LOOPBACK, 1
+    return ray.util.get_node_ip_address(), sum(1 for node in ray.nodes() if node.get("Alive"))

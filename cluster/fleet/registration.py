@@ -1,0 +1,226 @@
+"""Membership as the Ray deployment uses it (cluster.membership.protocol's interface, either backend).
+
+    m = await open_membership(cfg, registry_name)       the gateway: follows who is in
+    member = await WorkerMember.join(cfg, registry_name, info)
+                                                        a worker actor: registers itself, keeps
+                                                        its lease alive; member.epoch follows a
+                                                        re-registration; member.leave() on drain
+
+`ray` backend: the registry is a named actor the gateway spawned (cluster.membership.embedded);
+`etcd`: leases under /{cluster}/workers/ (cluster.membership.etcd). A worker id still held by
+a dead predecessor's lease (a restarted gateway's actors) frees within the lease TTL: joining
+retries that long before it gives up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cluster.disagg_config import MembershipConfig
+from cluster.fleet import worker_signals
+from cluster.membership.protocol import Membership, Role, WorkerIdTaken, WorkerInfo
+from cluster.placement.kv_log import KVEventLog
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+EXIT_ENGINE_FAILED = 70  # the process exit code when the engine failed (EX_SOFTWARE)
+JOIN_GRACE_S = 2.0  # past the lease TTL, for a predecessor's registration to expire
+DRAIN_TIMEOUT_S = 300.0  # a drain gives in-flight requests this long (k8s: below the grace period)
+DRAIN_QUIET_S = 0.5  # idle this long ends a drain: calls the gateway had sent meanwhile land first
+DRAIN_POLL_S = 0.05
+
+
+async def open_membership(cfg: MembershipConfig, registry_name: str) -> Membership:
+    if cfg.backend == "etcd":
+        from cluster.membership.etcd import EtcdConfig, EtcdMembership
+
+        return await EtcdMembership.open(EtcdConfig(cfg.etcd_host, cfg.etcd_port, cfg.cluster, cfg.lease_ttl_s))
+    import ray
+
+    from cluster.membership.embedded import RayMembership, actor_port
+
+    return await RayMembership.open(actor_port(ray.get_actor(registry_name)))
+
+
+def spawn_registry(cfg: MembershipConfig, registry_name: str) -> Any:
+    """The gateway's registry actor when the backend is `ray` (None for etcd)."""
+    if cfg.backend != "ray":
+        return None
+    from cluster.membership.embedded import spawn_registry as spawn
+
+    return spawn(registry_name, float(cfg.lease_ttl_s))
+
+
+class WorkerMember:
+    def __init__(self, membership: Membership, worker_id: str) -> None:
+        self.membership = membership
+        self.worker_id = worker_id
+        self.has_left = False
+
+    @classmethod
+    async def join(cls, cfg: MembershipConfig, registry_name: str, info: WorkerInfo) -> WorkerMember:
+        membership = await open_membership(cfg, registry_name)
+        end = time.monotonic() + cfg.lease_ttl_s + JOIN_GRACE_S
+        while True:
+            try:
+                await membership.register(info)
+                return cls(membership, info.worker_id)
+            except WorkerIdTaken:
+                if time.monotonic() > end:
+                    await membership.close()
+                    raise
+                await asyncio.sleep(0.25)  # a predecessor's lease, expiring
+
+    @property
+    def epoch(self) -> int:
+        """The current registration's epoch (0 after leave)."""
+        if self.has_left:
+            return 0
+        return self.membership.held_epoch(self.worker_id) or 0
+
+    async def leave(self) -> None:
+        """Deregister now (drain, shutdown): the gateway routes nothing new here."""
+        if not self.has_left:
+            self.has_left = True
+            await self.membership.deregister(self.worker_id)
+
+    async def close(self) -> None:
+        await self.leave()
+        await self.membership.close()
+
+
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    seconds: float
+    abandoned: int  # requests still unfinished at the timeout (they fail when the actor goes)
+
+
+class Registered:
+    """The membership and lifecycle side of a worker actor (both roles): `join` once started;
+    `drain` (the planner, the pod's preStop through the gateway, or SIGTERM through
+    cluster.fleet.worker_signals): leave membership so no new work comes, finish what is in flight
+    (the gateway's calls already on their way too: DRAIN_QUIET_S of idleness ends it), give
+    up on the rest at the timeout; `drain_and_exit` then stops and exits 0 through Ray.
+    Its KV events carry the registration's epoch, so the gateway's index reloads from a
+    snapshot when a lost lease brought a new one."""
+
+    kv_log: KVEventLog
+    member: WorkerMember | None = None
+    role: Role
+    draining: bool = False
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+
+    async def join(self, cfg: MembershipConfig, registry_name: str, worker_id: str) -> int:
+        """Register this actor (its Ray actor name is its address) -> its epoch. Joining again
+        while registered is a no-op (a gateway that took a blip for a death asks again)."""
+        import ray
+
+        if self.member is not None and not self.draining:
+            return self.member.epoch
+
+        ctx = ray.get_runtime_context()
+        info = WorkerInfo(worker_id, self.role, ctx.get_actor_name() or "", ctx.get_node_id(),
+                          kv_address=self._kv_address())  # fmt: skip
+        self.member = await WorkerMember.join(cfg, registry_name, info)
+        self._follow_epoch()
+        worker_signals.on_sigterm(asyncio.get_running_loop(), self.drain_and_exit)
+        return self.member.epoch
+
+    async def drain(self, timeout_s: float | None = None) -> DrainReport:
+        """Not-ready, out of membership, in-flight work finished (or abandoned at the timeout)."""
+        start = time.monotonic()
+        end = start + (self.drain_timeout_s if timeout_s is None else timeout_s)
+        self.draining = True
+        try:
+            await self.leave()
+        except Exception as exc:  # unreachable backend: the lease runs out by itself
+            logger.warning("drain: leaving membership failed (%r); the lease expires instead", exc)
+        idle_since: float | None = None
+        while (now := time.monotonic()) < end:
+            if not self._is_idle():
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= DRAIN_QUIET_S:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        report = DrainReport(time.monotonic() - start, self._num_unfinished())
+        logger.warning("drained in %.2f s; %d requests abandoned", report.seconds, report.abandoned)
+        return report
+
+    async def drain_and_exit(self) -> None:
+        """SIGTERM's path (and the end of the gateway's drain_worker): drain unless a drain
+        already ran, release what outlives the process, exit 0 (Ray records an intended exit)."""
+        import ray
+
+        try:
+            if not self.draining:
+                await self.drain()
+            await self._shutdown()
+        finally:
+            ray.get_runtime_context().current_actor.exit.remote()
+
+    async def exit(self) -> None:
+        import ray
+
+        ray.actor.exit_actor()
+
+    # -- failure ------------------------------------------------------------------------------
+
+    exit_on_failure: bool = False  # spawned with a restart budget (cluster.fleet.actors): die, Ray restarts
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """The engine raised out of a step: its state (pages, batch) is in doubt. With a
+        restart budget the process ends now (exit code EXIT_ENGINE_FAILED): the gateway sees
+        the actor die, moves its requests, and once Ray has started a fresh process, has it
+        rejoin under a new epoch (RayFront._revive). Without one the actor stays, failing
+        every call, as `baton up` in one process has nothing to restart it."""
+        logger.critical("%s: engine failed (%r); %s", self.role.name.lower(), exc,
+                        "exiting for a restart" if self.exit_on_failure else "no restart budget: serving nothing")
+        if self.exit_on_failure:
+            os._exit(EXIT_ENGINE_FAILED)
+
+    async def inject_fault(self, point: str, times: int = 1) -> None:
+        """Drills and the fault suite only: the engine's `point` fails its next `times` passes
+        (engine.faults; refused unless the worker's environment allows injection)."""
+        self._engine().faults.arm(point, times)
+
+    async def clear_faults(self) -> None:
+        self._engine().faults.clear()
+
+    def _engine(self) -> Engine:
+        raise NotImplementedError
+
+    def _is_idle(self) -> bool:
+        raise NotImplementedError
+
+    def _num_unfinished(self) -> int:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
+
+    async def leave(self) -> None:
+        member, self.member = self.member, None  # a later join registers anew (a new epoch)
+        if member is not None:
+            await member.close()
+
+    def _follow_epoch(self) -> None:
+        epoch = self.member.epoch if self.member is not None else 0
+        if epoch and epoch != self.kv_log.epoch:
+            logger.info("%s: epoch %d -> %d", self.member.worker_id if self.member else "", self.kv_log.epoch, epoch)
+            self._set_epoch(epoch)
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.kv_log.set_epoch(epoch)
+
+    def _kv_address(self) -> str:
+        return ""
