@@ -62,7 +62,7 @@ def traffic(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
 
 
 async def hits(front: RayFront) -> int:
-    stats = await asyncio.gather(*(h.actor.stats.remote() for h in (*front.prefills, *front.decodes)))
+    stats = await asyncio.gather(*(h.actor.stats.remote() for h in (*front.fleet.prefills, *front.fleet.decodes)))
     return sum(s.num_hit_tokens for s in stats)
 
 

@@ -123,7 +123,7 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     name = cfg.served_model_name or Path(cfg.engine.model).name
     frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s, configure(cfg.tracing))
     if ray_front is not None:
-        ray_front.metrics.register(frontend.metrics.registry, ray_front)
+        ray_front.metrics.register(frontend.metrics.registry, ray_front.fleet)
         frontend.metrics.registry.register(PairCollector(ray_front.pairs))
     keys = load_api_keys(cfg.api_keys_file)
     app = create_app(frontend, keys, cfg.http)
@@ -147,7 +147,7 @@ async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, front: 
     from cluster.ops.planner import LatencyWindow, LocalRayScaler, Planner, run, sample_from
 
     window = LatencyWindow(frontend.metrics)
-    await run(Planner(cfg), LocalRayScaler(front), lambda: sample_from(frontend, window), period_s, asyncio.Event())
+    await run(Planner(cfg), LocalRayScaler(front.fleet), lambda: sample_from(frontend, window), period_s, asyncio.Event())
 
 
 class DrainingServer(uvicorn.Server):

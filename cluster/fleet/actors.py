@@ -47,7 +47,7 @@ def spawn_prefill(
 ) -> ActorHandle[Any]:
     """A PrefillActor on the current Ray cluster (ray_runtime started or connected it). With
     max_restarts, Ray starts a fresh process when this one dies (its engine failed: the actor
-    exits on purpose); the gateway then has it rejoin (RayFront._revive)."""
+    exits on purpose); the gateway then has it rejoin (Fleet._revive)."""
     handle: ActorHandle[Any] = _remote(PrefillActor).options(
         name=name, max_restarts=max_restarts, **resources.options()).remote(cfg, exit_on_failure=max_restarts > 0,
                                                                            **kwargs)  # fmt: skip

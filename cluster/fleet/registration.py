@@ -181,7 +181,7 @@ class Registered:
         """The engine raised out of a step: its state (pages, batch) is in doubt. With a
         restart budget the process ends now (exit code EXIT_ENGINE_FAILED): the gateway sees
         the actor die, moves its requests, and once Ray has started a fresh process, has it
-        rejoin under a new epoch (RayFront._revive). Without one the actor stays, failing
+        rejoin under a new epoch (Fleet._revive). Without one the actor stays, failing
         every call, as `baton up` in one process has nothing to restart it."""
         logger.critical("%s: engine failed (%r); %s", self.role.name.lower(), exc,
                         "exiting for a restart" if self.exit_on_failure else "no restart budget: serving nothing")

@@ -82,7 +82,7 @@ class PrefillHandle:
             self.trouble.clear()
 
     def revive(self, epoch: int, pid: int | None = None) -> None:
-        """Ray restarted its actor and it rejoined (RayFront._revive)."""
+        """Ray restarted its actor and it rejoined (Fleet._revive)."""
         self.epoch, self.is_alive, self.is_stalled, self.stats, self.pid = epoch, True, False, None, pid
         self.trouble.clear()
 
@@ -159,7 +159,7 @@ class DecodeHandle:
     # -- the stream -----------------------------------------------------------------------------
 
     def revive(self, address: str, epoch: int) -> None:
-        """Ray restarted its actor and it rejoined (RayFront._revive): a fresh output stream."""
+        """Ray restarted its actor and it rejoined (Fleet._revive): a fresh output stream."""
         self.address, self.epoch, self.stats = address, epoch, None
         self.is_alive, self.is_stalled, self.heartbeat = True, False, time.monotonic()
         self.trouble.clear()

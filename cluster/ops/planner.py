@@ -7,7 +7,7 @@ Membership and control).
                                                    node's NodeStatus (queues, cache counters)
     decision = planner.observe(sample)             add / remove one worker of one role, or None
     await scaler.add(role) | scaler.remove(role, victim)
-                                                   LocalRayScaler: RayFront's actors;
+                                                   LocalRayScaler: the Fleet's actors;
                                                    cluster.ops.planner_k8s.KubeRayScaler: the
                                                    RayCluster's worker groups
     planner.applied(decision, name) | planner.failed(decision)
@@ -457,7 +457,7 @@ class Scaler(Protocol):
 
 
 class WorkerPool(Protocol):
-    """The gateway's side of its actors (cluster.fleet.front.RayFront)."""
+    """The gateway's side of its actors (cluster.fleet.fleet.Fleet)."""
 
     async def add_worker(self, role: str) -> str: ...
 

@@ -105,7 +105,7 @@ def scale_patch(cluster: Obj, decision: Decision, pod: str | None = None) -> Obj
 class KubeRayScaler:
     """planner.Scaler for a RayCluster `name` in `namespace`.
 
-    drain: the gateway's drain of one worker (RayFront.drain_worker), awaited before the pod is
+    drain: the gateway's drain of one worker (Fleet.drain_worker), awaited before the pod is
     named for deletion; None when something else drains (the pod's preStop). api: a
     CustomObjectsApi (default: made on first use). dry_run: print, do not patch or drain."""
 

@@ -425,7 +425,7 @@ def test_config_rejects_a_band_without_hysteresis() -> None:
 
 
 class Pool:
-    """RayFront's add_worker / drain_worker, recorded."""
+    """The Fleet's add_worker / drain_worker, recorded."""
 
     def __init__(self, fail: bool = False, hang: bool = False) -> None:
         self.calls: list[tuple[str, str]] = []

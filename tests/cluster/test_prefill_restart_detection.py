@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.fleet.front import RayFront
+from cluster.fleet.fleet import Fleet
 from cluster.fleet.worker_msgs import PrefillStats
 from cluster.fleet.workers import PrefillHandle
 
@@ -49,20 +49,20 @@ def _front() -> Any:
 async def test_an_answer_from_another_process_marks_the_worker_dead_for_a_revive() -> None:
     front, actor = _front(), _Actor([100, 100, 200])
     handle = PrefillHandle("prefill-0", actor, epoch=1)
-    await RayFront._poll_prefill(front, handle)
+    await Fleet._poll_prefill(front, handle)
     assert handle.pid == 100 and handle.is_alive and handle.stats is not None
     handle.is_stalled = True  # the poll before the restart went unanswered
-    await RayFront._poll_prefill(front, handle)
+    await Fleet._poll_prefill(front, handle)
     assert handle.is_alive and not handle.is_stalled  # the same process: re-admitted
-    await RayFront._poll_prefill(front, handle)
+    await Fleet._poll_prefill(front, handle)
     assert not handle.is_alive and handle.trouble.is_set() and not handle.is_routable
-    handle.revive(2, 200)  # RayFront._revive: pinged (its pid), joined, routed
+    handle.revive(2, 200)  # Fleet._revive: pinged (its pid), joined, routed
     assert handle.is_routable and handle.pid == 200 and handle.epoch == 2
 
 
 async def test_an_answer_without_a_pid_changes_nothing() -> None:
     front, actor = _front(), _Actor([100, 0])
     handle = PrefillHandle("prefill-0", actor, epoch=1)
-    await RayFront._poll_prefill(front, handle)
-    await RayFront._poll_prefill(front, handle)
+    await Fleet._poll_prefill(front, handle)
+    await Fleet._poll_prefill(front, handle)
     assert handle.is_alive and handle.pid == 100

@@ -149,7 +149,7 @@ def test_streams_move_when_their_decode_worker_is_killed(pd3: ServerHandle, serv
     for t in threads:
         t.start()
     started.wait()  # every stream has its first token
-    victim = max(front.decodes, key=lambda d: d.num_active)  # the decode worker with the most of them
+    victim = max(front.fleet.decodes, key=lambda d: d.num_active)  # the decode worker with the most of them
     on_victim = victim.num_active
     kill_actor(victim.actor)
     for t in threads:
@@ -157,13 +157,13 @@ def test_streams_move_when_their_decode_worker_is_killed(pd3: ServerHandle, serv
     assert errors == [], errors[:2]
     assert got == want
     assert on_victim > 0 and front.metrics.migrations._value.get() >= on_victim  # noqa: SLF001
-    assert on_loop(pd3, front.add_worker("decode"), 180) == "decode-2"  # back to two decode workers
+    assert on_loop(pd3, front.fleet.add_worker("decode"), 180) == "decode-2"  # back to two decode workers
 
 
 def test_sigterm_drains_a_decode_worker_under_load(pd3: ServerHandle) -> None:
     front = pd3.running.front
     assert isinstance(front, RayFront)
-    victim = next(d for d in front.decodes if d.is_routable and d.name != "decode-2")  # one of the first two
+    victim = next(d for d in front.fleet.decodes if d.is_routable and d.name != "decode-2")  # one of the first two
     pid = ray.get(victim.actor.place_of.remote(), timeout=30).pid
     load = Load(pd3)
     try:
@@ -196,15 +196,15 @@ def _running(pid: int) -> bool:
 def test_the_planners_add_and_drain_serve_every_request(pd3: ServerHandle) -> None:
     front = pd3.running.front
     assert isinstance(front, RayFront)
-    name = on_loop(pd3, front.add_worker("prefill"), 180)
-    assert name == "prefill-1" and front._prefill_of[name].is_routable
+    name = on_loop(pd3, front.fleet.add_worker("prefill"), 180)
+    assert name == "prefill-1" and front.fleet.prefill_of[name].is_routable
     assert any(v.prefill == name and v.routable for v in front.pairs.views())  # the adopted worker is routed
     load = Load(pd3)
     try:
         wait_for(lambda: sum(p == name for _, _, p in load.placed) >= 2, "the new prefill worker got no work", 60)
-        report = on_loop(pd3, front.drain_worker(name), 120)
+        report = on_loop(pd3, front.fleet.drain_worker(name), 120)
         assert report.abandoned == 0
-        assert name not in front._prefill_of and all(n.name != name for n in front.nodes())
+        assert name not in front.fleet.prefill_of and all(n.name != name for n in front.nodes())
         assert all(v.prefill != name for v in front.pairs.views())  # and its routes are gone
         served_after = load.ok
         wait_for(lambda: load.ok >= served_after + 6, "the load stopped after the drain")
@@ -231,7 +231,7 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
 
     front, frontend = pd3.running.front, pd3.running.frontend
     assert isinstance(front, RayFront)
-    before = {p.name for p in front.prefills if p.is_routable}
+    before = {p.name for p in front.fleet.prefills if p.is_routable}
     cfg = PlannerConfig(ttft_slo_s=0.02, itl_slo_s=30.0, out_samples=2, in_samples=3, cooldown_s=0.5,
                         settle_timeout_s=120.0, prefill_queue_tokens=64, scale_in_frac=0.5,
                         limits=Limits(min_prefill=len(before), max_prefill=len(before) + 1, min_decode=1,
@@ -248,7 +248,7 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     # (at period_s, the default bound, a slow sample is skipped: the decisions would then hang
     # on how fast the machine is, not on the load the samples show).
     planning = asyncio.run_coroutine_threadsafe(
-        run(planner, LocalRayScaler(front), sample, 0.5, stop, action_timeout_s=180.0, max_samples=600,
+        run(planner, LocalRayScaler(front.fleet), sample, 0.5, stop, action_timeout_s=180.0, max_samples=600,
             sample_timeout_s=60.0), pd3.loop)  # fmt: skip
 
     halt, failed, ok = threading.Event(), [], [0]
@@ -270,14 +270,14 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     for c in clients:
         c.start()
     try:
-        wait_for(lambda: len({p.name for p in front.prefills if p.is_routable}) > len(before),
+        wait_for(lambda: len({p.name for p in front.fleet.prefills if p.is_routable}) > len(before),
                  lambda: f"the planner added no prefill worker; it saw: {reasons[-8:]}", 120)  # fmt: skip
     finally:
         halt.set()
         for c in clients:
             c.join(60)
     assert failed == [] and ok[0] > 0
-    wait_for(lambda: len({p.name for p in front.prefills if p.is_routable}) == len(before),
+    wait_for(lambda: len({p.name for p in front.fleet.prefills if p.is_routable}) == len(before),
              lambda: f"the planner did not scale back in; it saw: {reasons[-8:]}", 120)  # fmt: skip
     stop.set()
     decisions = planning.result(30)

@@ -36,7 +36,7 @@ def pd(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHan
 
 
 def _prefill_stats(handle: ServerHandle) -> PrefillStats:
-    stats: PrefillStats = ray.get(front_of(handle).prefills[0].actor.stats.remote(), timeout=30)
+    stats: PrefillStats = ray.get(front_of(handle).fleet.prefills[0].actor.stats.remote(), timeout=30)
     return stats
 
 
@@ -65,7 +65,7 @@ def test_a_corrupted_chunk_is_refused_and_the_channel_carries_the_next_transfer(
     failed = _prefill_stats(pd).num_failed_transfers
     ok = metric(pd, "baton_kv_transfers_total", transport="nccl", outcome="ok")
 
-    ray.get(front.prefills[0].actor.inject_fault.remote("transfer_corrupt"), timeout=30)
+    ray.get(front.fleet.prefills[0].actor.inject_fault.remote("transfer_corrupt"), timeout=30)
     prompt = "# corrupt\n" + LONG  # uncached anywhere: its pages move
     want = colocated.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)

@@ -54,8 +54,8 @@ async def generate(front: RayFront, req_id: str, prompt: list[int]) -> list[int]
 
 def hit_tokens(front: RayFront) -> dict[str, int]:
     """Each prefill worker's prefix-cache hits, from its own stats."""
-    stats = ray.get([p.actor.stats.remote() for p in front.prefills], timeout=30)
-    return {p.name: s.num_hit_tokens for p, s in zip(front.prefills, stats, strict=True)}
+    stats = ray.get([p.actor.stats.remote() for p in front.fleet.prefills], timeout=30)
+    return {p.name: s.num_hit_tokens for p, s in zip(front.fleet.prefills, stats, strict=True)}
 
 
 def wait_indexed(front: RayFront, prompt: list[int], timeout_s: float = 10.0) -> str:
@@ -65,7 +65,7 @@ def wait_indexed(front: RayFront, prompt: list[int], timeout_s: float = 10.0) ->
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         match = front.index.match(hashes)
-        for p in front.prefills:
+        for p in front.fleet.prefills:
             if match.hit(p.name).num_pages == len(hashes):
                 return p.name
         time.sleep(0.02)
@@ -74,7 +74,7 @@ def wait_indexed(front: RayFront, prompt: list[int], timeout_s: float = 10.0) ->
 
 def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle) -> None:
     front = pd2.running.front
-    assert isinstance(front, RayFront) and len(front.prefills) == 2 and len(front.decodes) == 2
+    assert isinstance(front, RayFront) and len(front.fleet.prefills) == 2 and len(front.fleet.decodes) == 2
     rng = random.Random(6)
     words = lambda n: [rng.randrange(100, 1000) for _ in range(n)]  # noqa: E731
 
@@ -83,7 +83,7 @@ def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle)
     prompt = words(160)
     answer = on_loop(pd2, generate(front, "turn-1", prompt))
     holder = wait_indexed(front, prompt)
-    other = next(p.name for p in front.prefills if p.name != holder)
+    other = next(p.name for p in front.fleet.prefills if p.name != holder)
     for turn in (2, 3):
         prompt = prompt + answer + words(48)
         before = hit_tokens(front)
@@ -93,13 +93,13 @@ def test_follow_ups_land_on_the_holder_and_a_hot_holder_sheds(pd2: ServerHandle)
         assert after[other] == before[other] == 0, (turn, before, after)
         wait_indexed(front, prompt)
 
-    rates = ray.get([p.actor.stats.remote() for p in front.prefills], timeout=30)
+    rates = ray.get([p.actor.stats.remote() for p in front.fleet.prefills], timeout=30)
     assert any(r.prefill_s_per_token > 0 for r in rates)  # the holder's measured prefill cost
 
     # Overload the holder: it stalls, and a burst of the conversation's next messages queues on
     # it until its queue outweighs what its cache saves; the rest, and a new request with the
     # same prefix, go elsewhere and finish while the holder is still stuck.
-    holder_actor = next(p.actor for p in front.prefills if p.name == holder)
+    holder_actor = next(p.actor for p in front.fleet.prefills if p.name == holder)
     ray.get(holder_actor.stall.remote(STALL_S), timeout=30)
     stalled_at = time.monotonic()
 
@@ -150,11 +150,11 @@ def test_the_gateway_follows_membership(pd2: ServerHandle, tiny_engine_config: E
     from cluster.fleet.actors import spawn_prefill
 
     front = pd2.running.front
-    assert isinstance(front, RayFront) and front.membership is not None
-    members = front.membership.members()
+    assert isinstance(front, RayFront) and front.fleet.membership is not None
+    members = front.fleet.membership.members()
     assert sorted(members) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
     rng = random.Random(7)
-    left, stays = front.prefills[0], front.prefills[1]
+    left, stays = front.fleet.prefills[0], front.fleet.prefills[1]
     old_epoch = left.epoch
     assert members[left.name].epoch == old_epoch > 0
 
@@ -167,7 +167,7 @@ def test_the_gateway_follows_membership(pd2: ServerHandle, tiny_engine_config: E
     assert ray.get(left.actor.stats.remote(), timeout=30).num_query_tokens == before, "work went to a left worker"
 
     cfg = front.cfg.membership
-    new_epoch = ray.get(left.actor.join.remote(cfg, front.registry_name, left.name), timeout=30)
+    new_epoch = ray.get(left.actor.join.remote(cfg, front.fleet.registry_name, left.name), timeout=30)
     assert new_epoch > old_epoch
     wait_for(lambda: left.is_member and left.epoch == new_epoch, "the gateway did not follow the new epoch")
     assert ray.get(left.actor.stats.remote(), timeout=30).epoch == new_epoch  # its pushes carry it
@@ -178,16 +178,16 @@ def test_the_gateway_follows_membership(pd2: ServerHandle, tiny_engine_config: E
     # A worker someone else started (the planner, an operator) joins: the gateway adopts it.
     extra = spawn_prefill(tiny_engine_config, name="baton-test-prefill-9", epoch=1)
     try:
-        ray.get(extra.join.remote(cfg, front.registry_name, "prefill-9"), timeout=120)
-        wait_for(lambda: "prefill-9" in front._prefill_of, "the gateway did not adopt the new worker", 30)
+        ray.get(extra.join.remote(cfg, front.fleet.registry_name, "prefill-9"), timeout=120)
+        wait_for(lambda: "prefill-9" in front.fleet.prefill_of, "the gateway did not adopt the new worker", 30)
         wait_for(lambda: any(n.name == "prefill-9" and n.health == "ok" for n in front.nodes()),
                  "the adopted worker never reported", 30)  # fmt: skip
         status = httpx.get(pd2.url + "/status", timeout=10).json()
         assert "prefill-9" in {n["name"] for n in status["nodes"]}
-        assert front.num_member_events["join"] >= 2 and front.num_member_events["leave"] >= 1
+        assert front.fleet.num_member_events["join"] >= 2 and front.fleet.num_member_events["leave"] >= 1
     finally:
         ray.get(extra.close.remote(), timeout=30)  # leaves membership first
-        wait_for(lambda: not front._prefill_of["prefill-9"].is_member, "the adopted worker's leave was missed")
+        wait_for(lambda: not front.fleet.prefill_of["prefill-9"].is_member, "the adopted worker's leave was missed")
         ray.kill(extra)
     assert stays.is_routable
 

@@ -62,7 +62,7 @@ def front_of(handle: ServerHandle) -> RayFront:
 
 
 def decode_stats(front: RayFront, index: int = 0) -> DecodeStats:
-    stats: DecodeStats = ray.get(front.decodes[index].actor.stats.remote(), timeout=30)
+    stats: DecodeStats = ray.get(front.fleet.decodes[index].actor.stats.remote(), timeout=30)
     return stats
 
 
@@ -162,12 +162,12 @@ def test_a_client_that_leaves_frees_the_decode_pages(pd: PD) -> None:
             assert decode_stats(front).num_running == 1  # it is decoding on the actor now
     stats = wait_decode_idle(front)  # the abort reached the actor
     assert stats.num_running == 0 and stats.num_free_pages_at_idle == stats.num_pages
-    assert not front.decodes[0].num_active
+    assert not front.fleet.decodes[0].num_active
 
 
 def test_per_step_batches_carry_every_request(pd: PD) -> None:
     """One output message per decode step, not one per token per request."""
-    front, decode = front_of(pd), front_of(pd).decodes[0]
+    front, decode = front_of(pd), front_of(pd).fleet.decodes[0]
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", timeout=60)
     batches, outputs = decode.num_batches, decode.num_outputs
     threads = [
@@ -215,10 +215,10 @@ def test_sixty_streams_cancelled_at_random_points_free_every_page(pd: PD) -> Non
     stats = wait_decode_idle(front)
     assert stats.num_running == stats.num_waiting == stats.num_reserved_pages == 0
     assert stats.num_open_reservations == 0 and stats.num_free_pages_at_idle == stats.num_pages
-    prefill = ray.get(front.prefills[0].actor.stats.remote(), timeout=30)
+    prefill = ray.get(front.fleet.prefills[0].actor.stats.remote(), timeout=30)
     assert prefill.num_pinned_pages == 0 and prefill.num_inflight_transfers == 0
     assert prefill.num_transfers > 0  # some were cut mid-transfer, the rest moved
-    assert not front.decodes[0].num_active
+    assert not front.fleet.decodes[0].num_active
 
 
 def test_the_ray_gateway_exports_the_metrics_table(pd: PD) -> None:

@@ -49,12 +49,12 @@ def slow1(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[Server
 
 
 def _prefill(handle: ServerHandle) -> PrefillStats:
-    stats: PrefillStats = ray.get(front_of(handle).prefills[0].actor.stats.remote(), timeout=30)
+    stats: PrefillStats = ray.get(front_of(handle).fleet.prefills[0].actor.stats.remote(), timeout=30)
     return stats
 
 
 def _decode(handle: ServerHandle) -> DecodeStats:
-    stats: DecodeStats = ray.get(front_of(handle).decodes[0].actor.stats.remote(), timeout=30)
+    stats: DecodeStats = ray.get(front_of(handle).fleet.decodes[0].actor.stats.remote(), timeout=30)
     return stats
 
 
@@ -85,7 +85,7 @@ async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
     """Send the request, wait until it is in `state` (proven on the workers), then drop the
     connection (the client goes away)."""
     reached = asyncio.Event()
-    prefill = front_of(handle).prefills[0]
+    prefill = front_of(handle).fleet.prefills[0]
 
     async def send(client: httpx.AsyncClient) -> None:
         if not stream:
@@ -136,7 +136,7 @@ CASES = [(state, stream) for state in STATES for stream in (True, False)
 def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, state: str, stream: bool) -> None:
     assert _at_baseline(slow1)
     counts = {o: metric(slow1, "baton_requests_total", api="http", outcome=o) for o in OUTCOMES}
-    prefill = front_of(slow1).prefills[0].actor
+    prefill = front_of(slow1).fleet.prefills[0].actor
     held = state == "transferring"
     if held:  # the push stays open until the pages are back: only the client's leaving ends it
         ray.get(prefill.hold_pushes.remote(True), timeout=30)
@@ -183,12 +183,12 @@ def test_decode_killed_with_handoffs_pending_frees_the_prefill_side(slow1: Serve
                 async with client.stream("POST", "/v1/completions", json=body) as response:
                     return [line async for line in response.aiter_lines() if line]
 
-            prefill = front.prefills[0].actor
+            prefill = front.fleet.prefills[0].actor
             await asyncio.to_thread(ray.get, prefill.hold_pushes.remote(True), timeout=30)
             tasks = [asyncio.create_task(one(i)) for i in range(2)]
             await _until(lambda: _prefill(slow1).num_inflight_transfers == 2, "two pushes in flight")
             assert _prefill(slow1).num_pinned_pages > 0
-            await asyncio.to_thread(kill_actor, front.decodes[0].actor)  # the fault happened: it is dead
+            await asyncio.to_thread(kill_actor, front.fleet.decodes[0].actor)  # the fault happened: it is dead
             killed = time.monotonic()
             await asyncio.to_thread(ray.get, prefill.hold_pushes.remote(False), timeout=30)  # they go on, to no one
             await _until(lambda: _prefill(slow1).num_pinned_pages == 0 and _prefill(slow1).num_inflight_transfers == 0,

@@ -44,8 +44,8 @@ def _stop(etcd: EtcdServer) -> None:
 
 def test_an_etcd_outage_under_load_fails_no_request(leased: ServerHandle, etcd: EtcdServer) -> None:
     front = front_of(leased)
-    names = {h.name for h in [*front.prefills, *front.decodes]}
-    membership = front.membership
+    names = {h.name for h in [*front.fleet.prefills, *front.fleet.decodes]}
+    membership = front.fleet.membership
     assert membership is not None
     wait_for(lambda: set(membership.members()) >= names, "every worker registered", 20)
     load = Load(leased, streams=3)
@@ -61,7 +61,7 @@ def test_an_etcd_outage_under_load_fails_no_request(leased: ServerHandle, etcd: 
         assert load.ok > served  # requests kept completing through the outage
         etcd.start()
         wait_for(lambda: set(membership.members()) >= names, "every worker registered again", 30)
-        wait_for(lambda: all(h.is_routable for h in [*front.prefills, *front.decodes]),
+        wait_for(lambda: all(h.is_routable for h in [*front.fleet.prefills, *front.fleet.decodes]),
                  "the gateway routes to every worker again", 30)  # fmt: skip
         after = load.ok
 
@@ -76,5 +76,5 @@ def test_an_etcd_outage_under_load_fails_no_request(leased: ServerHandle, etcd: 
         load.finish()
     assert load.failed == [], load.failed[:3]  # 0 failed requests to known workers
     members = membership.members()
-    for h in [*front.prefills, *front.decodes]:  # converged: the gateway's epochs are etcd's
+    for h in [*front.fleet.prefills, *front.fleet.decodes]:  # converged: the gateway's epochs are etcd's
         assert members[h.name].epoch == h.epoch

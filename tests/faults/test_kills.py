@@ -89,14 +89,14 @@ def _pushing(prefills: list[PrefillHandle]) -> PrefillHandle:
 def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> None:
     front = front_of(slow)
     baseline = wait_decode_idle(front)
-    _hold(front.prefills, True)
+    _hold(front.fleet.prefills, True)
     try:
         with httpx.Client(base_url=slow.url, timeout=60) as http:
             body = {"model": MODEL, "prompt": LONG + "# leave", "max_tokens": 12, "stream": True, "temperature": 0}
             with http.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.iter_lines()  # held: dropping the iterator would close the stream
                 assert next(line for line in lines if line.startswith("data:"))  # the first token
-                pushing = _pushing(front.prefills)
+                pushing = _pushing(front.fleet.prefills)
                 assert decode_stats(front).num_open_reservations == 1  # its pages are still moving
         deadline = time.monotonic() + 10  # the aborts reach both actors (the push is still held)
         while (_prefill_stats(pushing).num_pinned_pages or decode_stats(front).num_reserved_pages) and (
@@ -105,7 +105,7 @@ def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> N
             time.sleep(0.05)
         assert _prefill_stats(pushing).num_pinned_pages == 0
     finally:
-        _hold(front.prefills, False)
+        _hold(front.fleet.prefills, False)
     stats = wait_decode_idle(front)
     assert stats.num_reserved_pages == 0 and stats.num_running == 0
     assert stats.num_free_pages_at_idle == baseline.num_free_pages_at_idle == stats.num_pages
@@ -126,7 +126,7 @@ def test_a_damaged_or_stalled_push_is_refused_and_the_request_completes(
     baseline = wait_decode_idle(front)
     refused = decode_stats(front).refused_bad_page + decode_stats(front).refused_bad_token
     redispatched = metric(slow, "baton_redispatches_total", to="prefill")
-    for p in front.prefills:  # whichever the placement picks damages this push, and only it
+    for p in front.fleet.prefills:  # whichever the placement picks damages this push, and only it
         ray.get(p.actor.inject_fault.remote(fault), timeout=30)
     client = openai.OpenAI(base_url=slow.url + "/v1", api_key="x", timeout=60, max_retries=0)
     started = time.monotonic()
@@ -134,15 +134,15 @@ def test_a_damaged_or_stalled_push_is_refused_and_the_request_completes(
     assert got.choices[0].text == want  # no wrong output: the damaged pages never served
     assert time.monotonic() - started < SLOW_PUSH.transfer_deadline_s + 10
     assert metric(slow, "baton_redispatches_total", to="prefill") > redispatched  # the fault happened
-    failed = sum(_prefill_stats(p).num_failed_transfers for p in front.prefills)
+    failed = sum(_prefill_stats(p).num_failed_transfers for p in front.fleet.prefills)
     assert failed >= 1
     if fault == "transfer_corrupt":
         assert decode_stats(front).refused_bad_page + decode_stats(front).refused_bad_token == refused
-    for p in front.prefills:  # disarm what the placement did not use
+    for p in front.fleet.prefills:  # disarm what the placement did not use
         ray.get(p.actor.clear_faults.remote(), timeout=30)
     stats = wait_decode_idle(front)
     assert stats.num_reserved_pages == 0 and stats.num_free_pages_at_idle == baseline.num_free_pages_at_idle
-    assert all(_prefill_stats(p).num_pinned_pages == 0 for p in front.prefills if p.is_alive)
+    assert all(_prefill_stats(p).num_pinned_pages == 0 for p in front.fleet.prefills if p.is_alive)
 
 
 COUNTED = [("baton_redispatches_total", {"to": "prefill"}), ("baton_kv_transfer_failures_total", {"reason": "died"}),
@@ -156,7 +156,7 @@ def test_prefill_killed_mid_transfer_then_all_gone(slow: ServerHandle, server: S
     client = openai.OpenAI(base_url=slow.url + "/v1", api_key="x", timeout=60, max_retries=0)
     baseline = wait_decode_idle(front)
     before = {name: metric(slow, name, **labels) for name, labels in COUNTED}
-    transfers = {p.name: _prefill_stats(p).num_transfers for p in front.prefills}
+    transfers = {p.name: _prefill_stats(p).num_transfers for p in front.fleet.prefills}
 
     chunks: list[str] = []
     first = threading.Event()
@@ -167,25 +167,25 @@ def test_prefill_killed_mid_transfer_then_all_gone(slow: ServerHandle, server: S
             first.set()
 
     reader = threading.Thread(target=read, daemon=True)
-    _hold(front.prefills, True)
+    _hold(front.fleet.prefills, True)
     try:
         started = time.monotonic()
         reader.start()
         assert first.wait(30)
         # The first token is out while its pages are still moving: a transfer is in flight.
-        victim = _pushing(front.prefills)
+        victim = _pushing(front.fleet.prefills)
         assert _prefill_stats(victim).num_pinned_pages > 0
         assert decode_stats(front).num_open_reservations == 1
         _kill(victim)
     finally:
-        _hold(front.prefills, False)  # the survivor's push (the re-dispatch) goes through
+        _hold(front.fleet.prefills, False)  # the survivor's push (the re-dispatch) goes through
 
     reader.join(60)
     assert not reader.is_alive()
     assert "".join(chunks) == want_long  # re-dispatched: the other prefill worker, same tokens
     assert time.monotonic() - started < SLOW_PUSH.transfer_deadline_s + 10
     assert not victim.is_alive
-    [survivor] = [p for p in front.prefills if p is not victim]
+    [survivor] = [p for p in front.fleet.prefills if p is not victim]
     after = {name: metric(slow, name, **labels) for name, labels in COUNTED}
     assert {name: after[name] - before[name] for name in after} == dict.fromkeys(after, 1)  # one each
     assert _prefill_stats(survivor).num_transfers == transfers[survivor.name] + 1  # the survivor moved the pages
@@ -215,7 +215,7 @@ def test_decode_killed_mid_stream_fails_fast_and_clearly(slow: ServerHandle) -> 
                                        stream=True, extra_body={"ignore_eos": True})
     received = iter(stream)
     next(received)
-    decode = front.decodes[0]
+    decode = front.fleet.decodes[0]
     kill_actor(decode.actor)
     started = time.monotonic()
     with pytest.raises(openai.APIError, match="decode worker"):  # lost, and no other to move to

@@ -56,7 +56,7 @@ def test_a_restarted_prefill_worker_opens_a_new_channel_and_moves_pages_over_it(
     assert first.errors == [] and first.got == reference(server, texts, MAX_TOKENS)
     wait_for(lambda: _nccl_ok(nccl_pair) >= 2, "the pages went by nccl", 10)
 
-    handle = front.prefills[0]
+    handle = front.fleet.prefills[0]
     pid = ray.get(handle.actor.ping.remote(), timeout=30)
     restarts = counter(front, "restarts", "prefill")
     ray.get(handle.actor.inject_fault.remote("forward"), timeout=30)  # the next prompt's step raises

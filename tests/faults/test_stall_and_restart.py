@@ -61,7 +61,7 @@ def test_a_stopped_decode_worker_is_passed_over_then_readmitted(recovering: Serv
     stalls_before = counter(front, "stalls", "decode")
     streams = Streams(recovering, texts, MAX_TOKENS)
     streams.wait_started()
-    victim = max(front.decodes, key=lambda d: d.num_active)
+    victim = max(front.fleet.decodes, key=lambda d: d.num_active)
     on_victim, pid = victim.num_active, _pid(victim)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -96,12 +96,12 @@ def test_a_failed_forward_pass_restarts_the_worker_and_it_rejoins(
     if role == "decode":
         streams = Streams(recovering, texts, MAX_TOKENS)
         streams.wait_started()
-        handle: Any = max(front.decodes, key=lambda d: d.num_active)
+        handle: Any = max(front.fleet.decodes, key=lambda d: d.num_active)
         assert handle.num_active > 0
         epoch, pid = handle.epoch, _pid(handle)
         _inject(handle.actor)  # its next step raises
     else:
-        handle = front.prefills[0]
+        handle = front.fleet.prefills[0]
         epoch, pid = handle.epoch, ray.get(handle.actor.ping.remote(), timeout=30)
         ray.get(handle.actor.inject_fault.remote("forward"), timeout=30)  # the next prompt's step raises
         streams = Streams(recovering, texts, MAX_TOKENS)
@@ -155,7 +155,7 @@ def test_a_prefill_worker_killed_before_the_handoff_is_restarted(recovering: Ser
     the request completes by decode-local prefill with the no-fault tokens, the reservation's
     pages return, and Ray restarts the worker, which rejoins."""
     front = front_of(recovering)
-    prefill = front.prefills[0]
+    prefill = front.fleet.prefills[0]
     texts = prompts(1, "killed-before", scale=4)
     want = reference(server, texts, MAX_TOKENS)
     restarts = counter(front, "restarts", "prefill")
@@ -170,5 +170,5 @@ def test_a_prefill_worker_killed_before_the_handoff_is_restarted(recovering: Ser
     assert streams.errors == [] and streams.got == want
     wait_for(lambda: counter(front, "restarts", "prefill") == restarts + 1, "Ray restarted it and it rejoined", 90)
     assert prefill.is_routable and ray.get(prefill.actor.ping.remote(), timeout=30) != pid
-    for d in front.decodes:
+    for d in front.fleet.decodes:
         wait_for(lambda d=d: _at_baseline(d), f"{d.name}'s pages back at baseline", 15)
