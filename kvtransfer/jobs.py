@@ -1,7 +1,8 @@
 """What both roles are handed about a request, below them both: the prefill worker computes a
 PrefillJob, the decode worker reserves pages for the same job and resumes it; either refuses a
-call for a request the gateway already aborted (AbortedIds). The roles meet through these, the
-transfer and the scheduler -- never by importing each other."""
+call for a request the gateway already aborted (AbortedIds); how a push went is a
+TransferReport. The roles meet through these, the transfer and the scheduler -- never by
+importing each other."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ class AbortedIds:
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._at
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    transfer_id: str
+    transport: str  # "grpc", ...
+    accepted: bool  # every page arrived and verified
+    num_pages: int
+    num_bytes: int  # payload bytes sent
+    seconds: float
+    error: str  # why not, when not accepted ("aborted", "deadline exceeded", ...)
+    wire_seconds: float = 0.0  # of `seconds`, the part not spent waiting for pages to be computed

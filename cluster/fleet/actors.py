@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from cluster.disagg_config import ActorResources
 from cluster.fleet.decode_actor import DecodeActor
 from cluster.fleet.prefill_actor import PrefillActor
-from cluster.fleet.worker_msgs import DecodeStats, PrefillResult, PrefillStats, TransferReport
+from cluster.fleet.worker_msgs import DecodeStats, PrefillResult, PrefillStats
 from engine.engine_config import EngineConfig
+from kvtransfer.jobs import TransferReport
 
 NO_RESOURCES = ActorResources()  # 0 CPUs: see DisaggConfig
 

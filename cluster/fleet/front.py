@@ -40,7 +40,7 @@ from cluster.fleet import ray_runtime  # noqa: F401  (before `ray`)
 from cluster.fleet.calls import Stalled, decode_call, prefill_call, ray_await
 from cluster.fleet.fleet import Fleet, StartsWorkers
 from cluster.fleet.transfer_metrics import TransferMetrics
-from cluster.fleet.worker_msgs import PrefillResult, TransferReport
+from cluster.fleet.worker_msgs import PrefillResult
 from cluster.fleet.workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.membership.protocol import Membership
 from cluster.ops.node_status import NodeStatus
@@ -51,7 +51,7 @@ from cluster.placement.policy import Placement, PlacementConfig, PlacementKind, 
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
-from kvtransfer.jobs import PrefillJob
+from kvtransfer.jobs import PrefillJob, TransferReport
 from kvtransfer.transport import KVDestination
 
 import ray  # isort: skip

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cluster.fleet.worker_msgs import TransferReport
 from cluster.fleet.workers import DecodeHandle, PrefillHandle
+from kvtransfer.jobs import TransferReport
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _BYTES = tuple(float(1 << k) for k in range(12, 32, 2))  # 4 KiB .. 1 GiB

@@ -1,7 +1,7 @@
 """What crosses the gateway <-> actor boundary: frozen values only, nothing alive.
 
     PrefillResult   prefill -> gateway: the first token, at once (before the pages move)
-    TransferReport  prefill -> gateway: how one push went (bytes, seconds, transport, outcome)
+    TransferReport  prefill -> gateway: how one push went (kvtransfer.jobs: the prefill role makes it)
     OutputBatch     decode  -> gateway: every request's new tokens of one or more steps
     PrefillStats / DecodeStats   what each worker reports for /metrics and for placement
 """
@@ -22,18 +22,6 @@ class PrefillResult:
     @property
     def first_token(self) -> int:
         return self.output.token_ids[0]
-
-
-@dataclass(frozen=True, slots=True)
-class TransferReport:
-    transfer_id: str
-    transport: str  # "grpc", ...
-    accepted: bool  # every page arrived and verified
-    num_pages: int
-    num_bytes: int  # payload bytes sent
-    seconds: float
-    error: str  # why not, when not accepted ("aborted", "deadline exceeded", ...)
-    wire_seconds: float = 0.0  # of `seconds`, the part not spent waiting for pages to be computed
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,7 +170,7 @@ def test_decode_killed_with_handoffs_pending_frees_the_prefill_side(slow1: Serve
     two pushes are in flight to it. The prefill worker's pinned pages return to baseline
     within the push lease (transfer deadline + grace) + 5 s, and the clients get an error,
     not a hang."""
-    from cluster.fleet.prefill_actor import LEASE_GRACE_S
+    from prefill.pushes import LEASE_GRACE_S
     from tests.cluster.conftest import kill_actor
 
     front = front_of(slow1)

@@ -1,0 +1,140 @@
+"""prefill.pushes against a real decode-side KV server over gRPC on loopback: pages streamed in
+batches as they are computed land whole; a lease, an abort, a hold and a drill each end or damage
+a push the way the prefill actor relies on, and the decode side's reservation goes back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from engine.faults import FaultPoints
+from kvcache.pool import DevicePool, KVLayout
+from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.transport import (
+    KVDestination,
+    PoolReceiver,
+    Reservation,
+    ReservationBook,
+    build_chunks,
+)
+from prefill.pushes import Pushes
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16)
+EPOCH = 3
+
+
+class Decode:
+    def __init__(self) -> None:
+        self.pool = DevicePool(LAYOUT, 32, torch.float32)
+        self.released: list[Reservation] = []
+        self.book = ReservationBook(LAYOUT.num_layers, self._release)
+        self.receiver = PoolReceiver(self.pool, self.book)
+
+    def _release(self, res: Reservation) -> None:
+        self.released.append(res)
+        self.pool.pages.free(res.page_ids)
+
+    def reserve(self, address: str, n: int) -> KVDestination:
+        pages = self.pool.pages.allocate(n)
+        assert pages is not None
+        return self.book.reserve(address, "req-1", pages, EPOCH, 30.0)
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[tuple[Decode, str]]:
+    side = Decode()
+    server, port = await start_kv_server(side.receiver, "127.0.0.1:0")
+    yield side, f"127.0.0.1:{port}"
+    await server.stop(grace=None)
+
+
+@pytest.fixture
+async def pushes() -> AsyncIterator[Pushes]:
+    made = Pushes(torch.device("cpu"), FaultPoints(), None, push_deadline_s=5.0, stream_limit_s=10.0)
+    yield made
+    await made.close()
+
+
+def _kv(n: int) -> torch.Tensor:
+    src = DevicePool(LAYOUT, n, torch.float32)
+    src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(5)))
+    return torch.stack([src.read_page(i) for i in range(n)])
+
+
+async def test_pages_fed_while_computing_and_at_the_first_token_land_whole(
+    decode: tuple[Decode, str], pushes: Pushes
+) -> None:
+    side, address = decode
+    dest, kv = side.reserve(address, 6), _kv(6)
+    chunks = build_chunks(dest, kv, EPOCH, pages_per_chunk=2)
+    push = pushes.open("req-1", dest)
+    pushes.feed(dest.transfer_id, tuple(chunks[:2]))  # whole pages of a prompt still computing
+    pushes.first_token(push, tuple(chunks[2:]))  # the rest, the last page included
+    report = await pushes.result(dest.transfer_id)
+    assert report.accepted and report.transport == "grpc" and report.num_pages == 6, report
+    assert report.num_bytes == sum(c.header.payload_bytes for c in chunks)
+    assert 0 <= report.wire_seconds <= report.seconds
+    for page_id, page in zip(dest.dest_page_ids, kv, strict=True):
+        assert torch.equal(side.pool.read_page(page_id), page)
+    assert dest.transfer_id in side.book.completed and pushes.num_transfers == 1 and not pushes.num_failed
+    assert not pushes.in_flight() and not pushes.num_running
+
+
+async def test_a_push_past_its_lease_is_cancelled_and_the_reservation_goes_back(
+    decode: tuple[Decode, str], pushes: Pushes
+) -> None:
+    side, address = decode
+    dest = side.reserve(address, 4)
+    chunks = build_chunks(dest, _kv(4), EPOCH, pages_per_chunk=1)
+    push = pushes.open("req-1", dest)
+    pushes.feed(dest.transfer_id, tuple(chunks[:1]))  # the stream opens; the rest never comes
+    async with asyncio.timeout(10):  # its first page proved the token: a cancel now releases
+        while _stored(side, dest) < 1:
+            await asyncio.sleep(0.02)
+    assert [p.req_id for p in pushes.in_flight()] == ["req-1"]
+    push.lease_end = 0.0  # as if its lease had run out
+    pushes.expire_leases()
+    report = await pushes.result(dest.transfer_id)
+    assert not report.accepted and report.error == "aborted" and pushes.num_lease_expired == 1
+    async with asyncio.timeout(10):  # the server's handler is cancelled with the stream
+        while not side.released:
+            await asyncio.sleep(0.02)
+    assert side.book.num_open == 0 and [r.transfer_id for r in side.released] == [dest.transfer_id]
+
+
+async def test_a_held_push_sends_one_chunk_and_an_abort_ends_it(decode: tuple[Decode, str], pushes: Pushes) -> None:
+    side, address = decode
+    dest = side.reserve(address, 3)
+    chunks = build_chunks(dest, _kv(3), EPOCH, pages_per_chunk=1)
+    pushes.hold(True)
+    push = pushes.open("req-1", dest)
+    pushes.first_token(push, tuple(chunks))
+    async with asyncio.timeout(10):  # the first chunk arrives; the push then waits
+        while _stored(side, dest) < 1:
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+    assert _stored(side, dest) == 1 and pushes.num_running == 1
+    pushes.abort("req-1")
+    report = await pushes.result(dest.transfer_id)
+    assert not report.accepted and report.error == "aborted"
+
+
+def _stored(side: Decode, dest: KVDestination) -> int:
+    return sum(bool(side.pool.read_page(p).any()) for p in dest.dest_page_ids)
+
+
+async def test_a_corrupt_drill_is_refused_by_the_receiver(decode: tuple[Decode, str], pushes: Pushes) -> None:
+    side, address = decode
+    dest = side.reserve(address, 2)
+    pushes.faults.arm("transfer_corrupt")
+    push = pushes.open("req-1", dest)
+    pushes.first_token(push, tuple(build_chunks(dest, _kv(2), EPOCH, pages_per_chunk=1)))
+    report = await pushes.result(dest.transfer_id)
+    assert not report.accepted and report.error == "checksum mismatch" and pushes.num_failed == 1
+    # nothing stored; the reservation waits for the gateway's cancel (an unproven chunk frees nothing)
+    assert _stored(side, dest) == 0 and side.book.num_open == 1
