@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -68,6 +68,10 @@ class _InFlight:
         return self._host.tolist()
 
 
+def _no_fence() -> None:
+    pass
+
+
 def _fused_ops(backend: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> FusedOps | None:
     """The model's fused elementwise kernels for this attention backend: Triton's on CUDA, the
     compiled CPU ones for a float32 model on the cpu backend (its library is already built:
@@ -109,11 +113,15 @@ class Engine:
         kv_tag = "" if self.kv_dtype == self.dtype else f"/kv:{self.kv_dtype}"
         self.fingerprint = model_fingerprint(checkpoint_fingerprint(model_dir), str(self.dtype) + kv_tag)
         self.prefix_cache: PrefixCache | None = None
+        # before each forward: the host tier's queued copies are in (CUDA); nothing without one
+        self._fence: Callable[[], None] = _no_fence
         if cfg.enable_prefix_cache:
             host, disk = build_tiers(cfg.tiers, layout, self.kv_dtype, self.fingerprint, self.device.type == "cuda")
             self.prefix_cache = PrefixCache(
                 self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk, ttl_s=cfg.tiers.page_ttl_s
             )
+            if host is not None:
+                self._fence = host.fence
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_prefill_chunk, cfg.page_size,
                             cfg.itl_target_ms / 1e3 if cfg.itl_target_ms else None,
@@ -253,8 +261,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return self._resolve(prev) if prev is not None else []
-        if self.prefix_cache is not None and self.prefix_cache.host is not None:
-            self.prefix_cache.host.fence()  # promoted pages are in, evicted ones out (CUDA)
+        self._fence()  # promoted pages are in, evicted ones out
         masks = self.structured.start(sched.scheduled)  # filled while the forward runs
         self.faults.hit("forward")  # drills only (engine.faults): a failed forward pass
         if self.async_scheduling or prev is not None:  # turned off with a step in flight: read it too

@@ -27,10 +27,10 @@ import torch
 
 from cluster.fleet.cpu import between_steps, core_for, pin_process
 from cluster.fleet.output_feed import OutputFeed
-from cluster.fleet.registration import Registered
+from cluster.fleet.registration import Registration, WorkerActor
 from cluster.fleet.worker_msgs import DecodeStats, OutputBatch
 from cluster.membership.protocol import Role
-from cluster.placement.kv_log import KVEventLog, KVPublisher
+from cluster.placement.kv_log import KVEventLog
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -71,9 +71,7 @@ class _Signal:
             pass
 
 
-class DecodeActor(KVPublisher, Registered):
-    role = Role.DECODE
-
+class DecodeActor(WorkerActor):
     def __init__(
         self,
         cfg: EngineConfig,
@@ -91,7 +89,6 @@ class DecodeActor(KVPublisher, Registered):
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
         tls: KVTlsPaths = NO_TLS,  # mutual TLS on the KV server (kvtransfer.tls)
     ) -> None:
-        self.exit_on_failure = exit_on_failure
         self.tls = KVTls.load(tls)
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
@@ -99,8 +96,10 @@ class DecodeActor(KVPublisher, Registered):
         self.worker = DecodeWorker(Engine(cfg), "", reservation_ttl_s, local_prefill_tokens, admit_lease_s,
                                    on_settle=self._settled.fire)
         release_thread_pool()  # Ray may step on another thread than this one: one OpenMP pool (engine.omp)
-        self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
-        self.fingerprint_bytes = self.worker.engine.fingerprint
+        kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
+        registration = Registration(Role.DECODE, kv_log, self._is_idle, self._num_unfinished,
+                                    exit_on_failure=exit_on_failure)  # fmt: skip
+        super().__init__(registration, kv_log, self.worker.engine)
         self.bind_host, self.advertise_host = bind_host, advertise_host
         self.feed = OutputFeed(max_feed_steps)
         self._wake = asyncio.Event()
@@ -197,11 +196,8 @@ class DecodeActor(KVPublisher, Registered):
                            self.worker.engine.device.type == "cuda", has_nccl=nccl_usable(self.worker.engine.device),
                            has_shm=self._region is not None, host=_node()[0])  # fmt: skip
 
-    def _kv_address(self) -> str:
+    def kv_address(self) -> str:
         return self.worker.address
-
-    def _engine(self) -> Engine:
-        return self.worker.engine
 
     def _is_idle(self) -> bool:
         engine = self.worker.engine
@@ -210,11 +206,8 @@ class DecodeActor(KVPublisher, Registered):
     def _num_unfinished(self) -> int:
         return len(self.worker.engine.scheduler.running) + self.worker.engine.scheduler.num_waiting
 
-    async def _shutdown(self) -> None:
-        await self.stop()
-
-    async def stop(self) -> None:
-        await self.leave()
+    async def close(self) -> None:
+        await self.registration.leave()
         if self._loop is not None:
             self._loop.cancel()
         if self._server is not None:
@@ -248,14 +241,14 @@ class DecodeActor(KVPublisher, Registered):
         except Exception as exc:  # report the death through next_batch, never vanish
             logger.exception("decode step loop died")
             self.error = repr(exc)
-            self._engine_failed(exc)
+            self.registration.engine_failed(exc)
 
     def _check_started(self) -> None:
         if self._server is None:
             raise RuntimeError("start() the decode actor before placing requests")
 
     def _stats(self) -> DecodeStats:
-        self._follow_epoch()
+        self.registration.follow_epoch()
         w, engine, book = self.worker, self.worker.engine, self.worker.book
         cache = engine.prefix_cache
         cached = cache.num_cached_pages if cache is not None else 0

@@ -129,7 +129,7 @@ class Fleet:
         # Let live actors close what outlives a process (a decode worker's /dev/shm region,
         # sockets), then end them: the actors are this gateway's and go with it.
         closing = [p.actor.close.remote() for p in self.prefills if p.is_alive]
-        closing += [d.actor.stop.remote() for d in self.decodes if d.is_alive]
+        closing += [d.actor.close.remote() for d in self.decodes if d.is_alive]
         await asyncio.wait([asyncio.ensure_future(ray_await(ref)) for ref in closing], timeout=STOP_S)
         for actor in [p.actor for p in self.prefills] + [d.actor for d in self.decodes]:
             ray.kill(actor)
@@ -300,7 +300,7 @@ class Fleet:
 
     async def _revive(self, handle: PrefillHandle | DecodeHandle) -> None:
         """A worker's actor died. Ray restarts it when it has restarts left (a failed engine
-        exits on purpose: Registered._engine_failed): the fresh process is started, rejoins
+        exits on purpose: Registration.engine_failed): the fresh process is started, rejoins
         membership under its old name (a new epoch; its predecessor's lease must run out
         first), and is routed to and from, and the handle serves again. An actor that is dead
         for good (killed, drained, out of restarts) answers RayActorError: it stays down."""

@@ -22,10 +22,10 @@ import time
 import torch
 
 from cluster.fleet.cpu import between_steps, core_for, pin_process
-from cluster.fleet.registration import Registered
+from cluster.fleet.registration import Registration, WorkerActor
 from cluster.fleet.worker_msgs import PrefillResult, PrefillStats
 from cluster.membership.protocol import Role
-from cluster.placement.kv_log import KVEventLog, KVPublisher
+from cluster.placement.kv_log import KVEventLog
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.faults import require_injection
@@ -45,9 +45,7 @@ IDLE_WAIT_S = 0.5
 WARMUP_STEPS = 2  # steps left out of the measured prefill rate
 
 
-class PrefillActor(KVPublisher, Registered):
-    role = Role.PREFILL
-
+class PrefillActor(WorkerActor):
     def __init__(
         self,
         cfg: EngineConfig,
@@ -61,14 +59,15 @@ class PrefillActor(KVPublisher, Registered):
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
         tls: KVTlsPaths = NO_TLS,  # mutual TLS to the decode workers' KV servers (kvtransfer.tls)
     ) -> None:
-        self.exit_on_failure = exit_on_failure
         self.tls = KVTls.load(tls)
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
         release_thread_pool()  # Ray may step on another thread than this one: one OpenMP pool (engine.omp)
-        self.kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
-        self.fingerprint_bytes = self.worker.engine.fingerprint
+        kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
+        registration = Registration(Role.PREFILL, kv_log, self._is_idle, self._num_unfinished, self._set_epoch,
+                                    exit_on_failure)  # fmt: skip
+        super().__init__(registration, kv_log, self.worker.engine)
         # a stream opened before the first token: the reservation ends it at the latest, the
         # push deadline after the first token (the transport's own timeout is only a backstop)
         stream_limit_s = reservation_ttl_s + push_deadline_s
@@ -153,7 +152,7 @@ class PrefillActor(KVPublisher, Registered):
         self.pushes.hold(hold)
 
     async def stats(self) -> PrefillStats:
-        self._follow_epoch()
+        self.registration.follow_epoch()
         inflight, pushes = self.pushes.in_flight(), self.pushes
         cache = self.worker.engine.prefix_cache
         return PrefillStats(
@@ -165,11 +164,7 @@ class PrefillActor(KVPublisher, Registered):
             self.worker.engine.num_preempted_total, os.getpid(),
         )  # fmt: skip
 
-    def _engine(self) -> Engine:
-        return self.worker.engine
-
     def _set_epoch(self, epoch: int) -> None:
-        super()._set_epoch(epoch)
         self.worker.epoch = epoch  # its pushes carry it: decode refuses pages of a stale one
 
     def _is_idle(self) -> bool:
@@ -179,11 +174,8 @@ class PrefillActor(KVPublisher, Registered):
     def _num_unfinished(self) -> int:
         return self.worker.engine.scheduler.num_requests + self.pushes.num_running
 
-    async def _shutdown(self) -> None:
-        await self.close()
-
     async def close(self) -> None:
-        await self.leave()
+        await self.registration.leave()
         if self._loop is not None:
             self._loop.cancel()
         await self.pushes.close()
@@ -210,7 +202,7 @@ class PrefillActor(KVPublisher, Registered):
             except Exception as exc:  # its prompts fail; the engine's state is in doubt
                 logger.exception("prefill step failed")
                 self._fail_all(exc)
-                self._engine_failed(exc)  # with a restart budget: the process ends here
+                self.registration.engine_failed(exc)  # with a restart budget: the process ends here
                 continue
             self._measure(pending - scheduler.num_pending_tokens, time.perf_counter() - start)
             for done in finished:

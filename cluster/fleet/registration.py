@@ -18,13 +18,15 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cluster.disagg_config import MembershipConfig
 from cluster.fleet import worker_signals
 from cluster.membership.protocol import Membership, Role, WorkerIdTaken, WorkerInfo
-from cluster.placement.kv_log import KVEventLog
+from cluster.placement.kv_log import MAX_BATCH, KVEventLog
+from kvcache.events import KVEvent, Tier
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -103,35 +105,37 @@ class DrainReport:
     abandoned: int  # requests still unfinished at the timeout (they fail when the actor goes)
 
 
-class Registered:
-    """The membership and lifecycle side of a worker actor (both roles): `join` once started;
+class Registration:
+    """One worker actor's membership and lifecycle (both roles have one): `join` once started;
     `drain` (the planner, the pod's preStop through the gateway, or SIGTERM through
     cluster.fleet.worker_signals): leave membership so no new work comes, finish what is in flight
     (the gateway's calls already on their way too: DRAIN_QUIET_S of idleness ends it), give
-    up on the rest at the timeout; `drain_and_exit` then stops and exits 0 through Ray.
-    Its KV events carry the registration's epoch, so the gateway's index reloads from a
-    snapshot when a lost lease brought a new one."""
+    up on the rest at the timeout. Its KV log's epoch follows the registration's (`follow_epoch`),
+    so the gateway's index reloads from a snapshot when a lost lease brought a new one. What it
+    needs of the worker comes as callables: whether it is idle, how much is unfinished, and who
+    else must learn a new epoch."""
 
-    kv_log: KVEventLog
-    member: WorkerMember | None = None
-    role: Role
-    draining: bool = False
-    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    def __init__(
+        self, role: Role, kv_log: KVEventLog, is_idle: Callable[[], bool], num_unfinished: Callable[[], int],
+        on_epoch: Callable[[int], None] | None = None, exit_on_failure: bool = False,
+    ) -> None:
+        self.role = role
+        self.kv_log = kv_log
+        self.is_idle = is_idle
+        self.num_unfinished = num_unfinished
+        self.on_epoch = on_epoch
+        self.exit_on_failure = exit_on_failure  # spawned with a restart budget (cluster.fleet.actors)
+        self.member: WorkerMember | None = None
+        self.draining = False
+        self.drain_timeout_s = DRAIN_TIMEOUT_S
 
-    async def join(self, cfg: MembershipConfig, registry_name: str, worker_id: str) -> int:
-        """Register this actor (its Ray actor name is its address) -> its epoch. Joining again
-        while registered is a no-op (a gateway that took a blip for a death asks again)."""
-        import ray
-
+    async def join(self, cfg: MembershipConfig, registry_name: str, info: WorkerInfo) -> int:
+        """Register `info` -> its epoch. Joining again while registered is a no-op (a gateway
+        that took a blip for a death asks again)."""
         if self.member is not None and not self.draining:
             return self.member.epoch
-
-        ctx = ray.get_runtime_context()
-        info = WorkerInfo(worker_id, self.role, ctx.get_actor_name() or "", ctx.get_node_id(),
-                          kv_address=self._kv_address())  # fmt: skip
         self.member = await WorkerMember.join(cfg, registry_name, info)
-        self._follow_epoch()
-        worker_signals.on_sigterm(asyncio.get_running_loop(), self.drain_and_exit)
+        self.follow_epoch()
         return self.member.epoch
 
     async def drain(self, timeout_s: float | None = None) -> DrainReport:
@@ -145,39 +149,32 @@ class Registered:
             logger.warning("drain: leaving membership failed (%r); the lease expires instead", exc)
         idle_since: float | None = None
         while (now := time.monotonic()) < end:
-            if not self._is_idle():
+            if not self.is_idle():
                 idle_since = None
             elif idle_since is None:
                 idle_since = now
             elif now - idle_since >= DRAIN_QUIET_S:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        report = DrainReport(time.monotonic() - start, self._num_unfinished())
+        report = DrainReport(time.monotonic() - start, self.num_unfinished())
         logger.warning("drained in %.2f s; %d requests abandoned", report.seconds, report.abandoned)
         return report
 
-    async def drain_and_exit(self) -> None:
-        """SIGTERM's path (and the end of the gateway's drain_worker): drain unless a drain
-        already ran, release what outlives the process, exit 0 (Ray records an intended exit)."""
-        import ray
+    async def leave(self) -> None:
+        member, self.member = self.member, None  # a later join registers anew (a new epoch)
+        if member is not None:
+            await member.close()
 
-        try:
-            if not self.draining:
-                await self.drain()
-            await self._shutdown()
-        finally:
-            ray.get_runtime_context().current_actor.exit.remote()
+    def follow_epoch(self) -> None:
+        """A new registration's epoch (a lost lease, a rejoin) reaches the KV log and the worker."""
+        epoch = self.member.epoch if self.member is not None else 0
+        if epoch and epoch != self.kv_log.epoch:
+            logger.info("%s: epoch %d -> %d", self.member.worker_id if self.member else "", self.kv_log.epoch, epoch)
+            self.kv_log.set_epoch(epoch)
+            if self.on_epoch is not None:
+                self.on_epoch(epoch)
 
-    async def exit(self) -> None:
-        import ray
-
-        ray.actor.exit_actor()
-
-    # -- failure ------------------------------------------------------------------------------
-
-    exit_on_failure: bool = False  # spawned with a restart budget (cluster.fleet.actors): die, Ray restarts
-
-    def _engine_failed(self, exc: BaseException) -> None:
+    def engine_failed(self, exc: BaseException) -> None:
         """The engine raised out of a step: its state (pages, batch) is in doubt. With a
         restart budget the process ends now (exit code EXIT_ENGINE_FAILED): the gateway sees
         the actor die, moves its requests, and once Ray has started a fresh process, has it
@@ -188,39 +185,78 @@ class Registered:
         if self.exit_on_failure:
             os._exit(EXIT_ENGINE_FAILED)
 
+
+class WorkerActor:
+    """What both roles' actors answer the gateway and the platform, as Ray methods over what
+    the actor has: its Registration (join, drain, leave), its KV log (events, snapshot, the
+    fingerprint page hashes carry) and its engine's fault points (drills). A subclass passes
+    them in and adds its role's methods; nothing here is a hook for it to fill."""
+
+    def __init__(self, registration: Registration, kv_log: KVEventLog, engine: Engine) -> None:
+        self.registration = registration
+        self.kv_log = kv_log
+        self.fingerprint_bytes = engine.fingerprint
+        self.faults = engine.faults
+
+    async def join(self, cfg: MembershipConfig, registry_name: str, worker_id: str) -> int:
+        """Register this actor (its Ray actor name is its address) -> its epoch; from now on
+        SIGTERM drains it (cluster.fleet.worker_signals)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        info = WorkerInfo(worker_id, self.registration.role, ctx.get_actor_name() or "", ctx.get_node_id(),
+                          kv_address=self.kv_address())  # fmt: skip
+        epoch = await self.registration.join(cfg, registry_name, info)
+        worker_signals.on_sigterm(asyncio.get_running_loop(), self.drain_and_exit)
+        return epoch
+
+    def kv_address(self) -> str:
+        """Where senders push this worker's pages ("" for a worker that serves none)."""
+        return ""
+
+    async def drain(self, timeout_s: float | None = None) -> DrainReport:
+        return await self.registration.drain(timeout_s)
+
+    async def leave(self) -> None:
+        await self.registration.leave()
+
+    async def drain_and_exit(self) -> None:
+        """SIGTERM's path (and the end of the gateway's drain_worker): drain unless a drain
+        already ran, release what outlives the process, exit 0 (Ray records an intended exit)."""
+        import ray
+
+        try:
+            if not self.registration.draining:
+                await self.registration.drain()
+            await self.close()
+        finally:
+            ray.get_runtime_context().current_actor.exit.remote()
+
+    async def close(self) -> None:
+        """Release what outlives the process (each role's own); leave membership first."""
+        await self.registration.leave()
+
+    async def exit(self) -> None:
+        import ray
+
+        ray.actor.exit_actor()
+
     async def inject_fault(self, point: str, times: int = 1) -> None:
         """Drills and the fault suite only: the engine's `point` fails its next `times` passes
         (engine.faults; refused unless the worker's environment allows injection)."""
-        self._engine().faults.arm(point, times)
+        self.faults.arm(point, times)
 
     async def clear_faults(self) -> None:
-        self._engine().faults.clear()
+        self.faults.clear()
 
-    def _engine(self) -> Engine:
-        raise NotImplementedError
+    async def kv_events(self, after_seq: int, limit: int = MAX_BATCH) -> tuple[KVEvent, ...]:
+        """The prefix cache's KV events after `after_seq`, at most `limit`."""
+        return self.kv_log.events(after_seq, limit)
 
-    def _is_idle(self) -> bool:
-        raise NotImplementedError
+    async def kv_snapshot(self) -> tuple[int, int, list[tuple[bytes, Tier]]]:
+        """(epoch, last event seq, every cached page and its tier) for the gateway's index."""
+        return self.kv_log.snapshot()
 
-    def _num_unfinished(self) -> int:
-        raise NotImplementedError
-
-    async def _shutdown(self) -> None:
-        raise NotImplementedError
-
-    async def leave(self) -> None:
-        member, self.member = self.member, None  # a later join registers anew (a new epoch)
-        if member is not None:
-            await member.close()
-
-    def _follow_epoch(self) -> None:
-        epoch = self.member.epoch if self.member is not None else 0
-        if epoch and epoch != self.kv_log.epoch:
-            logger.info("%s: epoch %d -> %d", self.member.worker_id if self.member else "", self.kv_log.epoch, epoch)
-            self._set_epoch(epoch)
-
-    def _set_epoch(self, epoch: int) -> None:
-        self.kv_log.set_epoch(epoch)
-
-    def _kv_address(self) -> str:
-        return ""
+    async def fingerprint(self) -> bytes:
+        """The model identity its page hashes carry (the gateway hashes prompts with it)."""
+        return self.fingerprint_bytes

@@ -53,23 +53,3 @@ class KVEventLog:
             return self.epoch, 0, []
         seq, entries = self.cache.snapshot()
         return self.epoch, seq, entries
-
-
-class KVPublisher:
-    """The gateway-facing methods both actor roles share: their prefix cache's KV events,
-    a snapshot to rebuild from, and the model identity page hashes carry."""
-
-    kv_log: KVEventLog
-    fingerprint_bytes: bytes
-
-    async def kv_events(self, after_seq: int, limit: int = MAX_BATCH) -> tuple[KVEvent, ...]:
-        """The prefix cache's KV events after `after_seq`, at most `limit`."""
-        return self.kv_log.events(after_seq, limit)
-
-    async def kv_snapshot(self) -> tuple[int, int, list[tuple[bytes, Tier]]]:
-        """(epoch, last event seq, every cached page and its tier) for the gateway's index."""
-        return self.kv_log.snapshot()
-
-    async def fingerprint(self) -> bytes:
-        """The model identity its page hashes carry (the gateway hashes prompts with it)."""
-        return self.fingerprint_bytes

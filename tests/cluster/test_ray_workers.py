@@ -177,7 +177,7 @@ def test_dead_prefill_actor_reservation_expires(ray_cluster: Any, cfg: EngineCon
     assert ray.get(decode.actor.place.remote(after, None)) is None
     tokens = decode.tokens({"after"})["after"]
     assert tokens == single.generate([list(job.prompt_ids)], GREEDY)[0]
-    ray.get(decode.actor.stop.remote())
+    ray.get(decode.actor.close.remote())
     ray.kill(decode.actor)
 
 
