@@ -532,14 +532,13 @@ def stage_prefill(plan: Plan, model_dir: Path, spec: RandomModelSpec) -> dict[st
 def stage_nccl(plan: Plan, engine: Engine) -> dict[str, Any]:
     from kvcache.pool import DevicePool
     from kvtransfer.nccl import (
-        CupyComm,
         LoopbackFabric,
         NcclChannel,
         NcclReceiver,
         nccl_chunks,
         transfer_to_self,
-        unique_id,
     )
+    from kvtransfer.nccl_comm import CupyComm, unique_id
     from kvtransfer.transport import PoolReceiver, ReservationBook
 
     device = torch.device(plan.device)

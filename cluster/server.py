@@ -144,7 +144,8 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
 
 
 async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, front: RayFront) -> None:
-    from cluster.ops.planner import LatencyWindow, LocalRayScaler, Planner, run, sample_from
+    from cluster.ops.planner import Planner
+    from cluster.ops.planner_loop import LatencyWindow, LocalRayScaler, run, sample_from
 
     window = LatencyWindow(frontend.metrics)
     await run(Planner(cfg), LocalRayScaler(front.fleet), lambda: sample_from(frontend, window), period_s, asyncio.Event())

@@ -16,7 +16,8 @@ Headers travel on the control channel, page bytes over NCCL, straight between de
 
 On one GPU, `transfer_to_self` runs a sender and a receiver over a one-rank communicator: each
 chunk's send and recv go in one group (NCCL's send-to-self), through the same prepare/finish
-checks. `Comm` is the seam: `CupyComm` is CuPy's NCCL binding (GPU only); tests drive the state
+checks. `Comm` is the seam: kvtransfer.nccl_comm's `CupyComm` is CuPy's NCCL binding (GPU only),
+its `GlooComm` torch's gloo (CPU pools); tests drive the state
 machine on CPU through `LoopbackFabric`, which pairs sends with recvs in memory.
 """
 
@@ -24,10 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import importlib
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections import deque
@@ -172,8 +169,8 @@ class NcclChannel:
         self._settle(sends, recvs)
 
     def _settle(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> None:
-        self.bytes_sent += sum(_nbytes(b) for b in sends)
-        self.bytes_received += sum(_nbytes(b) for b in recvs)
+        self.bytes_sent += sum(nbytes(b) for b in sends)
+        self.bytes_received += sum(nbytes(b) for b in recvs)
         self.state = ChannelState.READY
 
     def abort(self) -> None:
@@ -238,7 +235,7 @@ def device_chunks(
             layer_end=block.shape[1],
             dtype=DTYPES[block.dtype],
             shape=list(block.shape[1:]),
-            payload_bytes=_nbytes(block),
+            payload_bytes=nbytes(block),
             is_last=at + block.shape[0] == len(dest.dest_page_ids),
         )
         header.checksum = _checksum(header, device_digest(block))
@@ -311,176 +308,8 @@ def transfer_to_self(
         return err.reason
 
 
-def _nbytes(buf: torch.Tensor) -> int:
+def nbytes(buf: torch.Tensor) -> int:
     return buf.numel() * buf.element_size()
-
-
-# -- CuPy's NCCL (GPU) ------------------------------------------------------------------------
-
-
-def unique_id() -> bytes:
-    """A fresh NCCL unique id (128 bytes), made by the receiving side."""
-    from cupy.cuda import nccl
-
-    uid = nccl.get_unique_id()
-    return uid if isinstance(uid, bytes) else bytes(b & 0xFF for b in uid)
-
-
-class _Event:
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self._event = event
-
-    def query(self) -> bool:
-        return bool(self._event.query())
-
-
-class CupyComm:
-    """A Comm over cupy.cuda.nccl on its own CUDA stream (ordered after the caller's)."""
-
-    def __init__(self, nranks: int, uid: bytes, rank: int, device: torch.device) -> None:
-        import cupy
-        from cupy.cuda import nccl
-
-        self._nccl = nccl
-        self.device = device
-        with cupy.cuda.Device(device.index or 0):
-            self._comm = nccl.NcclCommunicator(nranks, uid, rank)
-        self.stream = torch.cuda.Stream(device)
-
-    @contextmanager
-    def group(self) -> Iterator[None]:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the pages are written
-        self._nccl.groupStart()
-        try:
-            yield
-        finally:
-            self._nccl.groupEnd()
-
-    def send(self, buf: torch.Tensor, peer: int) -> None:
-        buf.record_stream(self.stream)  # not reused by the allocator while NCCL still reads it
-        self._comm.send(buf.data_ptr(), _nbytes(buf), self._nccl.NCCL_UINT8, peer, self.stream.cuda_stream)
-
-    def recv(self, buf: torch.Tensor, peer: int) -> None:
-        buf.record_stream(self.stream)
-        self._comm.recv(buf.data_ptr(), _nbytes(buf), self._nccl.NCCL_UINT8, peer, self.stream.cuda_stream)
-
-    def completion(self) -> Completion:
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return _Event(event)
-
-    def abort(self) -> None:
-        self._comm.abort()
-
-
-# -- gloo between CPU pools (torch.distributed) ------------------------------------------------
-
-GLOO_UID = b"gloo:"
-
-
-class _Waited:
-    """Done once a thread has waited out every gloo work of a group (gloo's is_completed does
-    not report send/recv); a failed wait is raised from query."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._wait, args=(works,), name="gloo-wait", daemon=True
-        )
-        self._thread.start()
-
-    def _wait(self, works: list[Any]) -> None:
-        try:
-            for work in works:
-                work.wait()
-        except Exception as err:  # noqa: BLE001 - raised to the poller
-            self._error = err
-
-    def query(self) -> bool:
-        if self._thread.is_alive():
-            return False
-        if self._error is not None:
-            raise TransferError(f"gloo: {self._error}")
-        return True
-
-
-class GlooComm:
-    """A Comm over gloo between two processes of one host whose pools are on the CPU: the same
-    channel, rendezvous and wire protocol as NCCL. The rendezvous is a FileStore in a private
-    directory (the uid names it), so nothing listens for it; gloo's own pairs bind loopback."""
-
-    def __init__(self, uid: bytes, rank: int, timeout_s: float = 30.0) -> None:
-        from datetime import timedelta
-
-        dist: Any = importlib.import_module("torch.distributed")  # its stubs miss the gloo classes
-        store = dist.FileStore(os.path.join(_gloo_dir(uid), "store"), 2)
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timedelta(seconds=timeout_s)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        self._group: Any = dist.ProcessGroupGloo(store, rank, 2, options)
-        self._works: list[Any] = []
-
-    @contextmanager
-    def group(self) -> Iterator[None]:
-        yield
-
-    def send(self, buf: torch.Tensor, peer: int) -> None:
-        self._works.append(self._group.send([_bytes_of(buf)], peer, 0))
-
-    def recv(self, buf: torch.Tensor, peer: int) -> None:
-        self._works.append(self._group.recv([_bytes_of(buf)], peer, 0))
-
-    def completion(self) -> Completion:
-        works, self._works = self._works, []
-        return _Waited(works)
-
-    def abort(self) -> None:
-        self._group.abort()
-
-
-def _bytes_of(buf: torch.Tensor) -> torch.Tensor:
-    if not buf.is_contiguous():
-        raise TransferError("a buffer on the channel must be contiguous")
-    return buf.view(-1).view(torch.uint8)
-
-
-def _gloo_dir(uid: bytes) -> str:
-    path = uid[len(GLOO_UID) :].decode()
-    if not uid.startswith(GLOO_UID) or not os.path.isdir(path):
-        raise TransferError("not a gloo rendezvous")
-    return path
-
-
-def make_uid(device: torch.device) -> bytes:
-    """A fresh rendezvous for one pair, made by the receiving side: NCCL's unique id for a CUDA
-    pool, else a private gloo rendezvous directory (`forget_uid` removes it once joined)."""
-    if device.type == "cuda":
-        return unique_id()
-    return GLOO_UID + tempfile.mkdtemp(prefix="baton-gloo-").encode()
-
-
-def forget_uid(uid: bytes) -> None:
-    if uid.startswith(GLOO_UID):
-        shutil.rmtree(uid[len(GLOO_UID) :].decode(), ignore_errors=True)
-
-
-def open_comm(uid: bytes, rank: int, device: torch.device) -> Comm:
-    """This side's end of a two-rank communicator (blocks until the peer joins too)."""
-    if uid.startswith(GLOO_UID):
-        return GlooComm(uid, rank)
-    return CupyComm(2, uid, rank, device)
-
-
-def nccl_usable(device: torch.device) -> bool:
-    """Whether this process can open NCCL communicators for a pool on `device`."""
-    if device.type != "cuda":
-        return False
-    try:
-        from cupy.cuda import nccl
-
-        return bool(nccl.get_version())
-    except Exception:  # noqa: BLE001 - no CuPy, no NCCL, or no driver: not usable
-        return False
 
 
 # -- an in-memory fabric for the state machine's tests (CPU) ----------------------------------
@@ -536,7 +365,7 @@ class _LoopbackComm:
                 if not queue:
                     return False
                 sent = queue.popleft().view(-1).view(torch.uint8)
-                if sent.numel() != _nbytes(buf):
+                if sent.numel() != nbytes(buf):
                     raise TransferError("size mismatch on the fabric")
                 if self.fabric.flip:
                     sent[0] ^= 1

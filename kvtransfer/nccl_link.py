@@ -41,10 +41,8 @@ from kvtransfer.nccl import (
     Comm,
     NcclChannel,
     NcclReceiver,
-    forget_uid,
-    make_uid,
-    open_comm,
 )
+from kvtransfer.nccl_comm import forget_uid, make_uid, open_comm
 from kvtransfer.tls import KVTls
 from kvtransfer.transport import (
     Chunks,

@@ -41,7 +41,7 @@ from kvtransfer.codec import chunk_pages
 from kvtransfer.grpc_transport import start_kv_server
 from kvtransfer.jobs import PrefillJob
 from kvtransfer.listen import LOOPBACK, listen_address
-from kvtransfer.nccl import nccl_usable
+from kvtransfer.nccl_comm import nccl_usable
 from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
 from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler

@@ -32,7 +32,7 @@ from engine.faults import require_injection
 from engine.omp import release_thread_pool
 from kvcache.report import cache_report
 from kvtransfer.jobs import AbortedIds, PrefillJob, TransferReport
-from kvtransfer.nccl import nccl_usable
+from kvtransfer.nccl_comm import nccl_usable
 from kvtransfer.select import WorkerPlace
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination

@@ -103,7 +103,7 @@ def scale_patch(cluster: Obj, decision: Decision, pod: str | None = None) -> Obj
 
 
 class KubeRayScaler:
-    """planner.Scaler for a RayCluster `name` in `namespace`.
+    """planner_loop.Scaler for a RayCluster `name` in `namespace`.
 
     drain: the gateway's drain of one worker (Fleet.drain_worker), awaited before the pod is
     named for deletion; None when something else drains (the pod's preStop). api: a

@@ -36,21 +36,16 @@ import yaml
 
 from cluster.ops.metrics import EdgeMetrics
 from cluster.ops.node_status import NodeStatus
-from cluster.ops.planner import (
-    Decision,
+from cluster.ops.planner import Decision, Limits, Planner, PlannerConfig, Role, Sample
+from cluster.ops.planner_k8s import MERGE_PATCH, KubeRayScaler, scale_patch
+from cluster.ops.planner_loop import (
     LatencyWindow,
-    Limits,
     LocalRayScaler,
-    Planner,
-    PlannerConfig,
-    Role,
-    Sample,
     bucket_counts,
     histogram_quantile,
     run,
     sample_from,
 )
-from cluster.ops.planner_k8s import MERGE_PATCH, KubeRayScaler, scale_patch
 from engine.errors import ConfigError
 from kvcache.report import CacheReport, TierReport
 from tests.k8s.manifests import CRDS, crd_schema

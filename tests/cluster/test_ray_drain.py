@@ -219,15 +219,8 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     (the least valuable cache), back to the minimum. Every client request succeeds."""
     import httpx
 
-    from cluster.ops.planner import (
-        LatencyWindow,
-        Limits,
-        LocalRayScaler,
-        Planner,
-        PlannerConfig,
-        run,
-        sample_from,
-    )
+    from cluster.ops.planner import Limits, Planner, PlannerConfig
+    from cluster.ops.planner_loop import LatencyWindow, LocalRayScaler, run, sample_from
 
     front, frontend = pd3.running.front, pd3.running.frontend
     assert isinstance(front, RayFront)

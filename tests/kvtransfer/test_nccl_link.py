@@ -20,7 +20,8 @@ import torch
 from kvcache.pool import DevicePool, KVLayout
 from kvtransfer.codec import DeviceChunk
 from kvtransfer.grpc_transport import start_kv_server
-from kvtransfer.nccl import GLOO_UID, ChannelState, LoopbackFabric, device_chunks
+from kvtransfer.nccl import ChannelState, LoopbackFabric, device_chunks
+from kvtransfer.nccl_comm import GLOO_UID
 from kvtransfer.nccl_link import NcclEndpoint, NcclSender, nccl_handler
 from kvtransfer.transport import KVDestination, PoolReceiver, Reservation, ReservationBook
 
