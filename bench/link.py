@@ -88,9 +88,9 @@ async def _serve(model: str, bind: str, kv_cache_dtype: str) -> None:
     import grpc
 
     from decode.worker import DecodeWorker
+    from engine.job import Job
     from engine.sampling import SamplingParams
     from kvtransfer.grpc_transport import start_kv_server
-    from kvtransfer.jobs import PrefillJob
     from kvtransfer.transport import KVDestination
 
     engine = _engine(model, kv_cache_dtype)
@@ -99,7 +99,7 @@ async def _serve(model: str, bind: str, kv_cache_dtype: str) -> None:
 
     async def reserve(body: bytes, context: Any) -> bytes:
         ask = json.loads(body)
-        job = PrefillJob(ask["req_id"], tuple(range(int(ask["num_tokens"]))), SamplingParams(max_tokens=1))
+        job = Job(ask["req_id"], tuple(range(int(ask["num_tokens"]))), SamplingParams(max_tokens=1))
         dest = worker.reserve(job, sender_epoch=1)
         if dest is None:
             return json.dumps({"error": "no free pages"}).encode()

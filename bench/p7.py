@@ -33,6 +33,7 @@ from cluster.disagg_config import DisaggConfig
 from cluster.fleet import ray_runtime
 from cluster.fleet.front import RayFront
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -84,7 +85,7 @@ async def run_policy(policy: str, engine_cfg: EngineConfig, args: argparse.Names
                 tenant, prompt = stream[i]
                 start = time.perf_counter()
                 first = True
-                async for _ in front.generate(f"{policy}-{i}", prompt, SAMPLING, cache_salt=tenant):
+                async for _ in front.generate(Job(f"{policy}-{i}", tuple(prompt), SAMPLING, cache_salt=tenant)):
                     if first:
                         ttfts[i] = time.perf_counter() - start
                         first = False

@@ -42,9 +42,9 @@ def _prefill(model: str, prompt_len: int) -> tuple[Any, Any, float]:
 
 async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int) -> tuple[float, int]:
     from decode.worker import DecodeWorker
+    from engine.job import Job
     from engine.sampling import SamplingParams
     from kvtransfer.grpc_transport import GrpcSender, start_kv_server
-    from kvtransfer.jobs import PrefillJob
     from kvtransfer.local import LocalSender
     from kvtransfer.nccl import device_chunks
     from kvtransfer.nccl_link import NcclEndpoint, NcclSender, nccl_handler
@@ -69,7 +69,7 @@ async def _push(exported: Any, decode: Any, transport: str, pages_per_chunk: int
             await sender.connect(worker.address, *await endpoint.listen())
 
     try:
-        job = PrefillJob("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
+        job = Job("p", tuple(range(exported.num_tokens)), SamplingParams(max_tokens=1))
         dest = worker.reserve(job, sender_epoch=1)
         assert dest is not None
         pages = exported.kv  # page-major block, as the prefill worker sends it

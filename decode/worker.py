@@ -25,10 +25,11 @@ import torch
 
 from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from engine.engine import Engine
+from engine.job import Job
 from engine.outputs import StepOutput
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import TransferError
-from kvtransfer.jobs import AbortedIds, PrefillJob
+from kvtransfer.jobs import AbortedIds
 from kvtransfer.transport import KVDestination, PoolReceiver, Reservation, ReservationBook
 
 
@@ -87,7 +88,7 @@ class DecodeWorker:
 
     # -- placement ----------------------------------------------------------------------------
 
-    def cached_tokens(self, job: PrefillJob) -> int:
+    def cached_tokens(self, job: Job) -> int:
         """Prompt tokens this worker's prefix cache holds (a read: nothing is pinned).
         Counts tenant-salted pages only; an operator-shared prefix is not credited here."""
         cache = self.engine.prefix_cache
@@ -103,7 +104,7 @@ class DecodeWorker:
             n += 1
         return n * ps
 
-    def prefers_local(self, job: PrefillJob) -> bool:
+    def prefers_local(self, job: Job) -> bool:
         """The uncached part of the prompt is short: cheaper to prefill here than to move."""
         return len(job.prompt_ids) - self.cached_tokens(job) <= self.local_prefill_tokens
 
@@ -113,7 +114,7 @@ class DecodeWorker:
         """Its caller gave it up (abort came first): place it nowhere, start nothing."""
         return req_id in self._aborted
 
-    def reserve(self, job: PrefillJob, sender_epoch: int) -> KVDestination | None:
+    def reserve(self, job: Job, sender_epoch: int) -> KVDestination | None:
         if self.was_aborted(job.req_id):
             raise RuntimeError(f"{job.req_id} was aborted: nothing is reserved for it")
         if (old := self._dests.get(job.req_id)) is not None:
@@ -141,7 +142,7 @@ class DecodeWorker:
                 self._release(done)
 
     def start_prefilled(
-        self, job: PrefillJob, dest: KVDestination, first_token: int, num_cached_tokens: int = 0
+        self, job: Job, dest: KVDestination, first_token: int, num_cached_tokens: int = 0
     ) -> None:
         done = self.book.completed.pop(dest.transfer_id, None)
         if done is None:
@@ -152,7 +153,7 @@ class DecodeWorker:
             job.cache_salt, num_cached_tokens,
         )
 
-    def start_local(self, job: PrefillJob) -> None:
+    def start_local(self, job: Job) -> None:
         if self.was_aborted(job.req_id):
             raise RuntimeError(f"{job.req_id} was aborted: it is not started")
         self.engine.add_request(job.req_id, job.prompt_ids, job.sampling, job.priority, job.cache_salt)

@@ -20,11 +20,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, NamedTuple, TypeVar, cast
 
 from engine.engine import Engine
 from engine.errors import RequestError, SlowReaderError
+from engine.job import Job
 from engine.omp import release_thread_pool
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
@@ -94,21 +95,15 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def generate(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        sampling: SamplingParams,
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> AsyncIterator[StepOutput]:
-        """Stream a request's outputs; raises the engine's RequestError (or ConstraintError) if
+    def generate(self, job: Job) -> AsyncIterator[StepOutput]:
+        """Stream a job's outputs; raises the engine's RequestError (or ConstraintError) if
         it is refused. A constraint is compiled off the step thread before the request is
         queued (see `prepare`)."""
-        stream = self.stream(req_id, lambda e: e.add_request(req_id, prompt_ids, sampling, priority, cache_salt))
-        if self.engine.is_prepared(sampling):
+        stream = self.stream(job.req_id, lambda e: e.add_request(job.req_id, job.prompt_ids, job.sampling,
+                                                                 job.priority, job.cache_salt))  # fmt: skip
+        if self.engine.is_prepared(job.sampling):
             return stream
-        return self._prepared(sampling, stream)
+        return self._prepared(job.sampling, stream)
 
     async def prepare(self, sampling: SamplingParams) -> None:
         """Compile the request's constraint, if any, on a worker thread (the step loop goes

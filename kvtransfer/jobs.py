@@ -1,6 +1,6 @@
-"""What both roles are handed about a request, below them both: the prefill worker computes a
-PrefillJob, the decode worker reserves pages for the same job and resumes it; either refuses a
-call for a request the gateway already aborted (AbortedIds); how a push went is a
+"""What both roles share about a request, below them both: the prefill worker computes a Job
+(engine.job), the decode worker reserves pages for the same job and resumes it; either refuses
+a call for a request the gateway already aborted (AbortedIds); how a push went is a
 TransferReport. The roles meet through these, the transfer and the scheduler -- never by
 importing each other."""
 
@@ -9,19 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from engine.sampling import SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillJob:
-    """A prompt to prefill for the decode worker that reserved its pages."""
-
-    req_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    priority: int = 0
-    cache_salt: str = ""
 
 
 class AbortedIds:

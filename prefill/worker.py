@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.engine import Engine
+from engine.job import Job
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
 from kvtransfer.codec import (
@@ -38,7 +39,6 @@ from kvtransfer.codec import (
     chunk_pages,
     encode_chunk,
 )
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.nccl import device_chunks
 from kvtransfer.transport import KVDestination
 
@@ -73,11 +73,11 @@ class PrefillWorker:
         self.epoch = epoch  # fencing token: decode refuses pages from a stale epoch
         kv = engine.pool.kv  # [layers, 2, pages, ...]: one page is kv[:, :, i]
         self.pages_per_chunk = chunk_pages(kv[:, :, 0].numel() * kv.element_size(), pages_per_chunk, limits)
-        self._jobs: dict[str, tuple[PrefillJob, KVDestination]] = {}
+        self._jobs: dict[str, tuple[Job, KVDestination]] = {}
         self._num_taken: dict[str, int] = {}  # pages handed out by take_ready, per request
         self._on_device: set[str] = set()  # requests whose chunks stay on the device
 
-    def submit(self, job: PrefillJob, dest: KVDestination, on_device: bool = False) -> None:
+    def submit(self, job: Job, dest: KVDestination, on_device: bool = False) -> None:
         self.start(self.engine, job)
         self._jobs[job.req_id] = (job, dest)
         self._num_taken[job.req_id] = 0
@@ -85,7 +85,7 @@ class PrefillWorker:
             self._on_device.add(job.req_id)
 
     @staticmethod
-    def start(engine: Engine, job: PrefillJob) -> None:
+    def start(engine: Engine, job: Job) -> None:
         """Queue the prefill of `job` on `engine`: one token, sampled with the request's own
         parameters (the seed is keyed on the position, so decode continues the same stream)."""
         first = replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
@@ -162,7 +162,7 @@ class PrefillWorker:
         return tuple(chunks)
 
     @staticmethod
-    def ends_here(job: PrefillJob, reason: FinishReason) -> bool:
+    def ends_here(job: Job, reason: FinishReason) -> bool:
         # LENGTH is only real when the client asked for one token; STOP (EOS, a stop id or
         # a stop string on the first token) always ends the request.
         return reason != FinishReason.LENGTH or job.sampling.max_tokens == 1

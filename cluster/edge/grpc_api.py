@@ -8,7 +8,7 @@ One call, the same internal path as the HTTP API (cluster/edge/frontend.py):
     ticket  = frontend.admit()                               (RESOURCE_EXHAUSTED + retry metadata)
     req     = frontend.prepare(tokenize(prompt), sampling, tenant, deadline of the call)
     frontend.check_tenant(ticket, req)
-    frontend.prepare_constraint(req.sampling, field)         (INVALID_ARGUMENT: does not compile)
+    frontend.prepare_constraint(req.job.sampling, field)     (INVALID_ARGUMENT: does not compile)
     async for out in frontend.stream(req, ticket, "grpc"): context.write(delta)
 
 With tools, a reply's `text` is the content and its tool calls come apart (cluster.edge.tool_calls).
@@ -202,7 +202,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         parser = spec.tools.parser() if spec.tools is not None and spec.tools.is_parsed else None
         try:
             async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
-                request_id = req.req_id
+                request_id = req.job.req_id
                 async for out in outs:
                     await context.write(_delta(out, request_id, parser))
                     request_id = ""  # only the first message carries it
@@ -213,7 +213,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> pb.CompleteResponse:
         req, ticket, spec = await self._open(request, context, trace)
-        reply = pb.CompleteResponse(request_id=req.req_id)
+        reply = pb.CompleteResponse(request_id=req.job.req_id)
         texts: list[str] = []
         try:
             async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
@@ -283,7 +283,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             prompt_ids = await self._prompt_ids(request, spec)
             req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, max_tokens_given, trace.req_id)
             self.frontend.check_tenant(ticket, req)
-            await self.frontend.prepare_constraint(req.sampling, spec.param)
+            await self.frontend.prepare_constraint(req.job.sampling, spec.param)
         except BaseException:
             ticket.release()
             raise

@@ -285,7 +285,7 @@ async def _admit(
         reqs = _requests(frontend, cfg, body, prompts, tenant, deadline, trace.req_id, spec)
         for req, ticket in zip(reqs, tickets, strict=True):
             frontend.check_tenant(ticket, req)
-        await frontend.prepare_constraint(reqs[0].sampling, spec.param)
+        await frontend.prepare_constraint(reqs[0].job.sampling, spec.param)
     except BaseException:
         _release(tickets)
         raise

@@ -34,12 +34,12 @@ from cluster.placement.kv_log import KVEventLog
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.omp import release_thread_pool
 from engine.outputs import StepOutput
 from kvcache.report import CacheReport, cache_report
 from kvtransfer.codec import chunk_pages
 from kvtransfer.grpc_transport import start_kv_server
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.listen import LOOPBACK, listen_address
 from kvtransfer.nccl_comm import nccl_usable
 from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
@@ -132,7 +132,7 @@ class DecodeActor(WorkerActor):
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def place(self, job: PrefillJob, sender_epoch: int | None) -> KVDestination | None:
+    async def place(self, job: Job, sender_epoch: int | None) -> KVDestination | None:
         self._check_started()
         # A constraint compiles here, off the step loop and before any page is reserved
         # (ConstraintError reaches the gateway as this call's error: a 400 there).
@@ -148,7 +148,7 @@ class DecodeActor(WorkerActor):
         self._wake.set()
         return None
 
-    async def admit(self, job: PrefillJob, dest: KVDestination, first: StepOutput, wait_s: float) -> bool:
+    async def admit(self, job: Job, dest: KVDestination, first: StepOutput, wait_s: float) -> bool:
         """Join the batch once the transfer completes; False (pages freed) if it fails first."""
         end = time.monotonic() + wait_s
         while not self.worker.is_settled(dest) and time.monotonic() < end:

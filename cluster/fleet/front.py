@@ -48,10 +48,11 @@ from cluster.ops.tracing import NO_SPAN, RequestTrace, Span, first_token, trace_
 from cluster.placement.global_index import NO_HIT, GlobalIndex
 from cluster.placement.pair_health import PairHealth, PairRoute
 from cluster.placement.policy import Placement, PlacementConfig, PlacementKind, Placer
+from engine.job import Job
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
-from kvtransfer.jobs import PrefillJob, TransferReport
+from kvtransfer.jobs import TransferReport
 from kvtransfer.transport import KVDestination
 
 import ray  # isort: skip
@@ -122,27 +123,25 @@ class RayFront:
 
     # -- one request ----------------------------------------------------------------------------
 
-    async def generate(
-        self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0,
-        cache_salt: str = "",
-    ) -> AsyncIterator[StepOutput]:
+    async def generate(self, job: Job) -> AsyncIterator[StepOutput]:
         """The request's outputs. When its decode worker is lost mid-stream, the request moves:
         prompt + the tokens already emitted go to a healthy pair as a new attempt (at most
         cfg.max_migrations times), and the stream goes on with no gap and no repeat. With no
         capacity left, the WorkerLost (or the placement's refusal) reaches the client."""
+        request, req_id, sampling = job, job.req_id, job.sampling
         if sampling.seed is None and not sampling.is_greedy:
             sampling = replace(sampling, seed=secrets.randbits(62))  # a re-run replays the stream
         trace = trace_of(req_id)  # the edge's span (cluster.ops.tracing), or one that records nothing
-        prompt, emitted = tuple(prompt_ids), 0
+        prompt, emitted = request.prompt_ids, 0
         for attempt in range(self.cfg.max_migrations + 1):
-            job = PrefillJob(req_id if attempt == 0 else f"{req_id}@{attempt}", prompt, _continued(sampling, emitted),
-                             priority, cache_salt)  # fmt: skip
+            job = replace(request, req_id=req_id if attempt == 0 else f"{req_id}@{attempt}", prompt_ids=prompt,
+                          sampling=_continued(sampling, emitted))  # fmt: skip
             base = emitted
             try:
                 async for out in self._attempt(job, trace):
                     if base:  # counted from the original request's start, under its id
                         out = replace(out, req_id=req_id, num_output_tokens=out.num_output_tokens + base,
-                                      num_prompt_tokens=len(prompt_ids))  # fmt: skip
+                                      num_prompt_tokens=len(request.prompt_ids))  # fmt: skip
                     prompt += tuple(out.token_ids)
                     emitted += len(out.token_ids)
                     yield out
@@ -156,7 +155,7 @@ class RayFront:
                 logger.warning("%s: %s; moving it with %d tokens emitted (attempt %d)", req_id, exc, emitted,
                                attempt + 2)  # fmt: skip
 
-    async def _attempt(self, job: PrefillJob, trace: RequestTrace) -> AsyncIterator[StepOutput]:
+    async def _attempt(self, job: Job, trace: RequestTrace) -> AsyncIterator[StepOutput]:
         """One placement of the request and its stream (generate moves it if the decode side is lost)."""
         req_id = job.req_id
         with trace.span("baton.placement", req_id=req_id) as placing:
@@ -236,7 +235,7 @@ class RayFront:
             yield out
 
     async def _place(
-        self, job: PrefillJob, decode: DecodeHandle, prefill: PrefillHandle | None, prefilling: Span = NO_SPAN
+        self, job: Job, decode: DecodeHandle, prefill: PrefillHandle | None, prefilling: Span = NO_SPAN
     ) -> _Placed | None:
         """Start the request down this path: None when decode prefills it itself (`prefilling`
         ends with its first token, in _stream); else the first token from `prefill`, whose push
@@ -267,7 +266,7 @@ class RayFront:
             self.fleet.pending.fire(decode.actor.cancel.remote(dest))
         return _Placed(result.output, dest, result.transfer_id, prefill)
 
-    async def _hand_over(self, job: PrefillJob, decode: DecodeHandle, placed: _Placed, trace: RequestTrace) -> None:
+    async def _hand_over(self, job: Job, decode: DecodeHandle, placed: _Placed, trace: RequestTrace) -> None:
         """Wait for the push; the request joins decode's batch, or _Redispatch (pages freed)."""
         wait_s = self.cfg.transfer_deadline_s
         admit = decode.actor.admit.remote(job, placed.dest, placed.first, wait_s)  # waits there
@@ -307,7 +306,7 @@ class RayFront:
 
     # -- where it goes ----------------------------------------------------------------------------
 
-    async def _placement(self, job: PrefillJob) -> Placement:
+    async def _placement(self, job: Job) -> Placement:
         """Where the request goes (cluster.placement.policy): its decode worker and prefill path."""
         if not any(d.is_routable for d in self.fleet.decodes):
             raise EdgeError(Kind.UNAVAILABLE, "no decode worker is available", None, 1.0)
@@ -326,7 +325,7 @@ class RayFront:
         self.metrics.given_up.inc(p.locality_given_up)
         return p
 
-    def _round_robin(self, job: PrefillJob) -> Placement:
+    def _round_robin(self, job: Job) -> Placement:
         """The comparison policy: decode and prefill workers in turn, caches ignored (the decode
         worker still prefills a prompt whose uncached part there is short)."""
         decodes = [d for d in self.fleet.decodes if d.is_routable]
@@ -350,7 +349,7 @@ class RayFront:
         named = [prefill_of[w] for w in (p.prefill_id, *p.fallbacks) if w in prefill_of]
         return [*(h for h in named if h.is_routable and self.pairs.can_route(h.name, decode)), None]
 
-    def _prefill_failed(self, prefill: PrefillHandle, job: PrefillJob, exc: BaseException) -> str:
+    def _prefill_failed(self, prefill: PrefillHandle, job: Job, exc: BaseException) -> str:
         if isinstance(exc, ray.exceptions.RayActorError):
             prefill.mark_dead(exc)
             reason = "prefill worker died"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from cluster.ops.node_status import NodeStatus, engine_node
@@ -30,10 +30,10 @@ from cluster.ops.tracing import NO_SPAN, RequestTrace, first_token, trace_of
 from decode.worker import DecodeWorker
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
+from engine.job import Job
 from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, TransferError, chunk_pages
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import receive_all
 from kvtransfer.transport import KVDestination, build_chunks
 from prefill.worker import PrefillWorker
@@ -92,17 +92,9 @@ class PDFront:
 
     # -- one request ----------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        sampling: SamplingParams,
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> AsyncIterator[StepOutput]:
-        job = PrefillJob(req_id, tuple(prompt_ids), sampling, priority, cache_salt)
-        trace = trace_of(req_id)
-        with trace.span("baton.placement", req_id=req_id, decode_worker=DECODE_NODE) as placing:
+    async def generate(self, job: Job) -> AsyncIterator[StepOutput]:
+        trace = trace_of(job.req_id)
+        with trace.span("baton.placement", req_id=job.req_id, decode_worker=DECODE_NODE) as placing:
             # On the decode thread: prefers_local reads the decode engine's prefix cache.
             dest = await self.decode.call(
                 lambda _: None if self.worker.prefers_local(job) else self.worker.reserve(job, self.epoch)
@@ -118,12 +110,11 @@ class PDFront:
         async for out in self._disaggregated(job, dest, trace):
             yield out
 
-    async def _local(self, job: PrefillJob, trace: RequestTrace) -> AsyncIterator[StepOutput]:
+    async def _local(self, job: Job, trace: RequestTrace) -> AsyncIterator[StepOutput]:
         stage = trace.span("baton.prefill", req_id=job.req_id, worker=DECODE_NODE, local=True)  # then decode
         num_tokens, finished = 0, False
         try:
-            async for out in self.decode.generate(job.req_id, job.prompt_ids, job.sampling, job.priority,
-                                                  job.cache_salt):  # fmt: skip
+            async for out in self.decode.generate(job):
                 if out.num_output_tokens == len(out.token_ids):  # the first token
                     stage.end()
                     stage = first_token(trace, out.finished, req_id=job.req_id, worker=DECODE_NODE)
@@ -139,7 +130,7 @@ class PDFront:
             stage.end()
 
     async def _disaggregated(
-        self, job: PrefillJob, dest: KVDestination, trace: RequestTrace
+        self, job: Job, dest: KVDestination, trace: RequestTrace
     ) -> AsyncIterator[StepOutput]:
         handed_over = False
         prefilling = trace.span("baton.prefill", req_id=job.req_id, worker=PREFILL_NODE, epoch=self.epoch,
@@ -180,7 +171,7 @@ class PDFront:
             if not handed_over:  # failed, cancelled or finished early: the reservation goes back
                 await self.decode.call(lambda _: self.worker.cancel(dest))
 
-    async def _transfer(self, job: PrefillJob, dest: KVDestination, exported: ExportedKV, trace: RequestTrace) -> None:
+    async def _transfer(self, job: Job, dest: KVDestination, exported: ExportedKV, trace: RequestTrace) -> None:
         """The prompt's pages into the decode engine's reserved ones; TransferError if refused."""
         with trace.span("baton.transfer", req_id=job.req_id, transport="local", prefill_worker=PREFILL_NODE,
                         decode_worker=DECODE_NODE, pages=len(dest.dest_page_ids)) as transfer:  # fmt: skip

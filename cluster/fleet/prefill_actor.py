@@ -29,9 +29,10 @@ from cluster.placement.kv_log import KVEventLog
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.faults import require_injection
+from engine.job import Job
 from engine.omp import release_thread_pool
 from kvcache.report import cache_report
-from kvtransfer.jobs import AbortedIds, PrefillJob, TransferReport
+from kvtransfer.jobs import AbortedIds, TransferReport
 from kvtransfer.nccl_comm import nccl_usable
 from kvtransfer.select import WorkerPlace
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
@@ -100,7 +101,7 @@ class PrefillActor(WorkerActor):
         """Push to the decode worker at `address` by `transport` (prefill.pushes.Pushes.route)."""
         return await self.pushes.route(address, transport, rendezvous)
 
-    async def prefill(self, job: PrefillJob, dest: KVDestination) -> PrefillResult:
+    async def prefill(self, job: Job, dest: KVDestination) -> PrefillResult:
         if self._loop is None:
             self._loop = asyncio.create_task(self._run())
         if job.sampling.constraint is not None:  # the first token is sampled under its mask

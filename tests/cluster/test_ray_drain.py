@@ -20,6 +20,7 @@ from cluster.disagg_config import DisaggConfig, MembershipConfig
 from cluster.fleet.front import RayFront
 from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 from tests.cluster.conftest import ServerHandle, start_server
 
@@ -77,7 +78,7 @@ class Load:
             prompt = [rng.randrange(100, 1000) for _ in range(n)]
             try:
                 tokens = 0
-                async for out in self.front.generate(f"load-{stream}-{i}", prompt, GREEDY):
+                async for out in self.front.generate(Job(f"load-{stream}-{i}", tuple(prompt), GREEDY)):
                     tokens += len(out.token_ids)
                 assert tokens == GREEDY.max_tokens, tokens
                 self.ok += 1

@@ -20,6 +20,7 @@ from cluster.disagg_config import DisaggConfig
 from cluster.fleet.front import RayFront
 from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
 from tests.cluster.conftest import ServerHandle, start_server
@@ -47,7 +48,7 @@ def on_loop(handle: ServerHandle, coro: Coroutine[Any, Any, T], timeout_s: float
 
 async def generate(front: RayFront, req_id: str, prompt: list[int]) -> list[int]:
     tokens: list[int] = []
-    async for out in front.generate(req_id, prompt, GREEDY, cache_salt=TENANT):
+    async for out in front.generate(Job(req_id, tuple(prompt), GREEDY, cache_salt=TENANT)):
         tokens.extend(out.token_ids)
     return tokens
 

@@ -18,8 +18,8 @@ from cluster.fleet.actors import DecodeStats, spawn_decode, spawn_prefill
 from cluster.fleet.worker_msgs import OutputBatch
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
-from kvtransfer.jobs import PrefillJob
 from tests.cluster.conftest import kill_actor
 
 ray = pytest.importorskip("ray")
@@ -77,7 +77,7 @@ def pair(ray_cluster: Any, cfg: EngineConfig) -> Iterator[tuple[Any, Decode]]:
     ray.kill(decode)
 
 
-def _pd(prefill: Any, decode: Decode, job: PrefillJob) -> list[int]:
+def _pd(prefill: Any, decode: Decode, job: Job) -> list[int]:
     dest = ray.get(decode.actor.place.remote(job, EPOCH))
     if dest is None:  # short: prefilled on the decode side
         return decode.tokens({job.req_id})[job.req_id]
@@ -97,7 +97,7 @@ def test_pd_across_actors_equals_one_engine(pair: tuple[Any, Decode], single: En
     seeded = SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True)
     cases = [(10, GREEDY), (40, GREEDY), (200, GREEDY), (200, seeded), (300, GREEDY)]
     for i, (n, params) in enumerate(cases):
-        job = PrefillJob(f"pd{i}", tuple(rng.integers(4, 16_384, size=n).tolist()), params)
+        job = Job(f"pd{i}", tuple(rng.integers(4, 16_384, size=n).tolist()), params)
         assert _pd(prefill, decode, job) == single.generate([list(job.prompt_ids)], params)[0], n
 
     stats = decode.stats()
@@ -109,7 +109,7 @@ def test_pd_across_actors_equals_one_engine(pair: tuple[Any, Decode], single: En
 def test_forged_push_is_refused_and_counted(pair: tuple[Any, Decode], single: Engine) -> None:
     prefill, decode = pair
     before = decode.stats()
-    job = PrefillJob("forge", tuple(range(100, 180)), GREEDY)
+    job = Job("forge", tuple(range(100, 180)), GREEDY)
     dest = ray.get(decode.actor.place.remote(job, EPOCH))
     assert dest is not None
     reserved = decode.stats()
@@ -132,7 +132,7 @@ def test_forged_push_is_refused_and_counted(pair: tuple[Any, Decode], single: En
 
 def test_complete_transfer_never_admitted_is_released_at_its_lease(pair: tuple[Any, Decode]) -> None:
     prefill, decode = pair
-    job = PrefillJob("unclaimed", tuple(range(300, 400)), GREEDY)
+    job = Job("unclaimed", tuple(range(300, 400)), GREEDY)
     dest = ray.get(decode.actor.place.remote(job, EPOCH))
     assert dest is not None
     result = ray.get(prefill.prefill.remote(job, dest))
@@ -156,7 +156,7 @@ def test_dead_prefill_actor_reservation_expires(ray_cluster: Any, cfg: EngineCon
     baseline = decode.stats()
     assert baseline.num_free_pages_at_idle == baseline.num_pages
 
-    job = PrefillJob("orphan", tuple(range(1000, 1200)), GREEDY)
+    job = Job("orphan", tuple(range(1000, 1200)), GREEDY)
     dest = ray.get(decode.actor.place.remote(job, EPOCH))
     assert dest is not None and decode.stats().num_used_pages == len(dest.dest_page_ids)
 
@@ -186,7 +186,7 @@ def test_a_push_past_its_deadline_frees_both_sides(pair: tuple[Any, Decode], cfg
     slow = spawn_prefill(cfg, epoch=EPOCH, pages_per_chunk=1, chunk_pause_s=0.2, push_deadline_s=0.5)
     try:
         before = decode.stats()
-        job = PrefillJob("late", tuple(range(500, 600)), GREEDY)  # 7 pages: 1.4 s of pauses
+        job = Job("late", tuple(range(500, 600)), GREEDY)  # 7 pages: 1.4 s of pauses
         dest = ray.get(decode.actor.place.remote(job, EPOCH), timeout=60)
         assert dest is not None
         result = ray.get(slow.prefill.remote(job, dest), timeout=60)

@@ -12,9 +12,9 @@ import pytest
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import receive_all
 from kvtransfer.transport import KVDestination, build_chunks
 
@@ -70,21 +70,21 @@ def _fill(worker: DecodeWorker, dest: KVDestination) -> None:
 
 
 def test_prefers_local_counts_only_the_uncached_part(worker: DecodeWorker) -> None:
-    job = PrefillJob("long", PROMPT, GREEDY)
+    job = Job("long", PROMPT, GREEDY)
     assert worker.cached_tokens(job) == 0 and not worker.prefers_local(job)
-    assert worker.prefers_local(PrefillJob("short", PROMPT[:20], GREEDY))
+    assert worker.prefers_local(Job("short", PROMPT[:20], GREEDY))
     worker.start_local(job)  # served here: its full pages enter the prefix cache
     while worker.engine.has_unfinished():
         worker.step()
-    again = PrefillJob("again", PROMPT + (7, 8, 9), GREEDY)
+    again = Job("again", PROMPT + (7, 8, 9), GREEDY)
     assert worker.cached_tokens(again) == 80 and worker.prefers_local(again)
-    other_tenant = PrefillJob("t2", PROMPT + (7, 8, 9), GREEDY, cache_salt="t2")
+    other_tenant = Job("t2", PROMPT + (7, 8, 9), GREEDY, cache_salt="t2")
     assert worker.cached_tokens(other_tenant) == 0 and not worker.prefers_local(other_tenant)
     assert _whole(worker)
 
 
 def test_every_end_of_a_reservation_returns_its_pages(worker: DecodeWorker, clock: Clock, settles: list[int]) -> None:
-    job = PrefillJob("r", PROMPT, GREEDY)
+    job = Job("r", PROMPT, GREEDY)
     dest = worker.reserve(job, 1)
     assert dest is not None and worker.num_reserved_pages == 5
     worker.cancel(dest)
@@ -97,7 +97,7 @@ def test_every_end_of_a_reservation_returns_its_pages(worker: DecodeWorker, cloc
     worker.abort(job.req_id)
     assert _whole(worker)
 
-    job = PrefillJob("r2", PROMPT, GREEDY)  # an aborted id is never placed again
+    job = Job("r2", PROMPT, GREEDY)  # an aborted id is never placed again
     open_dest = worker.reserve(job, 1)
     assert open_dest is not None
     clock.now += 5.0
@@ -115,7 +115,7 @@ def test_every_end_of_a_reservation_returns_its_pages(worker: DecodeWorker, cloc
 
 
 def test_an_admitted_transfer_is_the_requests(worker: DecodeWorker, clock: Clock) -> None:
-    job = PrefillJob("a", PROMPT, GREEDY)
+    job = Job("a", PROMPT, GREEDY)
     dest = worker.reserve(job, 1)
     assert dest is not None
     _fill(worker, dest)
@@ -131,7 +131,7 @@ def test_a_placement_arriving_after_its_abort_takes_nothing(worker: DecodeWorker
     """Ray does not order an async actor's calls: the gateway's abort of a request it gave up
     can run before that request's place. The late placement must reserve nothing and start
     nothing (else its pages stay held until the reservation TTL)."""
-    job = PrefillJob("late", PROMPT, GREEDY)
+    job = Job("late", PROMPT, GREEDY)
     worker.abort("late")  # nothing of it here yet
     assert worker.was_aborted("late")
     with pytest.raises(RuntimeError, match="aborted"):

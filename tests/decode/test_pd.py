@@ -15,10 +15,10 @@ import torch
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, decode_chunk
 from kvtransfer.grpc_transport import GrpcSender, start_kv_server
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import LocalSender
 from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
 from kvtransfer.transport import build_chunks
@@ -33,7 +33,7 @@ def engines(tiny_model_dir: Path) -> tuple[Engine, Engine, Engine]:
     return Engine(cfg), Engine(replace(cfg, max_prefill_chunk=64)), Engine(cfg)
 
 
-async def _pd(prefill: PrefillWorker, decode: DecodeWorker, sender: Any, job: PrefillJob) -> list[int]:
+async def _pd(prefill: PrefillWorker, decode: DecodeWorker, sender: Any, job: Job) -> list[int]:
     if decode.prefers_local(job):
         decode.start_local(job)
         tokens: list[int] = []
@@ -57,11 +57,11 @@ async def _pd(prefill: PrefillWorker, decode: DecodeWorker, sender: Any, job: Pr
     return tokens
 
 
-def _jobs() -> list[PrefillJob]:
+def _jobs() -> list[Job]:
     rng = np.random.default_rng(8)
     seeded = SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True)
     return [
-        PrefillJob(f"j{i}", tuple(rng.integers(4, 16_384, size=n).tolist()), params)
+        Job(f"j{i}", tuple(rng.integers(4, 16_384, size=n).tolist()), params)
         for i, (n, params) in enumerate([(10, GREEDY), (40, GREEDY), (200, GREEDY), (200, seeded), (333, GREEDY)])
     ]
 
@@ -100,7 +100,7 @@ async def test_forged_reused_and_stale_pushes_are_refused(engines: tuple[Engine,
     _, p_engine, d_engine = engines
     prefill, decode = PrefillWorker(p_engine, epoch=7), DecodeWorker(d_engine)
     sender = LocalSender({"decode-0": decode.receiver})
-    job = PrefillJob("forge", tuple(range(100, 180)), GREEDY)
+    job = Job("forge", tuple(range(100, 180)), GREEDY)
     dest = decode.reserve(job, sender_epoch=7)
     assert dest is not None
     prefill.submit(job, dest)
@@ -134,7 +134,7 @@ async def test_an_unused_reservation_expires_and_its_pages_return(engines: tuple
     _, _, d_engine = engines
     decode = DecodeWorker(d_engine, reservation_ttl_s=0.05)
     free_before = d_engine.pool.pages.num_free
-    dest = decode.reserve(PrefillJob("lost", tuple(range(64)), GREEDY), sender_epoch=1)
+    dest = decode.reserve(Job("lost", tuple(range(64)), GREEDY), sender_epoch=1)
     assert dest is not None and d_engine.pool.pages.num_free < free_before
     await asyncio.sleep(0.1)
     decode.step()  # expiry runs first

@@ -11,6 +11,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
+from engine.job import Job
 from engine.sampling import SamplingParams
 
 
@@ -23,7 +24,7 @@ async def _collect(
     front: AsyncEngine, req_id: str, prompt: list[int], params: SamplingParams
 ) -> list[int]:
     tokens: list[int] = []
-    async for out in front.generate(req_id, prompt, params):
+    async for out in front.generate(Job(req_id, tuple(prompt), params)):
         tokens.extend(out.token_ids)
     return tokens
 
@@ -51,7 +52,7 @@ async def test_cancelled_consumer_aborts_and_frees_pages(sync_engine: Engine) ->
     try:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         seen = 0
-        stream = front.generate("long", list(range(10, 60)), params)
+        stream = front.generate(Job("long", tuple(range(10, 60)), params))
         async for _ in stream:
             seen += 1
             if seen == 3:
@@ -93,7 +94,7 @@ async def test_a_reader_that_falls_behind_is_cancelled_without_stalling(sync_eng
     front.start()
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        slow = front.generate("slow", list(range(20, 40)), params)
+        slow = front.generate(Job("slow", tuple(range(20, 40)), params))
         await anext(slow)  # then stop reading
         fast = await _collect(front, "fast", [11, 12, 13], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
         assert len(fast) == 30  # the batch kept stepping while "slow" did not read

@@ -19,6 +19,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.omp import gnu_openmp, release_thread_pool
 from engine.sampling import SamplingParams
 
@@ -98,7 +99,7 @@ def test_starting_the_step_thread_releases_the_pool_of_the_thread_that_built_the
             left = builders_workers & _tasks_named("baton-omp-b")
             try:
                 got: list[int] = []
-                async for out in front.generate("r", list(range(30, 90)), params):
+                async for out in front.generate(Job("r", tuple(range(30, 90)), params)):
                     got.extend(out.token_ids)
             finally:
                 await front.stop()

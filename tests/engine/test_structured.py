@@ -28,6 +28,7 @@ from engine.constraint import MAX_SCHEMA_DEPTH, Constraint, ConstraintError
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.errors import BatonError, ConfigError
+from engine.job import Job
 from engine.request import FinishReason
 from engine.sampler import TokenMask, _apply_mask
 from engine.sampling import SamplingParams
@@ -462,7 +463,7 @@ async def test_async_engine_compiles_off_the_step_thread_and_refuses_before_queu
         assert not engine.is_prepared(SamplingParams(constraint=constraint))
 
         async def collect(req_id: str, params: SamplingParams) -> list[int]:
-            return [t async for out in front.generate(req_id, [9, 10, 11], params) for t in out.token_ids]
+            return [t async for out in front.generate(Job(req_id, (9, 10, 11), params)) for t in out.token_ids]
 
         bad = SamplingParams(constraint=Constraint("json_schema", '{"type": "foo"}'))
         results = await asyncio.gather(

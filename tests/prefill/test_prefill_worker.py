@@ -15,9 +15,9 @@ import pytest
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, DeviceChunk, WireChunk
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.local import LocalSender, receive_all
 from kvtransfer.nccl import NcclReceiver
 from kvtransfer.transport import KVDestination
@@ -53,7 +53,7 @@ async def _stream(queue: asyncio.Queue[WireChunk]) -> AsyncIterator[WireChunk]:
 
 
 async def _prefill_streaming(
-    prefill: PrefillWorker, decode: DecodeWorker, job: PrefillJob
+    prefill: PrefillWorker, decode: DecodeWorker, job: Job
 ) -> tuple[PrefillDone, KVDestination, list[int]]:
     """Prefill `job` into a reservation on `decode`, pushing what each step finished at once;
     the decode side's complete pages after each step."""
@@ -82,7 +82,7 @@ async def _prefill_streaming(
     return done, dest, arrived
 
 
-def _decode(decode: DecodeWorker, job: PrefillJob, dest: KVDestination, done: PrefillDone) -> list[int]:
+def _decode(decode: DecodeWorker, job: Job, dest: KVDestination, done: PrefillDone) -> list[int]:
     decode.start_prefilled(job, dest, done.first_token)
     tokens = [done.first_token]
     while decode.engine.has_unfinished():
@@ -94,7 +94,7 @@ def _decode(decode: DecodeWorker, job: PrefillJob, dest: KVDestination, done: Pr
 async def test_pages_arrive_before_the_last_chunk_is_computed(engines: tuple[Engine, Engine, Engine]) -> None:
     single, p_engine, d_engine = engines
     prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
-    job = PrefillJob("stream", _prompt(1, 200), GREEDY)  # 13 pages, 4 steps of 64 tokens
+    job = Job("stream", _prompt(1, 200), GREEDY)  # 13 pages, 4 steps of 64 tokens
     done, dest, arrived = await _prefill_streaming(prefill, decode, job)
     assert arrived == [4, 8, 12, 13]  # the partial last page comes with the first token
     assert [c.header.dest_page_ids for c in done.chunks] == [list(dest.dest_page_ids[12:])]
@@ -107,11 +107,11 @@ async def test_a_cached_prefix_goes_with_the_first_step(engines: tuple[Engine, E
     single, p_engine, d_engine = engines
     prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
     shared = _prompt(2, 160)  # 10 pages
-    first = PrefillJob("warm", shared + _prompt(3, 20), GREEDY)
+    first = Job("warm", shared + _prompt(3, 20), GREEDY)
     _, dest, _ = await _prefill_streaming(prefill, decode, first)
     decode.cancel(dest)  # only the prefill side's cache matters here
 
-    job = PrefillJob("hit", shared + _prompt(4, 100), GREEDY)  # 17 pages, 10 of them cached
+    job = Job("hit", shared + _prompt(4, 100), GREEDY)  # 17 pages, 10 of them cached
     done, dest, arrived = await _prefill_streaming(prefill, decode, job)
     assert done.output.num_cached_tokens == 160
     assert arrived == [14, 17]  # the cached 10 and the 4 computed in step 1, then the rest
@@ -124,7 +124,7 @@ def test_device_chunks_stream_as_computed_and_verify_on_the_decode_side(engines:
     what a recv would land, step by step as the prefill computes."""
     single, p_engine, d_engine = engines
     prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
-    job = PrefillJob("device", _prompt(7, 200), GREEDY)
+    job = Job("device", _prompt(7, 200), GREEDY)
     dest = decode.reserve(job, prefill.epoch)
     assert dest is not None
     prefill.submit(job, dest, on_device=True)
@@ -157,7 +157,7 @@ def test_chunks_stay_within_what_a_receiver_accepts(engines: tuple[Engine, Engin
     limits = CodecLimits(max_chunk_bytes=3 * page_bytes)
     prefill, decode = PrefillWorker(p_engine, pages_per_chunk=32, limits=limits), DecodeWorker(d_engine, "decode-0")
     assert prefill.pages_per_chunk == 3
-    job = PrefillJob("bounded", _prompt(8, 200), GREEDY)  # 13 pages
+    job = Job("bounded", _prompt(8, 200), GREEDY)  # 13 pages
     dest = decode.reserve(job, prefill.epoch)
     assert dest is not None
     prefill.submit(job, dest)
@@ -174,7 +174,7 @@ def test_chunks_stay_within_what_a_receiver_accepts(engines: tuple[Engine, Engin
 def test_a_caller_that_never_takes_gets_every_page_at_the_end(engines: tuple[Engine, Engine, Engine]) -> None:
     _, p_engine, d_engine = engines
     prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
-    job = PrefillJob("whole", _prompt(5, 200), GREEDY)
+    job = Job("whole", _prompt(5, 200), GREEDY)
     dest = decode.reserve(job, prefill.epoch)
     assert dest is not None
     prefill.submit(job, dest)
@@ -187,7 +187,7 @@ def test_a_caller_that_never_takes_gets_every_page_at_the_end(engines: tuple[Eng
 def test_an_aborted_prompt_hands_out_nothing_more(engines: tuple[Engine, Engine, Engine]) -> None:
     _, p_engine, d_engine = engines
     prefill, decode = PrefillWorker(p_engine), DecodeWorker(d_engine, address="decode-0")
-    job = PrefillJob("gone", _prompt(6, 300), GREEDY)
+    job = Job("gone", _prompt(6, 300), GREEDY)
     dest = decode.reserve(job, prefill.epoch)
     assert dest is not None
     prefill.submit(job, dest)

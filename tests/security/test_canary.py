@@ -40,12 +40,12 @@ from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.errors import CheckpointError
+from engine.job import Job
 from engine.loader import load_state_dict
 from kvcache.disk import DiskTier
 from kvcache.disk_record import encode_record
 from kvtransfer.codec import ChunkMeta, encode_chunk, frame
 from kvtransfer.grpc_transport import PUSH, GrpcSender, start_kv_server
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.shm import PUSH_SHM, ShmRegion, shm_handler
 from kvtransfer.transport import KVDestination, build_chunks
 from tests.etcd_server import EtcdServer
@@ -198,7 +198,7 @@ async def _push_raw(address: str, messages: list[bytes]) -> pb.PushAck:
 
 async def test_kv_push_refuses_the_canary_raw_and_framed(kv_server: tuple[DecodeWorker, str], canary: Canary) -> None:
     worker, address = kv_server
-    dest = worker.reserve(PrefillJob("canary", PROMPT, _sampling()), sender_epoch=3)
+    dest = worker.reserve(Job("canary", PROMPT, _sampling()), sender_epoch=3)
     assert dest is not None
     forged = encode_chunk(ChunkMeta(dest.req_id, dest.transfer_id, b"\x00" * 16, 3, dest.dest_page_ids),
                           _kv_pages(worker, 5, canary.payload))  # fmt: skip
@@ -225,7 +225,7 @@ async def test_kv_push_refuses_the_canary_raw_and_framed(kv_server: tuple[Decode
 
 async def test_kv_push_shm_refuses_the_canary(kv_server: tuple[DecodeWorker, str], canary: Canary) -> None:
     worker, address = kv_server
-    dest = worker.reserve(PrefillJob("canary-shm", PROMPT, _sampling()), sender_epoch=3)
+    dest = worker.reserve(Job("canary-shm", PROMPT, _sampling()), sender_epoch=3)
     assert dest is not None
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.ShmReply.FromString)(timeout=10)

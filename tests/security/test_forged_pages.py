@@ -28,11 +28,11 @@ from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import ChunkMeta, WireChunk, encode_chunk
 from kvtransfer.grpc_transport import GrpcSender, start_kv_server
-from kvtransfer.jobs import PrefillJob
 from kvtransfer.shm import ShmRegion, ShmSender, shm_handler
 from kvtransfer.transport import KVDestination, build_chunks
 
@@ -62,7 +62,7 @@ async def side(engine: Engine) -> AsyncIterator[Side]:
     assert engine.prefix_cache is not None
     engine.prefix_cache.clear()
     worker = DecodeWorker(engine, reservation_ttl_s=30.0)
-    worker.start_local(PrefillJob("warm", WARM, GREEDY))  # the cache holds someone's pages
+    worker.start_local(Job("warm", WARM, GREEDY))  # the cache holds someone's pages
     while engine.has_unfinished():
         worker.step()
     assert engine.prefix_cache.num_cached_pages == 3
@@ -145,8 +145,8 @@ async def test_a_forged_push_is_refused_and_changes_no_cache(side: Side, transpo
     worker, engine = side.worker, side.worker.engine
     free_before = engine.pool.pages.num_free
     # Given an open reservation for PROMPT (and another request's, whose token may be stolen)
-    job = PrefillJob("victim", PROMPT, GREEDY)
-    dest, other = worker.reserve(job, EPOCH), worker.reserve(PrefillJob("other", PROMPT[:40], GREEDY), EPOCH)
+    job = Job("victim", PROMPT, GREEDY)
+    dest, other = worker.reserve(job, EPOCH), worker.reserve(Job("other", PROMPT[:40], GREEDY), EPOCH)
     assert dest is not None and other is not None
     cached_page = engine.prefix_cache.cached_page_ids()[0] if engine.prefix_cache else 0
     cache, kv = _cache_state(engine), engine.pool.kv.clone()
@@ -176,7 +176,7 @@ async def test_a_forged_push_is_refused_and_changes_no_cache(side: Side, transpo
     await _complete_and_admit(side, transport, job, dest)
 
 
-async def _complete_and_admit(side: Side, transport: str, job: PrefillJob, dest: KVDestination) -> None:
+async def _complete_and_admit(side: Side, transport: str, job: Job, dest: KVDestination) -> None:
     worker, engine = side.worker, side.worker.engine
     pages = _pages(worker, len(dest.dest_page_ids), seed=2)
     chunks = build_chunks(dest, pages, EPOCH, pages_per_chunk=2, page_hashes=[FORGED_HASH] * len(pages))
@@ -197,7 +197,7 @@ async def _complete_and_admit(side: Side, transport: str, job: PrefillJob, dest:
 
 async def test_a_replay_after_completion_cannot_overwrite_the_pages(side: Side) -> None:
     worker, engine = side.worker, side.worker.engine
-    job = PrefillJob("done", PROMPT, GREEDY)
+    job = Job("done", PROMPT, GREEDY)
     dest = worker.reserve(job, EPOCH)
     assert dest is not None
     sender = side.senders["grpc"]
@@ -226,7 +226,7 @@ async def test_tokenless_shm_streams_cannot_hold_every_slot(engine: Engine) -> N
     try:
         calls = [channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.ShmReply.FromString)()
                  for channel in channels]  # fmt: skip
-        victim = worker.reserve(PrefillJob("victim", PROMPT[:32], GREEDY), EPOCH)
+        victim = worker.reserve(Job("victim", PROMPT[:32], GREEDY), EPOCH)
         assert victim is not None
         guessed = pb.PageChunkHeader(req_id="victim", transfer_id=victim.transfer_id, transfer_token=b"\x00" * 16,
                                      sender_epoch=EPOCH)  # fmt: skip
@@ -236,7 +236,7 @@ async def test_tokenless_shm_streams_cannot_hold_every_slot(engine: Engine) -> N
             assert reply.HasField("ack") and reply.ack.error == "refused" and not reply.free_offsets
         # two more say nothing at all; meanwhile every slot is still free
         assert region.num_free == 4 and worker.book.refused_bad_token == 2
-        dest = worker.reserve(PrefillJob("starved", PROMPT[:32], GREEDY), EPOCH)
+        dest = worker.reserve(Job("starved", PROMPT[:32], GREEDY), EPOCH)
         assert dest is not None
         result = await sender.send(dest, build_chunks(dest, _pages(worker, 2), EPOCH), 1.0)
         worker.cancel(dest)

@@ -16,6 +16,7 @@ every hint they could think of (request-id and worker headers, tenant claims, `u
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import random
@@ -33,6 +34,7 @@ from batonpb.baton.v1 import generation_pb2 as gen_pb
 from cluster.edge.frontend import EngineFront
 from cluster.placement.policy import Placer
 from engine.async_engine import AsyncEngine
+from engine.job import Job
 from engine.sampling import SamplingParams
 from tests.security.conftest import ALPHA_KEY, BETA_KEY, MODEL, OPS_KEY, Guarded, bearer
 
@@ -69,9 +71,9 @@ def recorded(guarded: Guarded, monkeypatch: pytest.MonkeyPatch) -> Iterator[list
     original = front.generate
     calls: list[Call] = []
 
-    def generate(req_id: str, prompt_ids: Any, sampling: SamplingParams, priority: int = 0, cache_salt: str = "") -> Any:
-        calls.append(Call(req_id, tuple(prompt_ids), sampling, priority, cache_salt))
-        return original(req_id, prompt_ids, sampling, priority, cache_salt=cache_salt)
+    def generate(job: Job) -> Any:
+        calls.append(Call(job.req_id, tuple(job.prompt_ids), job.sampling, job.priority, job.cache_salt))
+        return original(job)
 
     monkeypatch.setattr(front, "generate", generate)
     yield calls
@@ -202,14 +204,17 @@ def _cancelled(guarded: Guarded, expected: float | None = None) -> float:
         time.sleep(0.05)
 
 
-ALLOWED_PARAMETERS = ["self", "req_id", "prompt_ids", "sampling", "priority", "cache_salt"]
+ALLOWED_FIELDS = ["req_id", "prompt_ids", "sampling", "priority", "cache_salt"]
 
 
 def test_the_engine_side_and_the_placer_take_no_hint() -> None:
-    # Everything placement may use crosses this signature; a hint would need a new parameter
+    # Everything placement may use crosses this signature, one Job whole; a hint would need a
+    # new parameter or a new field of the Job
     from cluster.fleet.front import RayFront
     from cluster.fleet.pd import PDFront
 
+    assert [f.name for f in dataclasses.fields(Job)] == ALLOWED_FIELDS
     for front in (EngineFront, AsyncEngine, PDFront, RayFront):
-        assert list(inspect.signature(front.generate).parameters) == ALLOWED_PARAMETERS, front
+        params = inspect.signature(front.generate).parameters
+        assert [(name, p.annotation) for name, p in params.items()] == [("self", inspect.Parameter.empty), ("job", "Job")], front
     assert list(inspect.signature(Placer.place).parameters) == ["self", "req_id", "hashes", "num_tokens", "tenant"]
