@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from cluster.fleet import ray_runtime  # noqa: F401  (before `ray`)
@@ -44,17 +45,10 @@ async def prefill_call(prefill: PrefillHandle, ref: Any, timeout_s: float) -> Pr
     """The prefill's first token within `timeout_s` (the reservation's life), else TimeoutError;
     Stalled as soon as the worker stalls or dies."""
     call = abandonable(ray_await(ref))
-    trouble = asyncio.ensure_future(prefill.trouble.wait())
-    try:
-        done, _ = await asyncio.wait({call, trouble}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        trouble.cancel()
-    if call in done:
+    if await _answered(call, prefill.trouble, timeout_s,
+                       lambda: Stalled(f"prefill worker {prefill.name} stalled or died")):  # fmt: skip
         result: PrefillResult = call.result()
         return result
-    call.cancel()
-    if trouble in done:
-        raise Stalled(f"prefill worker {prefill.name} stalled or died")
     raise TimeoutError
 
 
@@ -62,15 +56,8 @@ async def decode_call(decode: DecodeHandle, ref: Any, timeout_s: float) -> Any:
     """A call to `decode` within `timeout_s`, else TimeoutError; WorkerLost as soon as it stalls
     or dies. An exception the actor raised (the engine refusing the request) is raised here."""
     call = abandonable(ray_await(ref))
-    trouble = asyncio.ensure_future(decode.trouble.wait())
-    try:
-        done, _ = await asyncio.wait({call, trouble}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        trouble.cancel()
-    if call not in done:
-        call.cancel()
-        if trouble in done:
-            raise WorkerLost(f"decode worker {decode.name} stalled or failed")
+    if not await _answered(call, decode.trouble, timeout_s,
+                           lambda: WorkerLost(f"decode worker {decode.name} stalled or failed")):  # fmt: skip
         raise TimeoutError
     try:
         return call.result()
@@ -82,6 +69,24 @@ async def decode_call(decode: DecodeHandle, ref: Any, timeout_s: float) -> Any:
         if isinstance(cause, Exception):  # e.g. the engine refusing the request
             raise cause from None
         raise
+
+
+async def _answered(
+    call: asyncio.Future[Any], trouble: asyncio.Event, timeout_s: float, lost: Callable[[], Exception]
+) -> bool:
+    """Whether `call` ended within `timeout_s`; raises `lost()` as soon as the worker's trouble
+    is set first (the call is cancelled then, as when the time runs out)."""
+    watch = asyncio.ensure_future(trouble.wait())
+    try:
+        done, _ = await asyncio.wait({call, watch}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if call in done:
+        return True
+    call.cancel()
+    if watch in done:
+        raise lost()
+    return False
 
 
 class Pending:

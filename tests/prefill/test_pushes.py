@@ -11,43 +11,17 @@ import pytest
 import torch
 
 from engine.faults import FaultPoints
-from kvcache.pool import DevicePool, KVLayout
 from kvtransfer.grpc_transport import start_kv_server
-from kvtransfer.transport import (
-    KVDestination,
-    PoolReceiver,
-    Reservation,
-    ReservationBook,
-    build_chunks,
-)
+from kvtransfer.transport import KVDestination, build_chunks
 from prefill.pushes import Pushes
+from tests.kvtransfer.test_transports import EPOCH, Decode, _assert_landed, _prefill_pages
 
 pytestmark = pytest.mark.timeout(60)
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=16)
-EPOCH = 3
-
-
-class Decode:
-    def __init__(self) -> None:
-        self.pool = DevicePool(LAYOUT, 32, torch.float32)
-        self.released: list[Reservation] = []
-        self.book = ReservationBook(LAYOUT.num_layers, self._release)
-        self.receiver = PoolReceiver(self.pool, self.book)
-
-    def _release(self, res: Reservation) -> None:
-        self.released.append(res)
-        self.pool.pages.free(res.page_ids)
-
-    def reserve(self, address: str, n: int) -> KVDestination:
-        pages = self.pool.pages.allocate(n)
-        assert pages is not None
-        return self.book.reserve(address, "req-1", pages, EPOCH, 30.0)
 
 
 @pytest.fixture
 async def decode() -> AsyncIterator[tuple[Decode, str]]:
-    side = Decode()
+    side = Decode()  # the decode side of the transport tests: a pool, a book, a receiver
     server, port = await start_kv_server(side.receiver, "127.0.0.1:0")
     yield side, f"127.0.0.1:{port}"
     await server.stop(grace=None)
@@ -61,17 +35,15 @@ async def pushes() -> AsyncIterator[Pushes]:
 
 
 def _kv(n: int) -> torch.Tensor:
-    src = DevicePool(LAYOUT, n, torch.float32)
-    src.kv.copy_(torch.randn(src.kv.shape, generator=torch.Generator().manual_seed(5)))
-    return torch.stack([src.read_page(i) for i in range(n)])
+    return torch.stack(_prefill_pages(n))
 
 
 async def test_pages_fed_while_computing_and_at_the_first_token_land_whole(
     decode: tuple[Decode, str], pushes: Pushes
 ) -> None:
     side, address = decode
-    dest, kv = side.reserve(address, 6), _kv(6)
-    chunks = build_chunks(dest, kv, EPOCH, pages_per_chunk=2)
+    dest, pages = side.reserve(address, 6), _prefill_pages(6)
+    chunks = build_chunks(dest, pages, EPOCH, pages_per_chunk=2)
     push = pushes.open("req-1", dest)
     pushes.feed(dest.transfer_id, tuple(chunks[:2]))  # whole pages of a prompt still computing
     pushes.first_token(push, tuple(chunks[2:]))  # the rest, the last page included
@@ -79,9 +51,8 @@ async def test_pages_fed_while_computing_and_at_the_first_token_land_whole(
     assert report.accepted and report.transport == "grpc" and report.num_pages == 6, report
     assert report.num_bytes == sum(c.header.payload_bytes for c in chunks)
     assert 0 <= report.wire_seconds <= report.seconds
-    for page_id, page in zip(dest.dest_page_ids, kv, strict=True):
-        assert torch.equal(side.pool.read_page(page_id), page)
-    assert dest.transfer_id in side.book.completed and pushes.num_transfers == 1 and not pushes.num_failed
+    _assert_landed(side, dest, pages)  # exactly those pages, the reservation complete
+    assert pushes.num_transfers == 1 and not pushes.num_failed
     assert not pushes.in_flight() and not pushes.num_running
 
 
