@@ -55,6 +55,16 @@ def pin_process(core: int) -> int:
     return core
 
 
+async def idle(wake: asyncio.Event, timeout_s: float) -> None:
+    """A step loop with nothing to step: wait until `wake` is set (new work) or `timeout_s`
+    passes (the loop's periodic duties: expiry, leases), whichever comes first."""
+    wake.clear()
+    try:
+        await asyncio.wait_for(wake.wait(), timeout_s)
+    except TimeoutError:
+        pass
+
+
 async def between_steps() -> None:
     """Let the event loop run what is ready before the next (blocking) engine step.
 

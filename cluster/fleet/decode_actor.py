@@ -25,7 +25,7 @@ import time
 import grpc
 import torch
 
-from cluster.fleet.cpu import between_steps, core_for, pin_process
+from cluster.fleet.cpu import between_steps, core_for, idle, pin_process
 from cluster.fleet.output_feed import OutputFeed
 from cluster.fleet.registration import Registration, WorkerActor
 from cluster.fleet.worker_msgs import DecodeStats, OutputBatch
@@ -226,11 +226,7 @@ class DecodeActor(WorkerActor):
                 self.worker.expire()
                 if not engine.has_unfinished():
                     engine.flush_cache()
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), IDLE_WAIT_S)
-                    except TimeoutError:
-                        pass
+                    await idle(self._wake, IDLE_WAIT_S)
                     continue
                 outputs = engine.step()
                 if outputs:

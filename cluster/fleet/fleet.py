@@ -130,7 +130,8 @@ class Fleet:
         # sockets), then end them: the actors are this gateway's and go with it.
         closing = [p.actor.close.remote() for p in self.prefills if p.is_alive]
         closing += [d.actor.close.remote() for d in self.decodes if d.is_alive]
-        await asyncio.wait([asyncio.ensure_future(ray_await(ref)) for ref in closing], timeout=STOP_S)
+        if closing:  # asyncio.wait refuses an empty set (every actor already dead)
+            await asyncio.wait([asyncio.ensure_future(ray_await(ref)) for ref in closing], timeout=STOP_S)
         for actor in [p.actor for p in self.prefills] + [d.actor for d in self.decodes]:
             ray.kill(actor)
         self._spawned.clear()

@@ -128,20 +128,20 @@ class RayFront:
         prompt + the tokens already emitted go to a healthy pair as a new attempt (at most
         cfg.max_migrations times), and the stream goes on with no gap and no repeat. With no
         capacity left, the WorkerLost (or the placement's refusal) reaches the client."""
-        request, req_id, sampling = job, job.req_id, job.sampling
+        req_id, sampling = job.req_id, job.sampling
         if sampling.seed is None and not sampling.is_greedy:
             sampling = replace(sampling, seed=secrets.randbits(62))  # a re-run replays the stream
         trace = trace_of(req_id)  # the edge's span (cluster.ops.tracing), or one that records nothing
-        prompt, emitted = request.prompt_ids, 0
+        prompt, emitted = job.prompt_ids, 0
         for attempt in range(self.cfg.max_migrations + 1):
-            job = replace(request, req_id=req_id if attempt == 0 else f"{req_id}@{attempt}", prompt_ids=prompt,
-                          sampling=_continued(sampling, emitted))  # fmt: skip
+            this = replace(job, req_id=req_id if attempt == 0 else f"{req_id}@{attempt}", prompt_ids=prompt,
+                           sampling=_continued(sampling, emitted))  # fmt: skip
             base = emitted
             try:
-                async for out in self._attempt(job, trace):
+                async for out in self._attempt(this, trace):
                     if base:  # counted from the original request's start, under its id
                         out = replace(out, req_id=req_id, num_output_tokens=out.num_output_tokens + base,
-                                      num_prompt_tokens=len(request.prompt_ids))  # fmt: skip
+                                      num_prompt_tokens=len(job.prompt_ids))  # fmt: skip
                     prompt += tuple(out.token_ids)
                     emitted += len(out.token_ids)
                     yield out

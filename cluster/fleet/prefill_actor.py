@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from cluster.fleet.cpu import between_steps, core_for, pin_process
+from cluster.fleet.cpu import between_steps, core_for, idle, pin_process
 from cluster.fleet.registration import Registration, WorkerActor
 from cluster.fleet.worker_msgs import PrefillResult, PrefillStats
 from cluster.membership.protocol import Role
@@ -190,11 +190,7 @@ class PrefillActor(WorkerActor):
                 await asyncio.sleep(min(pause, IDLE_WAIT_S))
                 continue
             if not self.worker.has_work():
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), IDLE_WAIT_S)
-                except TimeoutError:
-                    pass
+                await idle(self._wake, IDLE_WAIT_S)
                 continue
             scheduler = self.worker.engine.scheduler
             pending, start = scheduler.num_pending_tokens, time.perf_counter()
