@@ -148,15 +148,12 @@ class DecodeWorker:
         if done is None:
             raise TransferError(f"transfer {dest.transfer_id} did not complete")
         self._forget(done)
-        self.engine.add_prefilled(
-            job.req_id, job.prompt_ids, first_token, job.sampling, list(done.page_ids), job.priority,
-            job.cache_salt, num_cached_tokens,
-        )
+        self.engine.add_prefilled(job, first_token, list(done.page_ids), num_cached_tokens)
 
     def start_local(self, job: Job) -> None:
         if self.was_aborted(job.req_id):
             raise RuntimeError(f"{job.req_id} was aborted: it is not started")
-        self.engine.add_request(job.req_id, job.prompt_ids, job.sampling, job.priority, job.cache_salt)
+        self.engine.add(job)
 
     def abort(self, req_id: str) -> None:
         """Stop `req_id` wherever it is: running, still waiting on its pages, or not yet

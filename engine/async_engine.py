@@ -99,8 +99,7 @@ class AsyncEngine:
         """Stream a job's outputs; raises the engine's RequestError (or ConstraintError) if
         it is refused. A constraint is compiled off the step thread before the request is
         queued (see `prepare`)."""
-        stream = self.stream(job.req_id, lambda e: e.add_request(job.req_id, job.prompt_ids, job.sampling,
-                                                                 job.priority, job.cache_salt))  # fmt: skip
+        stream = self.stream(job.req_id, lambda e: e.add(job))
         if self.engine.is_prepared(job.sampling):
             return stream
         return self._prepared(job.sampling, stream)

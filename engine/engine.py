@@ -23,11 +23,12 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.faults import FaultPoints
+from engine.job import Job
 from engine.loader import checkpoint_fingerprint, load_state_dict
-from engine.model import CausalLM, FusedOps
+from engine.model import CausalLM, fused_ops_for
 from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.request import FinishReason, Request, RequestStatus
-from engine.runner import PENDING, Carry, ForwardResult, ModelRunner, RunResult
+from engine.runner import PENDING, ForwardResult, InFlight, ModelRunner, RunResult
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, deferrable
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
@@ -43,48 +44,8 @@ from kvcache.tiers import build_tiers
 logger = logging.getLogger(__name__)
 
 
-class _InFlight:
-    """A step sampled on the device and not read back (async scheduling): its tokens, the
-    PENDING slot each request holds for its token, and each request's row in `tokens`."""
-
-    def __init__(self, tokens: torch.Tensor, pending: list[tuple[Request, int]], rows: dict[Request, int]) -> None:
-        self.tokens = tokens
-        self.pending = pending
-        self.rows = rows
-        self.resolved = False
-        self._host = tokens.to("cpu", non_blocking=True)  # pinned, when tokens are on a GPU
-        self._event: torch.cuda.Event | None = None
-        if tokens.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    @property
-    def carry(self) -> Carry:
-        return Carry(self.tokens, self.rows)
-
-    def read(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
-
-
 def _no_fence() -> None:
     pass
-
-
-def _fused_ops(backend: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> FusedOps | None:
-    """The model's fused elementwise kernels for this attention backend: Triton's on CUDA, the
-    compiled CPU ones for a float32 model on the cpu backend (its library is already built:
-    the backend was resolved by loading it); else None, the torch ops."""
-    if backend == "triton" and device.type == "cuda":
-        from engine import triton_ops
-
-        return triton_ops
-    if backend == "cpu" and device.type == "cpu" and dtype == torch.float32:
-        from engine.cpu_ops import CpuOps
-
-        return CpuOps(kv_dtype)
-    return None
 
 
 class Engine:
@@ -135,7 +96,7 @@ class Engine:
         # Tokenizer files and config.json may each name EOS ids (Llama 3 lists several): stop on any.
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
         backend = cfg.resolve_attention_backend(self.model.dtype, self.kv_dtype)
-        self.model.fused_ops = _fused_ops(backend, self.device, self.model.dtype, self.kv_dtype)
+        self.model.fused_ops = fused_ops_for(backend, self.device, self.model.dtype, self.kv_dtype)
         graphs = None
         if self.device.type == "cuda" and backend == "triton" and cfg.cuda_graph_max_batch > 0:
             graphs = DecodeGraphs(
@@ -149,7 +110,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, sampler, self.eos_ids, backend, graphs)
         use_async = cfg.async_scheduling
         self.async_scheduling = graphs is not None if use_async is None else use_async
-        self._inflight: _InFlight | None = None  # async scheduling: the step not read back yet
+        self._inflight: InFlight | None = None  # async scheduling: the step not read back yet
         self._arrivals = 0
         self._exported: dict[str, ExportedKV] = {}
         # Operator-shared prefixes; the server may add tokenized ones after start-up.
@@ -164,32 +125,37 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        sampling: SamplingParams,
-        priority: int = 0,
-        cache_salt: str = "",
-        export_kv: bool = False,
-    ) -> None:
+    def add(self, job: Job, export_kv: bool = False) -> None:
         """Queue a request; RequestError if it can never run here (checked before any allocation).
 
-        `cache_salt` (the tenant) keys the request's cached pages: only requests with the same
-        salt share them. `export_kv` (the prefill role) keeps a copy of the prompt's KV when the
-        request finishes, for `take_exported`. A constraint that does not compile is a
+        `job.cache_salt` (the tenant) keys the request's cached pages: only requests with the
+        same salt share them. `export_kv` (the prefill role) keeps a copy of the prompt's KV when
+        the request finishes, for `take_exported`. A constraint that does not compile is a
         ConstraintError here (see `prepare` to compile it off the step thread first).
         """
-        self._validate(req_id, prompt_ids, sampling)
-        request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
-        request.matcher = self._new_matcher(sampling)
+        request = self._request(job)
         request.export_kv = export_kv
-        request.cache_salt = cache_salt.encode()
         request.num_shared_pages = self._shared_pages(request.prompt_ids)
-        self._arrivals += 1
-        if self.cfg.detokenize:
-            request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), sampling.stop)
         self.scheduler.add(request)
+
+    def add_request(self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, priority: int = 0,
+                    cache_salt: str = "", export_kv: bool = False) -> None:  # fmt: skip
+        """`add` for a caller without a Job (offline use, benchmarks, tests): the same checks."""
+        self.add(Job(req_id, tuple(prompt_ids), sampling, priority, cache_salt), export_kv)
+
+    def _request(self, job: Job, first_token: int | None = None) -> Request:
+        """A validated Request for `job`; with `first_token` (sampled elsewhere under the same
+        constraint), its constraint's state is advanced past that token."""
+        self._validate(job.req_id, job.prompt_ids, job.sampling)
+        request = Request(job.req_id, list(job.prompt_ids), job.sampling, job.priority, self._arrivals)
+        request.matcher = self._new_matcher(job.sampling)
+        if first_token is not None and request.matcher is not None and request.matcher.advance(first_token) is not None:
+            raise RequestError("constraint", "the first token ends or breaks the constraint; it cannot continue here")
+        self._arrivals += 1
+        request.cache_salt = job.cache_salt.encode()
+        if self.cfg.detokenize:
+            request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), job.sampling.stop)
+        return request
 
     def _shared_pages(self, prompt_ids: list[int]) -> int:
         """Whole pages of the longest operator-shared prefix this prompt starts with."""
@@ -256,7 +222,7 @@ class Engine:
                 self._inflight = prev  # still to be read: the next step starts from it
             raise
 
-    def _step(self, prev: _InFlight | None) -> list[StepOutput]:
+    def _step(self, prev: InFlight | None) -> list[StepOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -290,7 +256,7 @@ class Engine:
         return outputs
 
     def _sample_async(
-        self, sched: SchedulerOutput, fwd: ForwardResult, masks: MaskJob | None, prev: _InFlight | None
+        self, sched: SchedulerOutput, fwd: ForwardResult, masks: MaskJob | None, prev: InFlight | None
     ) -> tuple[RunResult, list[StepOutput]]:
         """Sample step k on the device and leave it in flight when every row allows it (then
         read step k-1 back while the device works); else read k-1, then sample k as usual."""
@@ -307,7 +273,7 @@ class Engine:
             result = self.runner.sample(fwd, rows, masks)
             return result, outputs + self._update(sched.scheduled, result)
         tokens = self.runner.sampler.sample_tokens(fwd.logits, rows)
-        inflight = _InFlight(tokens, [], {})
+        inflight = InFlight(tokens, [], {})
         for request, num_new in sched.scheduled:
             request.num_computed_tokens += num_new
         for request, row in fwd.sampled:
@@ -324,7 +290,7 @@ class Engine:
         empty = SamplerOutput([], [])
         return RunResult([], empty, fwd.forward_s, fwd.num_prefill_tokens, fwd.num_decode_tokens), outputs
 
-    def _resolve(self, inflight: _InFlight) -> list[StepOutput]:
+    def _resolve(self, inflight: InFlight) -> list[StepOutput]:
         """Read a deferred step's tokens back and finish its outputs, in order. A request that
         finished or was aborted meanwhile is skipped; its token is dropped."""
         tokens = inflight.read()
@@ -481,35 +447,17 @@ class Engine:
         """Give back a reservation that will not be used (a failed or expired transfer)."""
         self.pool.pages.free(page_ids)
 
-    def add_prefilled(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        first_token: int,
-        sampling: SamplingParams,
-        page_ids: list[int],
-        priority: int = 0,
-        cache_salt: str = "",
-        num_cached_tokens: int = 0,
-    ) -> None:
+    def add_prefilled(self, job: Job, first_token: int, page_ids: list[int], num_cached_tokens: int = 0) -> None:
         """Join the running batch with a prompt whose KV already fills `page_ids` (reserved
         with `reserve_pages`; ownership passes to the request) and whose first token was
-        sampled elsewhere. The next step samples the second token."""
-        self._validate(req_id, prompt_ids, sampling)
-        request = Request(req_id, list(prompt_ids), sampling, priority, self._arrivals)
-        # The constraint's state after the first token: a fresh matcher advanced by it (the
-        # prefill side sampled it under the same grammar, so it is allowed and not the last).
-        request.matcher = self._new_matcher(sampling)
-        if request.matcher is not None and request.matcher.advance(first_token) is not None:
-            raise RequestError("constraint", "the first token ends or breaks the constraint; it cannot continue here")
-        self._arrivals += 1
-        request.cache_salt = cache_salt.encode()
-        request.num_cached_tokens = num_cached_tokens  # the prefill side's reuse, for usage
+        sampled elsewhere (`num_cached_tokens`: the prefill side's reuse, for usage). The next
+        step samples the second token."""
+        request = self._request(job, first_token)
+        request.num_cached_tokens = num_cached_tokens
         request.output_ids.append(first_token)
         request.num_computed_tokens = len(request.prompt_ids)
         request.page_ids = page_ids
-        if self.cfg.detokenize:
-            request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), sampling.stop)
+        if request.text is not None:
             request.text.push(first_token, check_stop=False)  # its text was streamed by the prefill side
         self.scheduler.add_running(request)
 

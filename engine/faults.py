@@ -9,9 +9,10 @@ engine raises InjectedFault the next `times` times it is reached.
                                            armed, costs one dict lookup when not
 
 Points: "forward" (Engine.step, in place of the model's forward pass); and a prefill
-worker's next push (cluster.fleet.prefill_actor, the points of TRANSFER): "transfer_corrupt" (a
-payload byte flipped in flight), "transfer_truncate" (the stream ends before its last chunk),
-"transfer_stall" (the push stops sending past its deadline).
+worker's next push (prefill.pushes, the points of TRANSFER): "transfer_corrupt" (a payload byte
+flipped in flight; the in-process P/D's local transfer honours it too, cluster.fleet.pd),
+"transfer_truncate" (the stream ends before its last chunk), "transfer_stall" (the push stops
+sending past its deadline).
 """
 
 from __future__ import annotations

@@ -165,3 +165,18 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden, self.lm_head).float()  # [N, vocab]
+
+
+def fused_ops_for(backend: str, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> FusedOps | None:
+    """The model's fused elementwise kernels for this attention backend: Triton's on CUDA, the
+    compiled CPU ones for a float32 model on the cpu backend (its library is already built:
+    the backend was resolved by loading it); else None, the torch ops."""
+    if backend == "triton" and device.type == "cuda":
+        from engine import triton_ops
+
+        return triton_ops
+    if backend == "cpu" and device.type == "cpu" and dtype == torch.float32:
+        from engine.cpu_ops import CpuOps
+
+        return CpuOps(kv_dtype)
+    return None

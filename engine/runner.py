@@ -261,3 +261,28 @@ def order_decodes(decodes: Sequence[ScheduledRequest]) -> tuple[list[ScheduledRe
     keys = prefix_keys(decodes)
     order = sorted(range(len(decodes)), key=lambda i: (keys[i] < 0, keys[i], -decodes[i].request.num_computed_tokens))
     return [decodes[i] for i in order], [keys[i] for i in order]
+
+
+class InFlight:
+    """A step sampled on the device and not read back (async scheduling): its tokens, the
+    PENDING slot each request holds for its token, and each request's row in `tokens`."""
+
+    def __init__(self, tokens: torch.Tensor, pending: list[tuple[Request, int]], rows: dict[Request, int]) -> None:
+        self.tokens = tokens
+        self.pending = pending
+        self.rows = rows
+        self.resolved = False
+        self._host = tokens.to("cpu", non_blocking=True)  # pinned, when tokens are on a GPU
+        self._event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def carry(self) -> Carry:
+        return Carry(self.tokens, self.rows)
+
+    def read(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

@@ -141,6 +141,14 @@ def unframe(data: bytes) -> WireChunk:
     return WireChunk(header, memoryview(data)[4 + size :])
 
 
+def damaged(chunk: WireChunk) -> WireChunk:
+    """Drills only (engine.faults' transfer_corrupt): `chunk` with one payload byte flipped
+    after its checksum, as a damaged link would deliver it."""
+    payload = bytearray(chunk.payload)
+    payload[len(payload) // 2] ^= 0x40
+    return WireChunk(chunk.header, bytes(payload))
+
+
 def encode_chunk(meta: ChunkMeta, pages: Sequence[torch.Tensor] | torch.Tensor) -> WireChunk:
     """One chunk holding `pages` (each [layers, 2, page_size, kv_heads, head_dim]): a list of
     pages, or a page-major block [n, ...] — a contiguous block is sent without a copy."""

@@ -34,7 +34,7 @@ import torch
 
 from engine.faults import TRANSFER as TRANSFER_FAULTS
 from engine.faults import FaultPoints
-from kvtransfer.codec import DeviceChunk, TransferError, WireChunk
+from kvtransfer.codec import DeviceChunk, TransferError, WireChunk, damaged
 from kvtransfer.grpc_transport import GrpcSender
 from kvtransfer.jobs import TransferReport
 from kvtransfer.nccl_link import NcclSender
@@ -265,9 +265,7 @@ class Pushes:
                     raw[raw.numel() // 2] ^= 0x40
                     chunk = DeviceChunk(chunk.header, block)
                 else:
-                    payload = bytearray(chunk.payload)
-                    payload[len(payload) // 2] ^= 0x40
-                    chunk = WireChunk(chunk.header, bytes(payload))
+                    chunk = damaged(chunk)
             elif fault == "transfer_stall" and held is not None:
                 await asyncio.sleep(self.push_deadline_s + 1)  # the deadline passes first
             if held is not None:

@@ -89,7 +89,7 @@ class PrefillWorker:
         """Queue the prefill of `job` on `engine`: one token, sampled with the request's own
         parameters (the seed is keyed on the position, so decode continues the same stream)."""
         first = replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
-        engine.add_request(job.req_id, job.prompt_ids, first, job.priority, job.cache_salt, export_kv=True)
+        engine.add(replace(job, sampling=first), export_kv=True)
 
     def abort(self, req_id: str) -> None:
         self._jobs.pop(req_id, None)

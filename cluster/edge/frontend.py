@@ -21,8 +21,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from cluster.edge.admission import Admission, AdmissionConfig, Ticket
@@ -175,17 +175,23 @@ class Frontend:
         limit = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         return time.monotonic() + limit
 
+    def default_max_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """max_tokens when a request gives none: the rest of the context after its prompt (at
+        least 1: a prompt that leaves no room is refused by `prepare`, which names the prompt).
+        The one place the default is made; the edges build their SamplingParams with it."""
+        return max(1, self.max_model_len - len(prompt_ids))
+
     def prepare(
         self,
         prompt_ids: list[int],
         sampling: SamplingParams,
         tenant: Tenant,
         deadline: float | None,
-        max_tokens_given: bool = True,
         req_id: str | None = None,
     ) -> GenerateRequest:
-        """Check a tokenized prompt against the model; default max_tokens to what is left.
-        `req_id`: the one the edge minted with its trace (else a new one; never the client's)."""
+        """Check a tokenized prompt, and its max_tokens, against the model: the request as one
+        value from here on. `req_id`: the one the edge minted with its trace (else a new one;
+        never the client's)."""
         n = len(prompt_ids)
         if n == 0:
             raise invalid("the prompt is empty", "prompt")
@@ -198,9 +204,7 @@ class Frontend:
                 "prompt",
             )
         remaining = self.max_model_len - n
-        if not max_tokens_given:
-            sampling = replace(sampling, max_tokens=remaining, min_tokens=min(sampling.min_tokens, remaining))
-        elif sampling.max_tokens > remaining:
+        if sampling.max_tokens > remaining:
             raise invalid(
                 f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens",

@@ -273,15 +273,16 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._check_model(request.model)
         trace.set(model=self.frontend.model_name)
         _check_prompt(request, self.frontend.max_model_len)
-        sampling, max_tokens_given = build_sampling(request.sampling, self.frontend.max_model_len)
+        build_sampling(request.sampling, self.frontend.max_model_len - 1)  # every field bounded before admission
         spec = output_spec(request)
-        sampling = replace(sampling, constraint=spec.constraint)
         tenant = self._priority(request, tenant)
         deadline = self.frontend.deadline(context.time_remaining())
         ticket = self.frontend.admit()
         try:
             prompt_ids = await self._prompt_ids(request, spec)
-            req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, max_tokens_given, trace.req_id)
+            sampling = build_sampling(request.sampling, self.frontend.default_max_tokens(prompt_ids))
+            sampling = replace(sampling, constraint=spec.constraint)
+            req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, trace.req_id)
             self.frontend.check_tenant(ticket, req)
             await self.frontend.prepare_constraint(req.job.sampling, spec.param)
         except BaseException:
@@ -413,12 +414,12 @@ def _check_prompt(request: pb.GenerateRequest, max_model_len: int) -> None:
         raise invalid(f"prompt: {kind} must have 1 to {limit} elements, got {size}", "prompt")
 
 
-def build_sampling(s: pb.Sampling, max_model_len: int) -> tuple[SamplingParams, bool]:
+def build_sampling(s: pb.Sampling, default_max_tokens: int) -> SamplingParams:
     """SamplingParams from the message (its constructor bounds every field, naming the bad
-    one); also whether max_tokens was given (absent: the rest of the context)."""
-    given = s.HasField("max_tokens")
-    params = SamplingParams(
-        max_tokens=s.max_tokens if given else max_model_len,
+    one); `default_max_tokens` where it gives none (Frontend.default_max_tokens: the rest of
+    the context)."""
+    return SamplingParams(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
         min_tokens=s.min_tokens,
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -433,7 +434,6 @@ def build_sampling(s: pb.Sampling, max_model_len: int) -> tuple[SamplingParams, 
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
-    return params, given
 
 
 def _delta(out: StepOutput, request_id: str, parser: ToolCallParser | None = None) -> pb.GenerateResponse:

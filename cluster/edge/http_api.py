@@ -391,15 +391,16 @@ def _requests(
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
-    sampling = replace(_sampling(body, max_tokens or frontend.max_model_len), constraint=spec.constraint)
     if cfg.allow_priority_field and body.priority is not None:
         tenant = replace(tenant, priority=body.priority)
     reqs: list[GenerateRequest] = []
     for prompt in prompts:
+        wanted = max_tokens if max_tokens is not None else frontend.default_max_tokens(prompt)
+        sampling = replace(_sampling(body, wanted), constraint=spec.constraint)
         for i in range(body.n):
             params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
             req_id = None if reqs else first_req_id  # the trace's, for the call's first request
-            reqs.append(frontend.prepare(prompt, params, tenant, deadline, max_tokens is not None, req_id))
+            reqs.append(frontend.prepare(prompt, params, tenant, deadline, req_id))
     return reqs
 
 

@@ -8,18 +8,20 @@ draining -- are the Fleet's (cluster.fleet.fleet).
                                                 workers' KV events: decode worker, prefill worker
                                                 (+ fallbacks), or LOCAL; SATURATED -> 429
       subscribe to p.decode's output stream
-      dest = decode.place(job, prefill.epoch)   pages reserved -> KVDestination; or None: the
+      dispatch(job, decode, paths)              cluster.fleet.dispatch, over the actors as sides:
+        decode.place(job, prefill.epoch)        pages reserved -> KVDestination; or None: the
                                                 placement is LOCAL, or the uncached part is short
                                                 (or no room): decode prefills it itself
-      first = prefill.prefill(job, dest)        -> the edge at once; the push runs meanwhile
-      decode.admit(job, dest, first)            joins the batch once every page arrived
+        prefill.prefill(job, dest)              -> the edge at once; the push runs meanwhile
+        decode.admit(job, dest, first)          joins the batch once every page arrived
       outputs: decode's per-step batches, demultiplexed by cluster.fleet.workers.DecodeHandle
 
     failure (prefill dead, push refused, transfer deadline): the reservation is cancelled (its
     pages return to the pool) and the request goes to the next healthy prefill worker, then to
     decode-local prefill. A re-run's first token is the one already sent (greedy, or seeded:
     an unseeded sampled request gets a seed here, so a re-run draws the same stream), so it is
-    not sent twice. Cancellation aborts the request on every worker it touched.
+    not sent twice. Cancellation aborts the request on every worker it touched. A decode worker
+    lost mid-stream: the request moves to another pair with the tokens it emitted (generate).
 
 `ray` is imported after cluster.fleet.ray_runtime (which sets Ray's environment first).
 """
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -38,13 +39,14 @@ from cluster.edge.frontend import ModelView, PoolUsage
 from cluster.errors import EdgeError, Kind
 from cluster.fleet import ray_runtime  # noqa: F401  (before `ray`)
 from cluster.fleet.calls import Stalled, decode_call, prefill_call, ray_await
+from cluster.fleet.dispatch import Handed, PrefillSide, Redispatch, Started, dispatch, replayable
 from cluster.fleet.fleet import Fleet, StartsWorkers
 from cluster.fleet.transfer_metrics import TransferMetrics
 from cluster.fleet.worker_msgs import PrefillResult
 from cluster.fleet.workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
 from cluster.membership.protocol import Membership
 from cluster.ops.node_status import NodeStatus
-from cluster.ops.tracing import NO_SPAN, RequestTrace, Span, first_token, trace_of
+from cluster.ops.tracing import RequestTrace, Span, trace_of
 from cluster.placement.global_index import NO_HIT, GlobalIndex
 from cluster.placement.pair_health import PairHealth, PairRoute
 from cluster.placement.policy import Placement, PlacementConfig, PlacementKind, Placer
@@ -58,17 +60,6 @@ from kvtransfer.transport import KVDestination
 import ray  # isort: skip
 
 logger = logging.getLogger(__name__)
-
-
-class _Placed(NamedTuple):
-    first: StepOutput
-    dest: KVDestination
-    transfer_id: str
-    prefill: PrefillHandle
-
-
-class _Redispatch(Exception):
-    """This path failed; the request goes down the next one."""
 
 
 class RayFront:
@@ -128,9 +119,8 @@ class RayFront:
         prompt + the tokens already emitted go to a healthy pair as a new attempt (at most
         cfg.max_migrations times), and the stream goes on with no gap and no repeat. With no
         capacity left, the WorkerLost (or the placement's refusal) reaches the client."""
+        job = replayable(job)  # a re-run (another path, a migration) replays the stream
         req_id, sampling = job.req_id, job.sampling
-        if sampling.seed is None and not sampling.is_greedy:
-            sampling = replace(sampling, seed=secrets.randbits(62))  # a re-run replays the stream
         trace = trace_of(req_id)  # the edge's span (cluster.ops.tracing), or one that records nothing
         prompt, emitted = job.prompt_ids, 0
         for attempt in range(self.cfg.max_migrations + 1):
@@ -164,145 +154,27 @@ class RayFront:
                         prefill_worker=placement.prefill_id or "", hit_pages=placement.hit.num_pages,
                         peer_pages=placement.num_peer_pages, locality_given_up=placement.locality_given_up,
                         recompute_tokens=placement.num_recompute_tokens, fallbacks=len(placement.fallbacks))
-        decode = self.fleet.decode_of[placement.decode_id or ""]
+        handle = self.fleet.decode_of[placement.decode_id or ""]
         try:
-            queue = decode.subscribe(req_id)
+            decode = _RayDecode(self, handle, handle.subscribe(req_id))  # before it starts: no output unseen
         except BaseException:
             self.placer.finish(req_id)
             raise
-        prefill: PrefillHandle | None = None
-        sent_first = is_local = finished = False
-        prefilling = decoding = NO_SPAN  # this attempt's prefill; decode from the first token on
-        num_tokens = 0
         try:
-            paths = self._paths(placement, decode.name)  # None: local
-            for step, prefill in enumerate(paths):
-                prefilling = trace.span("baton.prefill", req_id=req_id)
-                try:
-                    placed = await self._place(job, decode, prefill, prefilling)
-                    self.placer.release_prefill(req_id)  # computed: it no longer queues there
-                    if placed is None:  # decode prefills it itself
-                        is_local = True
-                        break
-                    if not sent_first:  # the first token goes to the edge before the pages move
-                        sent_first = True
-                        decoding = first_token(trace, placed.first.finished, req_id=req_id, worker=decode.name)
-                        yield placed.first
-                        if placed.first.finished:
-                            finished = True
-                            return
-                    await self._hand_over(job, decode, placed, trace)
-                    break
-                except _Redispatch:  # to the next path: another prefill worker, or decode-local
-                    self.metrics.redispatches.labels("local" if paths[step + 1] is None else "prefill").inc()
-            prefill = None
-            # A local re-run's first token was already sent by a prefill worker.
-            async for out in self._stream(decode, queue, is_local and sent_first, prefilling):
-                if not sent_first:
-                    sent_first = True
-                    decoding = first_token(trace, out.finished, req_id=req_id, worker=decode.name)
-                finished = out.finished
-                num_tokens = out.num_output_tokens
+            async for out in dispatch(job, decode, self._paths(placement, handle.name), trace, self):
                 yield out
-        except BaseException as exc:
-            if not finished:
-                prefilling.fail(exc)
-                decoding.fail(exc)
-            raise
         finally:
-            prefilling.end()
-            decoding.set(output_tokens=num_tokens)
-            decoding.end()
             self.placer.finish(req_id)
-            decode.unsubscribe(req_id)
-            if not finished:  # cancelled or failed: every worker it touched lets go
-                self.fleet.pending.fire(decode.actor.abort.remote(req_id))
-                if prefill is not None:
-                    self.fleet.pending.fire(prefill.actor.abort.remote(req_id))
+            handle.unsubscribe(req_id)
 
-    async def _stream(
-        self, decode: DecodeHandle, queue: Outputs, skip_first: bool, prefilling: Span = NO_SPAN
-    ) -> AsyncIterator[StepOutput]:
-        """decode's outputs of the request; its first token ends `prefilling` (a local prefill)."""
-        async for out in decode.outputs(queue):
-            if out.num_output_tokens == len(out.token_ids):  # the first token
-                prefilling.end()
-                if skip_first:
-                    skip_first = False
-                    if not out.finished:
-                        continue
-                    out = replace(out, token_ids=(), text="", logprobs=())  # only the finish is news
-            yield out
+    # -- the Tally dispatch() counts on ---------------------------------------------------------
 
-    async def _place(
-        self, job: Job, decode: DecodeHandle, prefill: PrefillHandle | None, prefilling: Span = NO_SPAN
-    ) -> _Placed | None:
-        """Start the request down this path: None when decode prefills it itself (`prefilling`
-        ends with its first token, in _stream); else the first token from `prefill`, whose push
-        to decode has started."""
-        epoch = prefill.epoch if prefill is not None else None
-        dest: KVDestination | None = await decode_call(
-            decode, decode.actor.place.remote(job, epoch), self.cfg.reservation_ttl_s)
-        if dest is None:
-            self.metrics.placements.labels("local").inc()
-            prefilling.set(worker=decode.name, epoch=decode.epoch, local=True)
-            return None
-        assert prefill is not None
-        prefilling.set(worker=prefill.name, epoch=prefill.epoch, local=False)
-        prefill.num_inflight += 1
-        try:
-            result: PrefillResult = await prefill_call(
-                prefill, prefill.actor.prefill.remote(job, dest), self.cfg.reservation_ttl_s)
-        except Exception as exc:
-            self.fleet.pending.fire(decode.actor.cancel.remote(dest))  # the pages go back at once
-            prefilling.fail(self._prefill_failed(prefill, job, exc))
-            prefilling.end()
-            raise _Redispatch from None
-        finally:
-            prefill.num_inflight -= 1
-        prefilling.end()
-        self.metrics.placements.labels("disaggregated").inc()
-        if result.output.finished:  # the first token ends it: nothing moves
-            self.fleet.pending.fire(decode.actor.cancel.remote(dest))
-        return _Placed(result.output, dest, result.transfer_id, prefill)
+    def placed(self, job: Job, route: str) -> None:
+        self.metrics.placements.labels(route).inc()
+        self.placer.release_prefill(job.req_id)  # computed, or decode's: it no longer queues there
 
-    async def _hand_over(self, job: Job, decode: DecodeHandle, placed: _Placed, trace: RequestTrace) -> None:
-        """Wait for the push; the request joins decode's batch, or _Redispatch (pages freed)."""
-        wait_s = self.cfg.transfer_deadline_s
-        admit = decode.actor.admit.remote(job, placed.dest, placed.first, wait_s)  # waits there
-        failed: str | None = None
-        report: TransferReport | None = None
-        got: TransferReport
-        with trace.span("baton.transfer", req_id=job.req_id, prefill_worker=placed.prefill.name,
-                        decode_worker=decode.name) as transfer:  # fmt: skip
-            self.metrics.inflight.inc()
-            try:
-                call = placed.prefill.actor.push_result.remote(placed.transfer_id)
-                report = got = await asyncio.wait_for(ray_await(call), wait_s + 1)
-                self.metrics.observe(got)
-                transfer.set(transport=got.transport, bytes=got.num_bytes, pages=got.num_pages,
-                             seconds=got.seconds)  # fmt: skip
-                if not got.accepted:
-                    failed = got.error
-                    self.metrics.failures.labels(_reason(failed)).inc()
-            except Exception as exc:
-                failed = self._prefill_failed(placed.prefill, job, exc)  # counted there
-            finally:
-                self.metrics.inflight.dec()
-            if failed is not None:
-                self.fleet.pending.fire(decode.actor.cancel.remote(placed.dest))  # admit then answers False at once
-            if not await decode_call(decode, admit, wait_s + 2):
-                if failed is None:  # the push said yes, but the pages did not all arrive in time
-                    failed = "deadline"
-                    self.metrics.failures.labels(failed).inc()
-                logger.info("%s: transfer %s failed (%s); re-dispatching", job.req_id, placed.transfer_id, failed)
-                transfer.fail(_reason(failed))
-                if placed.prefill.is_alive:  # a dead worker is not its link's fault
-                    self.pairs.failed(placed.prefill.name, decode.name, failed)
-                raise _Redispatch
-            self.pairs.succeeded(placed.prefill.name, decode.name)
-            if report is not None:  # what the push measured of the link
-                self.placer.links.observe(placed.prefill.name, decode.name, report.num_bytes, report.wire_seconds)
+    def redispatched(self, job: Job, to: str) -> None:
+        self.metrics.redispatches.labels(to).inc()
 
     # -- where it goes ----------------------------------------------------------------------------
 
@@ -339,7 +211,7 @@ class RayFront:
         return Placement(PlacementKind.DISAGGREGATED, decode, order[0], NO_HIT, None, 0, len(job.prompt_ids), 0,
                          None, 0.0, 0, tuple(order[1:]))  # fmt: skip
 
-    def _paths(self, p: Placement, decode: str) -> list[PrefillHandle | None]:
+    def _paths(self, p: Placement, decode: str) -> list[PrefillSide | None]:
         """The prefill workers to try in order (the placement's, then its fallbacks) whose pair
         with `decode` moves pages (cluster.placement.pair_health), then decode-local (None). A LOCAL
         placement is local at once."""
@@ -347,9 +219,11 @@ class RayFront:
             return [None]
         prefill_of = self.fleet.prefill_of
         named = [prefill_of[w] for w in (p.prefill_id, *p.fallbacks) if w in prefill_of]
-        return [*(h for h in named if h.is_routable and self.pairs.can_route(h.name, decode)), None]
+        return [*(_RayPrefill(self, h) for h in named if h.is_routable and self.pairs.can_route(h.name, decode)),
+                None]  # fmt: skip
 
-    def _prefill_failed(self, prefill: PrefillHandle, job: Job, exc: BaseException) -> str:
+    def prefill_failed(self, prefill: PrefillHandle, job: Job, exc: BaseException) -> str:
+        """Why a call to `prefill` failed (counted, its request aborted there; a dead worker marked)."""
         if isinstance(exc, ray.exceptions.RayActorError):
             prefill.mark_dead(exc)
             reason = "prefill worker died"
@@ -378,3 +252,113 @@ def _reason(text: str) -> str:
         if key in text:
             return key
     return "other"
+
+
+class _Push(NamedTuple):
+    """A Ray prefill side's ticket: which worker pushes the pages, under which transfer."""
+
+    prefill: PrefillHandle
+    transfer_id: str
+
+
+class _RayPrefill:
+    """A prefill actor as dispatch() sees it (cluster.fleet.dispatch.PrefillSide)."""
+
+    def __init__(self, front: RayFront, handle: PrefillHandle) -> None:
+        self.front, self.handle = front, handle
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def epoch(self) -> int:
+        return self.handle.epoch
+
+    async def prefill(self, job: Job, dest: KVDestination, span: Span) -> Started:
+        handle = self.handle
+        handle.num_inflight += 1
+        try:
+            result: PrefillResult = await prefill_call(
+                handle, handle.actor.prefill.remote(job, dest), self.front.cfg.reservation_ttl_s)
+        except Exception as exc:
+            span.fail(self.front.prefill_failed(handle, job, exc))
+            raise Redispatch from None
+        finally:
+            handle.num_inflight -= 1
+        return Started(result.output, _Push(handle, result.transfer_id))
+
+    def abort(self, req_id: str) -> None:
+        self.front.fleet.pending.fire(self.handle.actor.abort.remote(req_id))
+
+
+class _RayDecode:
+    """A decode actor as dispatch() sees it (cluster.fleet.dispatch.DecodeSide), for one request
+    whose outputs `queue` receives."""
+
+    def __init__(self, front: RayFront, handle: DecodeHandle, queue: Outputs) -> None:
+        self.front, self.handle, self.queue = front, handle, queue
+
+    @property
+    def name(self) -> str:
+        return self.handle.name
+
+    @property
+    def epoch(self) -> int:
+        return self.handle.epoch
+
+    async def reserve(self, job: Job, prefill: PrefillSide | None) -> KVDestination | None:
+        epoch = prefill.epoch if prefill is not None else None
+        dest: KVDestination | None = await decode_call(
+            self.handle, self.handle.actor.place.remote(job, epoch), self.front.cfg.reservation_ttl_s)
+        return dest
+
+    async def hand_over(self, job: Job, dest: KVDestination, started: Started, trace: RequestTrace) -> None:
+        """Wait for the push; the request joins decode's batch, or Redispatch (pages freed)."""
+        front, decode = self.front, self.handle
+        push = started.ticket
+        assert isinstance(push, _Push)
+        wait_s = front.cfg.transfer_deadline_s
+        admit = decode.actor.admit.remote(job, dest, started.first, wait_s)  # waits there
+        failed: str | None = None
+        report: TransferReport | None = None
+        got: TransferReport
+        with trace.span("baton.transfer", req_id=job.req_id, prefill_worker=push.prefill.name,
+                        decode_worker=decode.name) as transfer:  # fmt: skip
+            front.metrics.inflight.inc()
+            try:
+                call = push.prefill.actor.push_result.remote(push.transfer_id)
+                report = got = await asyncio.wait_for(ray_await(call), wait_s + 1)
+                front.metrics.observe(got)
+                transfer.set(transport=got.transport, bytes=got.num_bytes, pages=got.num_pages,
+                             seconds=got.seconds)  # fmt: skip
+                if not got.accepted:
+                    failed = got.error
+                    front.metrics.failures.labels(_reason(failed)).inc()
+            except Exception as exc:
+                failed = front.prefill_failed(push.prefill, job, exc)  # counted there
+            finally:
+                front.metrics.inflight.dec()
+            if failed is not None:
+                self.cancel(dest)  # admit then answers False at once
+            if not await decode_call(decode, admit, wait_s + 2):
+                if failed is None:  # the push said yes, but the pages did not all arrive in time
+                    failed = "deadline"
+                    front.metrics.failures.labels(failed).inc()
+                logger.info("%s: transfer %s failed (%s); re-dispatching", job.req_id, push.transfer_id, failed)
+                transfer.fail(_reason(failed))
+                if push.prefill.is_alive:  # a dead worker is not its link's fault
+                    front.pairs.failed(push.prefill.name, decode.name, failed)
+                raise Redispatch
+            front.pairs.succeeded(push.prefill.name, decode.name)
+            if report is not None:  # what the push measured of the link
+                front.placer.links.observe(push.prefill.name, decode.name, report.num_bytes, report.wire_seconds)
+
+    def outputs(self, job: Job, handed: Handed | None) -> AsyncIterator[StepOutput]:
+        return self.handle.outputs(self.queue)  # started on the actor by place() or admit()
+
+    def cancel(self, dest: KVDestination) -> None:
+        self.front.fleet.pending.fire(self.handle.actor.cancel.remote(dest))
+
+    def abort(self, req_id: str) -> None:
+        self.front.fleet.pending.fire(self.handle.actor.abort.remote(req_id))

@@ -58,3 +58,26 @@ def test_disaggregated_server_matches_colocated(server: ServerHandle, make_serve
     assert front.worker.book.num_open == 0 and not front.worker.book.completed
     prefill = front.prefill.engine
     assert prefill.free_pages_at_idle() == prefill.pool.num_pages and not prefill._exported
+
+
+def test_a_refused_local_transfer_is_prefilled_by_decode(server: ServerHandle, make_server: Any) -> None:
+    """One dispatcher for both P/D flows (cluster.fleet.dispatch): a transfer the decode side
+    refuses (a byte flipped after the checksum: the prefill engine's transfer_corrupt drill)
+    sends the request down its next path, decode-local, instead of failing it; the client gets
+    the colocated server's tokens once each and every page comes back."""
+    pd: ServerHandle = make_server(prefill_workers=1)
+    front = pd.running.front
+    assert isinstance(front, PDFront)
+    want = openai.OpenAI(base_url=server.url + "/v1", api_key="x").completions.create(
+        model=MODEL, prompt=LONG + " y", max_tokens=12, temperature=0)  # fmt: skip
+    front.prefill.engine.faults.arm("transfer_corrupt")
+    client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x")
+    stream = client.completions.create(model=MODEL, prompt=LONG + " y", max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want.choices[0].text
+    assert not front.prefill.engine.faults.take("transfer_corrupt")  # the drill was used up
+    assert front.counts.num_redispatched == 1 and front.num_local == 1 and front.num_disaggregated == 1
+    assert front.worker.book.refused_bad_token == 0  # refused by its checksum, not as a forgery
+    assert pd.wait_idle()
+    assert front.worker.book.num_open == 0 and not front.worker.book.completed
+    decode = front.decode.engine
+    assert decode.free_pages_at_idle() == decode.pool.num_pages

@@ -11,6 +11,7 @@ import torch
 
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
 
 
@@ -28,7 +29,7 @@ def _handoff(prefill: Engine, decode: Engine, req_id: str, prompt: list[int], pa
     pages = decode.reserve_pages(len(prompt))
     assert pages is not None and len(pages) == exported.kv.shape[0]
     decode.pool.kv[:, :, torch.tensor(pages)] = exported.kv.permute(1, 2, 0, 3, 4, 5)  # what a transport does
-    decode.add_prefilled(req_id, prompt, exported.first_token, params, pages)
+    decode.add_prefilled(Job(req_id, tuple(prompt), params), exported.first_token, pages)
     tokens = [exported.first_token]
     while decode.has_unfinished():
         for out in decode.step():

@@ -319,7 +319,7 @@ def _handoff(prefill: Engine, decode: Engine, req_id: str, prompt: list[int], pa
     pages = decode.reserve_pages(len(prompt))
     assert pages is not None
     decode.pool.kv[:, :, torch.tensor(pages)] = exported.kv.permute(1, 2, 0, 3, 4, 5)
-    decode.add_prefilled(req_id, prompt, exported.first_token, params, pages)
+    decode.add_prefilled(Job(req_id, tuple(prompt), params), exported.first_token, pages)
     tokens = [exported.first_token]
     while decode.has_unfinished():
         for out in decode.step():

@@ -343,7 +343,7 @@ def test_deeply_nested_worker_info_is_a_value_error(data: bytes) -> None:
 def _open_request(data: bytes) -> None:
     request = gen_pb.GenerateRequest.FromString(data)
     _check_prompt(request, 64)
-    build_sampling(request.sampling, 64)
+    build_sampling(request.sampling, 63)
 
 
 @FUZZ
