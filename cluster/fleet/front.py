@@ -32,7 +32,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from cluster.disagg_config import DisaggConfig
 from cluster.edge.frontend import ModelView, PoolUsage
@@ -261,11 +261,15 @@ class _Push(NamedTuple):
     transfer_id: str
 
 
-class _RayPrefill:
-    """A prefill actor as dispatch() sees it (cluster.fleet.dispatch.PrefillSide)."""
+class _Named(Protocol):
+    name: str
+    epoch: int
 
-    def __init__(self, front: RayFront, handle: PrefillHandle) -> None:
-        self.front, self.handle = front, handle
+
+class _Side:
+    """A worker as dispatch() sees it: named, and fenced by the epoch, as its handle is now."""
+
+    handle: _Named
 
     @property
     def name(self) -> str:
@@ -274,6 +278,15 @@ class _RayPrefill:
     @property
     def epoch(self) -> int:
         return self.handle.epoch
+
+
+class _RayPrefill(_Side):
+    """A prefill actor as dispatch() sees it (cluster.fleet.dispatch.PrefillSide)."""
+
+    handle: PrefillHandle
+
+    def __init__(self, front: RayFront, handle: PrefillHandle) -> None:
+        self.front, self.handle = front, handle
 
     async def prefill(self, job: Job, dest: KVDestination, span: Span) -> Started:
         handle = self.handle
@@ -292,20 +305,14 @@ class _RayPrefill:
         self.front.fleet.pending.fire(self.handle.actor.abort.remote(req_id))
 
 
-class _RayDecode:
+class _RayDecode(_Side):
     """A decode actor as dispatch() sees it (cluster.fleet.dispatch.DecodeSide), for one request
     whose outputs `queue` receives."""
 
+    handle: DecodeHandle
+
     def __init__(self, front: RayFront, handle: DecodeHandle, queue: Outputs) -> None:
         self.front, self.handle, self.queue = front, handle, queue
-
-    @property
-    def name(self) -> str:
-        return self.handle.name
-
-    @property
-    def epoch(self) -> int:
-        return self.handle.epoch
 
     async def reserve(self, job: Job, prefill: PrefillSide | None) -> KVDestination | None:
         epoch = prefill.epoch if prefill is not None else None
