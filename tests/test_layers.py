@@ -43,11 +43,15 @@ def crossings(unit: str, rules: dict[str, frozenset[str]], root: Path = ROOT) ->
         if unit_of(".".join(path.relative_to(root).with_suffix("").parts), rules) != unit:
             continue  # a subpackage with its own rule
         tree = ast.parse(path.read_text(), str(path))
+        package = path.relative_to(root).parent.parts  # what a relative import counts up from
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names = [(alias.name, alias.name) for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [(node.module, f"{node.module}.{alias.name}") for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = absolute(node, package)
+                if base is None:
+                    continue
+                names = [(base, f"{base}.{alias.name}") for alias in node.names]
             else:
                 continue
             for shown, module in names:
@@ -57,6 +61,17 @@ def crossings(unit: str, rules: dict[str, frozenset[str]], root: Path = ROOT) ->
                 if not any(module == a or module.startswith(a + ".") for a in rules[unit]):
                     bad.append(f"{path.relative_to(root)}:{node.lineno} -> {shown}")
     return sorted(set(bad), key=bad.index)
+
+
+def absolute(node: ast.ImportFrom, package: tuple[str, ...]) -> str | None:
+    """The module a `from X import ...` names, a relative one (`from ..edge import x` in
+    cluster/fleet/) resolved against the importing file's package; None if it climbs out."""
+    if node.level == 0:
+        return node.module
+    if node.level - 1 >= len(package):
+        return None
+    parts = list(package[: len(package) - (node.level - 1)])
+    return ".".join([*parts, node.module] if node.module else parts)
 
 
 RULES = layer_rules(DOC.read_text())
@@ -121,3 +136,12 @@ def environment_uses(root: Path = ROOT) -> list[str]:
 def test_environment_variables_are_read_in_one_module() -> None:
     stray = [use for use in environment_uses() if use.split(":")[0] not in {"engine/env.py", *ENV_EXCEPTIONS}]
     assert stray == [], stray
+
+
+def test_a_relative_import_is_checked_like_an_absolute_one(tmp_path: Path) -> None:
+    """`from ..edge import http_api` in cluster/fleet/ is cluster.edge.http_api: a crossing."""
+    fleet = tmp_path / "cluster" / "fleet"
+    fleet.mkdir(parents=True)
+    (fleet / "x.py").write_text("from ..edge import http_api\nfrom . import front\n")
+    rules = {"cluster.fleet": frozenset({"engine"}), "cluster.edge": frozenset()}
+    assert crossings("cluster.fleet", rules, tmp_path) == ["cluster/fleet/x.py:1 -> cluster.edge"]

@@ -22,6 +22,20 @@ from tests.cluster.conftest import ServerHandle
 from tests.faults.conftest import wait_for
 from tests.k8s.test_hooks import DRAIN
 
+
+def _lines(proc: subprocess.Popen[str]) -> tuple[list[str], threading.Thread]:
+    """`proc`'s stderr lines as they come, and the thread reading them (it ends at EOF)."""
+    said: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            said.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return said, reader
+
 pytestmark = pytest.mark.timeout(120)
 
 OPS_KEY, TENANT_KEY = "o" * 32, "t" * 32
@@ -48,11 +62,15 @@ def test_the_prestop_hook_drains_a_real_gateway(make_server: Callable[..., Serve
         wait_for(lambda: handle.running.frontend.admission.num_inflight == 1, "the request is in flight")
         hook = subprocess.Popen([sys.executable, str(DRAIN), "--url", handle.url, "--token-file", str(token),
                                  "--interval", "0.05", "--timeout", "5", "--deadline", "60"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        said, reader = _lines(hook)
         wait_for(lambda: httpx.get(handle.url + "/ready", timeout=10).status_code == 503, "the gateway drains")
         refused = httpx.post(handle.url + "/v1/completions", json=body, headers=tenant, timeout=30)
         assert refused.status_code == 503 and "Retry-After" in refused.headers
-        assert hook.poll() is None  # one request still in flight: the hook waits for it
+        # The hook read the request in flight and waits for it (a /metrics read answers within
+        # the node read's bound while the step thread is held): held until it says so.
+        wait_for(lambda: "drain: 1 request(s) in flight; waiting" in said, "the hook sees the request in flight")
+        assert hook.poll() is None and "drain: no request in flight" not in said
         assert not replies
     finally:
         release.set()
@@ -61,6 +79,7 @@ def test_the_prestop_hook_drains_a_real_gateway(make_server: Callable[..., Serve
     assert [r.status_code for r in replies] == [200]
     assert replies[0].json()["usage"]["completion_tokens"] == 8  # the in-flight request finished whole
     assert hook is not None
-    out, err = hook.communicate(timeout=60)
-    assert hook.returncode == 0, err
+    assert hook.wait(timeout=60) == 0, said
+    reader.join(10)  # every line it wrote is in
+    assert said[-1] == "drain: no request in flight"  # and only once the request had finished
     assert handle.running.frontend.admission.num_inflight == 0

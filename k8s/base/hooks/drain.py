@@ -68,6 +68,7 @@ def drain(base: str, token: str | None, deadline: float, interval: float, timeou
             print(f"drain: the gateway is not listening ({exc}); nothing to drain", file=sys.stderr)
             return True
         print(f"drain: POST /admin/drain failed ({exc}); waiting anyway", file=sys.stderr)
+    seen: float | None = None
     while time.monotonic() < deadline:
         try:
             status, body = _request(f"{base}/metrics", token, timeout)
@@ -79,6 +80,9 @@ def drain(base: str, token: str | None, deadline: float, interval: float, timeou
         if n == 0:
             print("drain: no request in flight", file=sys.stderr)
             return True
+        if n is not None and n != seen:  # what it waits for, once per change (the pod's events show it)
+            print(f"drain: {n:g} request(s) in flight; waiting", file=sys.stderr, flush=True)
+            seen = n
         time.sleep(interval)
     print("drain: deadline passed with requests in flight", file=sys.stderr)
     return False
