@@ -20,16 +20,18 @@ class Kind(enum.IntEnum):
     UNAVAILABLE = 5
     CANCELLED = 6
     INTERNAL = 7
+    PERMISSION_DENIED = 8
 
     @property
     def http_status(self) -> int:
-        return (400, 401, 404, 429, 408, 503, 499, 500)[self]
+        return (400, 401, 404, 429, 408, 503, 499, 500, 403)[self]
 
     @property
     def openai_type(self) -> str:
         return (
             "invalid_request_error", "authentication_error", "invalid_request_error",
             "rate_limit_exceeded", "timeout", "service_unavailable", "cancelled", "internal_error",
+            "permission_error",
         )[self]
 
 

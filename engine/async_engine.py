@@ -95,6 +95,11 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def is_live(self, max_heartbeat_age_s: float) -> bool:
+        """The step thread runs and turned within `max_heartbeat_age_s` (it turns at least every
+        idle wait): False means this process's engine is stuck or dead."""
+        return self.is_alive and time.monotonic() - self.heartbeat < max_heartbeat_age_s
+
     def generate(self, job: Job) -> AsyncIterator[StepOutput]:
         """Stream a job's outputs; raises the engine's RequestError (or ConstraintError) if
         it is refused. A constraint is compiled off the step thread before the request is

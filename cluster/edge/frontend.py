@@ -86,10 +86,15 @@ class EngineFront(Protocol):
     def engine(self) -> ModelView: ...
 
     @property
-    def is_alive(self) -> bool: ...
+    def is_alive(self) -> bool:
+        """Requests can be served now (some engine or decode worker is up): /ready, admission."""
+        ...
 
-    @property
-    def heartbeat(self) -> float: ...
+    def is_live(self, max_heartbeat_age_s: float) -> bool:
+        """The parts of this process that serve work (the step threads it runs): False means a
+        restart would help. Workers it only calls are not part of it (/ready says whether any
+        can serve): a gateway restarted for their sake would take its healthy workers down."""
+        ...
 
     @property
     def last_stats(self) -> StepStats | None: ...
@@ -324,11 +329,12 @@ class Frontend:
     # -- health -----------------------------------------------------------------------------
 
     def is_live(self, max_heartbeat_age_s: float = 10.0) -> bool:
-        """The step loop turned recently (it turns at least every idle wait)."""
-        return self.engine.is_alive and time.monotonic() - self.engine.heartbeat < max_heartbeat_age_s
+        """/live: this process works (EngineFront.is_live); kubelet restarts it otherwise."""
+        return self.engine.is_live(max_heartbeat_age_s)
 
     def is_ready(self) -> bool:
-        return self.is_live() and not self.draining
+        """/ready: live, not draining, and something can serve a request now."""
+        return self.is_live() and not self.draining and self.engine.is_alive
 
     def refresh_gauges(self) -> None:
         m, adm = self.metrics, self.admission

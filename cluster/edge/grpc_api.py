@@ -294,6 +294,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         tenant = self.keys.lookup(api_key(context.invocation_metadata() or ()))
         if tenant is None:
             raise EdgeError(Kind.UNAUTHENTICATED, "a valid API key is required")
+        if self.keys.enabled and not tenant.may_generate:
+            raise EdgeError(Kind.PERMISSION_DENIED, "a metrics key (role=metrics) only reads /metrics and /status")
         return tenant
 
     def _check_model(self, model: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from cluster.edge.tenants import DEFAULT_TENANT, ApiKeys
+from cluster.edge.tenants import DEFAULT_TENANT, ApiKeys, Tenant
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -56,13 +56,16 @@ def bearer_key(headers: list[tuple[bytes, bytes]]) -> str | None:
 class EdgeGuard:
     def __init__(
         self, app: ASGIApp, keys: ApiKeys, max_body_bytes: int, open_paths: tuple[str, ...],
-        operator_paths: tuple[str, ...] = (),
+        observer_paths: tuple[str, ...] = (), operator_paths: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self.keys = keys
         self.max_body_bytes = max_body_bytes
         self.open_paths = open_paths
-        self.operator_paths = operator_paths  # prefixes: with keys set, only an operator key passes
+        # Prefixes. With keys set: observer paths take a metrics or operator key, operator paths
+        # only an operator key, and a metrics key takes nothing else.
+        self.observer_paths = observer_paths
+        self.operator_paths = operator_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,8 +80,9 @@ class EdgeGuard:
                                  ((b"www-authenticate", b"Bearer"),))
                 return
             tenant = found
-            if self.keys.enabled and not tenant.is_operator and scope["path"].startswith(self.operator_paths):
-                await send_error(send, 403, "this route needs an operator key (role=operator)", "permission_error")
+            refusal = self._refusal(tenant, scope["path"]) if self.keys.enabled else None
+            if refusal is not None:
+                await send_error(send, 403, refusal, "permission_error")
                 return
         scope.setdefault("state", {})["tenant"] = tenant
         for name, value in headers:
@@ -86,6 +90,14 @@ class EdgeGuard:
                 await send_error(send, 413, f"request body over {self.max_body_bytes} bytes", "invalid_request_error")
                 return
         await self._guarded(scope, receive, send)
+
+    def _refusal(self, tenant: Tenant, path: str) -> str | None:
+        """Why `tenant`'s key may not use `path` (a 403's message), or None."""
+        if path.startswith(self.operator_paths):
+            return None if tenant.is_operator else "this route needs an operator key (role=operator)"
+        if path.startswith(self.observer_paths):
+            return None if tenant.may_observe else "this route needs a metrics or operator key (role=metrics)"
+        return None if tenant.may_generate else "a metrics key (role=metrics) only reads /metrics and /status"
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen = 0

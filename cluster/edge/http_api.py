@@ -66,7 +66,8 @@ class HttpConfig:
 
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-OPERATOR_PATHS = ("/metrics", "/status", "/admin/")
+OBSERVER_PATHS = ("/metrics", "/status")  # every tenant and node: a metrics or operator key
+OPERATOR_PATHS = ("/admin/",)  # changes the gateway: an operator key
 
 
 def error_response(err: EdgeError) -> JSONResponse:
@@ -81,7 +82,8 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set
     # With keys set, what shows every tenant and node (or changes the gateway) needs an operator key.
     app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes,
-                       open_paths=("/live", "/ready", "/dashboard"), operator_paths=OPERATOR_PATHS)  # fmt: skip
+                       open_paths=("/live", "/ready", "/dashboard"), observer_paths=OBSERVER_PATHS,
+                       operator_paths=OPERATOR_PATHS)  # fmt: skip
     if frontend.tracing.is_enabled:  # added last: outermost, so it sees 401s and 413s too
         app.add_middleware(TracedCalls, tracing=frontend.tracing)
 

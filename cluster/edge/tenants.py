@@ -2,7 +2,11 @@
 
 Keys come from config or a key file (BATON_API_KEYS), one per line:
 
-    <key> <tenant> [priority=<int>] [rps=<float>] [tps=<float>]
+    <key> <tenant> [priority=<int>] [rps=<float>] [tps=<float>] [role=tenant|metrics|operator]
+
+A role says what a key may do: `tenant` (the default) generates; `metrics` only reads /metrics
+and /status (a scraper's key: it can neither generate nor drain); `operator` reads them too and
+may use /admin/* (when enabled) -- and generate.
 
 Lookup compares the presented key against every configured key in constant time (no early
 exit), so timing reveals neither a prefix nor which key matched. With no keys configured,
@@ -26,7 +30,23 @@ class Tenant:
     priority: int = 0  # lower runs first (the engine's priority classes)
     requests_per_s: float | None = None  # None: unlimited
     tokens_per_s: float | None = None  # prompt + generated tokens
-    is_operator: bool = False  # `role=operator`: /metrics, /status and (when enabled) /admin/*
+    role: str = "tenant"  # one of ROLES
+
+    @property
+    def is_operator(self) -> bool:
+        return self.role == "operator"
+
+    @property
+    def may_observe(self) -> bool:
+        """/metrics and /status: every tenant and node."""
+        return self.role in ("metrics", "operator")
+
+    @property
+    def may_generate(self) -> bool:
+        return self.role != "metrics"
+
+
+ROLES = ("tenant", "metrics", "operator")
 
 
 DEFAULT_TENANT = Tenant("default")
@@ -148,12 +168,12 @@ def _parse_key_line(line: str, where: str) -> tuple[str, Tenant]:
             priority=int(values.get("priority", "0")),
             requests_per_s=float(values["rps"]) if "rps" in values else None,
             tokens_per_s=float(values["tps"]) if "tps" in values else None,
-            is_operator=values.get("role", "tenant") == "operator",
+            role=values.get("role", "tenant"),
         )
     except ValueError:
         raise ConfigError("api_keys_file", f"{where}: bad number in {options}") from None
-    if values.get("role", "tenant") not in ("tenant", "operator"):
-        raise ConfigError("api_keys_file", f"{where}: role is tenant or operator, not {values['role']!r}")
+    if tenant.role not in ROLES:
+        raise ConfigError("api_keys_file", f"{where}: role is one of {', '.join(ROLES)}, not {tenant.role!r}")
     for limit in (tenant.requests_per_s, tenant.tokens_per_s):
         if limit is not None and limit <= 0:
             raise ConfigError("api_keys_file", f"{where}: rate limits must be positive")

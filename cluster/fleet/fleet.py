@@ -105,10 +105,6 @@ class Fleet:
     def is_alive(self) -> bool:
         return any(d.is_alive for d in self.decodes)
 
-    @property
-    def heartbeat(self) -> float:
-        return max((d.heartbeat for d in self.decodes if d.is_alive), default=0.0)
-
     def handle(self, worker_id: str) -> PrefillHandle | DecodeHandle | None:
         return self.prefill_of.get(worker_id) or self.decode_of.get(worker_id)
 

@@ -75,9 +75,8 @@ class PDFront:
     def is_alive(self) -> bool:
         return self.prefill.is_alive and self.decode.is_alive
 
-    @property
-    def heartbeat(self) -> float:
-        return min(self.prefill.heartbeat, self.decode.heartbeat)
+    def is_live(self, max_heartbeat_age_s: float) -> bool:
+        return self.prefill.is_live(max_heartbeat_age_s) and self.decode.is_live(max_heartbeat_age_s)
 
     @property
     def last_stats(self) -> StepStats | None:

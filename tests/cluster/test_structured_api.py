@@ -551,5 +551,4 @@ class _Model:
 class _NoEngines:
     engine: _Model
     is_alive: bool = True
-    heartbeat: float = 0.0
     last_stats: None = None

@@ -226,3 +226,8 @@ def test_decode_killed_mid_stream_fails_fast_and_clearly(slow: ServerHandle) -> 
     with pytest.raises(openai.APIStatusError) as refused:
         client.completions.create(model=MODEL, prompt=OTHER, max_tokens=4, temperature=0)
     assert refused.value.status_code == 503
+    # No decode worker is left: not ready, but live -- kubelet must not restart the gateway
+    # (that would end every actor it owns, the healthy prefill worker too) while a decode pod
+    # is down or still loading.
+    assert httpx.get(slow.url + "/ready", timeout=10).status_code == 503
+    assert httpx.get(slow.url + "/live", timeout=10).json() == {"status": "ok"}

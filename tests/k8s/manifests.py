@@ -7,7 +7,6 @@ in tests/k8s/crds/ (with their SOURCE), and docs/metrics.md is the metric names'
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -62,15 +61,33 @@ def build(target: str) -> list[Obj]:
 
 
 def build_gpu_with(component: str) -> list[Obj]:
-    """The gpu overlay with one optional component on, as a user enables it."""
+    """The gpu overlay with one optional component on, enabled the way its kustomization.yaml
+    says to: a copy of k8s/ whose overlay has `# components:` and `# - optional/<component>`
+    uncommented (kustomize applies components before the overlay's own patches: wrapping the
+    overlay in another kustomization would hide a conflict between the two)."""
     with tempfile.TemporaryDirectory(prefix="baton-k8s-") as tmp:
-        here = Path(tmp)
-        gpu = os.path.relpath(K8S / "overlays" / "gpu", here)
-        comp = os.path.relpath(K8S / "overlays" / "gpu" / "optional" / component, here)
-        (here / "kustomization.yaml").write_text(
-            f"namespace: {NAMESPACE}\nresources:\n- {gpu}\ncomponents:\n- {comp}\n"
-        )
-        return kustomize(here)
+        copy = Path(tmp) / "k8s"
+        shutil.copytree(K8S, copy)
+        overlay = copy / "overlays" / "gpu" / "kustomization.yaml"
+        text = enable_component(overlay.read_text(), component)
+        overlay.write_text(text)
+        return kustomize(overlay.parent)
+
+
+def enable_component(kustomization: str, component: str) -> str:
+    """`kustomization` with the component's documented lines uncommented; ValueError if they
+    are not there to uncomment."""
+    lines = kustomization.splitlines(keepends=True)
+    wanted = {"# components:": "components:", f"# - optional/{component}": f"- optional/{component}"}
+    found = set()
+    for i, line in enumerate(lines):
+        key = line.rstrip("\n")
+        if key in wanted:
+            lines[i] = line.replace(key, wanted[key])
+            found.add(key)
+    if found != set(wanted):
+        raise ValueError(f"the overlay does not say how to enable {component}: missing {sorted(set(wanted) - found)}")
+    return "".join(lines)
 
 
 def one(objects: list[Obj], kind: str, name: str | None = None) -> Obj:

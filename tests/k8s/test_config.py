@@ -139,30 +139,33 @@ def test_a_draining_head_outlasts_the_longest_request(
         assert f.api.request_timeout_s < deadline < grace, f"{name}: preStop deadline {deadline}"
 
 
-def test_placeholder_keys_parse_and_the_ops_token_is_one_of_them(
+def test_placeholder_keys_parse_and_each_token_is_one_of_them_with_its_role(
     builds: dict[str, list[Obj]], tmp_path: Path
 ) -> None:
+    """The ops token (the preStop drain) is an operator key; the scrape token (the PodMonitor)
+    is a metrics key, which can neither generate nor drain."""
     import base64
 
     objects = builds["base"]
     keys_text = base64.b64decode(
         one(objects, "Secret", "baton-api-keys")["data"]["api_keys.txt"]
     ).decode()
-    token = base64.b64decode(one(objects, "Secret", "baton-ops-token")["data"]["token"]).decode()
     path = tmp_path / "api_keys.txt"
     path.write_text(keys_text)
     keys = ApiKeys.from_file(path)
-    assert token == token.strip() and " " not in token, (
-        "the token goes into an Authorization header as is"
-    )
-    tenant = keys.lookup(token)
-    assert tenant is not None and tenant.name == "ops"
+    for secret, role in (("baton-ops-token", "operator"), ("baton-metrics-token", "metrics")):
+        token = base64.b64decode(one(objects, "Secret", secret)["data"]["token"]).decode()
+        assert token == token.strip() and " " not in token, (
+            "the token goes into an Authorization header as is"
+        )
+        tenant = keys.lookup(token)
+        assert tenant is not None and tenant.role == role, secret
     lines = [
         ln.split()[0]
         for ln in keys_text.splitlines()
         if ln.strip() and not ln.lstrip().startswith("#")
     ]
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert all(k.startswith("REPLACE_ME") for k in lines), (
         "placeholders must be recognisable (the gateway refuses them)"
     )

@@ -4,6 +4,7 @@ scrapes the gateway's port with a token the build provides."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -173,6 +174,12 @@ def test_podmonitor_scrapes_the_gateway(builds: dict[str, list[Obj]]) -> None:
     assert endpoint["port"] in {p["name"] for p in head.container("gateway")["ports"]}
     cred = endpoint["authorization"]["credentials"]
     assert cred["key"] in one(objects, "Secret", cred["name"])["data"]
+    # ...with a key that can only read: an operator key here could drain production
+    token = base64.b64decode(one(objects, "Secret", cred["name"])["data"][cred["key"]]).decode()
+    keys_text = base64.b64decode(one(objects, "Secret", "baton-api-keys")["data"]["api_keys.txt"]).decode()
+    role = next(dict(o.split("=", 1) for o in line.split()[2:] if "=" in o).get("role", "tenant")
+                for line in keys_text.splitlines() if line.split()[:1] == [token])  # fmt: skip
+    assert role == "metrics", f"the PodMonitor scrapes with a role={role} key"
     # ...and the NetworkPolicies let Prometheus in on that port
     rules = [r for np in of_kind(objects, "NetworkPolicy") for r in np["spec"].get("ingress", [])
              if any("namespaceSelector" in p for p in r.get("from", []))]  # fmt: skip

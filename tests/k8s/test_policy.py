@@ -403,17 +403,36 @@ def test_shared_disk_tier_component_uses_one_rwx_claim(
 
 @pytest.mark.parametrize("target", OVERLAYS)
 def test_disruption_budgets(builds: dict[str, list[Obj]], target: str) -> None:
+    """One pod of each kind at a time, with budgets Kubernetes can compute: over a RayCluster's
+    pods (no /scale subresource) only an integer minAvailable works -- maxUnavailable or a
+    percentage leaves the budget at SyncFailed and every node drain hangs -- and it is the
+    group's replicas minus one; etcd's StatefulSet has /scale, so maxUnavailable 1 there."""
     objects = builds[target]
     pdbs = of_kind(objects, "PodDisruptionBudget")
-    for group in ("prefill", "decode", "baton-etcd"):
-        covering = [p for p in pdbs if _selects(p["spec"]["selector"], _labels(objects, group))]
-        assert len(covering) == 1 and covering[0]["spec"]["maxUnavailable"] == 1, (
-            f"{target} {group}"
-        )
+    raycluster = one(objects, "RayCluster", "baton")
+    replicas = {g["groupName"]: g["replicas"] for g in raycluster["spec"]["workerGroupSpecs"]}
+    for group in ("prefill", "decode"):
+        [pdb] = [p for p in pdbs if _selects(p["spec"]["selector"], _labels(objects, group))]
+        assert "maxUnavailable" not in pdb["spec"], f"{target} {group}: needs the owner's /scale"
+        assert pdb["spec"]["minAvailable"] == replicas[group] - 1, f"{target} {group}"
+    [etcd] = [p for p in pdbs if _selects(p["spec"]["selector"], _labels(objects, "baton-etcd"))]
+    assert etcd["spec"]["maxUnavailable"] == 1
     assert not [p for p in pdbs if _selects(p["spec"]["selector"], _labels(objects, "head"))], (
         "a head PDB blocks drains"
     )
     assert one(objects, "StatefulSet", "baton-etcd")["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_no_budget_over_pods_without_a_scale_subresource_needs_one(builds: dict[str, list[Obj]], target: str) -> None:
+    """Every budget that selects a RayCluster's pods is an integer minAvailable (the one form
+    Kubernetes computes without the owner's /scale)."""
+    objects = builds[target]
+    ray_pods = [t for t in pod_templates(objects) if t.owner.startswith("RayCluster/")]
+    for pdb in of_kind(objects, "PodDisruptionBudget"):
+        if any(_selects(pdb["spec"]["selector"], t.labels) for t in ray_pods):
+            spec = pdb["spec"]
+            assert "maxUnavailable" not in spec and isinstance(spec.get("minAvailable"), int), pdb["metadata"]["name"]
 
 
 def test_optional_components_do_what_they_say(component_builds: dict[str, list[Obj]]) -> None:

@@ -36,6 +36,7 @@ MODEL = "baton-tiny"
 ALPHA_KEY = "alpha-key-0123456789abcdef"
 BETA_KEY = "beta-key-0123456789abcdef0"
 OPS_KEY = "ops-key-0123456789abcdef00"  # role=operator: /metrics, /status, /admin/*
+METRICS_KEY = "metrics-key-0123456789abcd"  # role=metrics: /metrics and /status, nothing else
 OPERATOR_PATHS = ("/metrics", "/status", "/admin/")
 OPEN_PATHS = frozenset({"/live", "/ready", "/dashboard"})  # no key needed (README, http_api)
 MAX_BODY_BYTES = 64 << 10
@@ -61,7 +62,8 @@ def start_guarded(
     make_server: Callable[..., ServerHandle], engine: EngineConfig, tmp_path_factory: pytest.TempPathFactory
 ) -> Guarded:
     keys = tmp_path_factory.mktemp("keys") / "keys"
-    keys.write_text(f"{ALPHA_KEY} alpha\n{BETA_KEY} beta priority=3\n{OPS_KEY} ops role=operator\n")
+    keys.write_text(f"{ALPHA_KEY} alpha\n{BETA_KEY} beta priority=3\n{OPS_KEY} ops role=operator\n"
+                    f"{METRICS_KEY} prometheus role=metrics\n")
     grpc_port = free_port()
     handle = make_server(api_keys_file=keys, grpc_port=grpc_port, http=HttpConfig(max_body_bytes=MAX_BODY_BYTES),
                          engine=engine)  # fmt: skip

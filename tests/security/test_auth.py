@@ -31,6 +31,7 @@ from tests.security.conftest import (
     ALPHA_KEY,
     BETA_KEY,
     MAX_BODY_BYTES,
+    METRICS_KEY,
     MODEL,
     OPEN_PATHS,
     OPERATOR_PATHS,
@@ -222,6 +223,24 @@ def test_every_grpc_method_needs_a_key(guarded: Guarded) -> None:
             for metadata in ((("authorization", f"Bearer {ALPHA_KEY}"),), (("x-api-key", ALPHA_KEY),)):
                 code, _ = raw_call(channel, path, kind, request, metadata)
                 assert code == grpc.StatusCode.OK, (path, metadata, code)
+
+
+def test_a_metrics_key_reads_metrics_and_status_and_nothing_else(guarded: Guarded) -> None:
+    """A scraper's key (role=metrics) can read what every tenant and node did, and can neither
+    generate nor drain (k8s/monitoring/podmonitor.yaml scrapes with one)."""
+    with httpx.Client(base_url=guarded.url, headers=bearer(METRICS_KEY), timeout=30) as client:
+        assert client.get("/metrics").status_code == 200
+        assert client.get("/status").status_code == 200
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                             ("POST", "/admin/drain")):  # fmt: skip
+            reply = client.request(method, path, json=GOOD)
+            _assert_clean_error(reply, 403)
+            assert "role=" in reply.json()["error"]["message"]
+    with grpc.insecure_channel(guarded.grpc_target) as channel:
+        for path, kind, request in _generation_methods():
+            code, details = raw_call(channel, path, kind, request, (("authorization", f"Bearer {METRICS_KEY}"),))
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (path, code)
+            assert "role=metrics" in details and not leaks(details)
 
 
 # -- error bodies --------------------------------------------------------------------------------
