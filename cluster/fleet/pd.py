@@ -117,7 +117,7 @@ class PDFront:
 
 
 class Counts:
-    """How requests went (dispatch's Tally): tests and `baton status` read them."""
+    """How requests went (dispatch's Tally), for the tests: the in-process P/D exports no metric of it."""
 
     def __init__(self) -> None:
         self.num_local = 0
