@@ -114,6 +114,8 @@ async def dispatch(
     job: Job, decode: DecodeSide, paths: Sequence[PrefillSide | None], trace: RequestTrace, tally: Tally
 ) -> AsyncIterator[StepOutput]:
     """The request's outputs down the first of `paths` that works (the last is None: decode-local)."""
+    if not paths or paths[-1] is not None:  # a failed path always has a next one
+        raise ValueError("paths must end with None (decode-local)")
     req_id = job.req_id
     prefill: PrefillSide | None = None
     handed: Handed | None = None

@@ -181,3 +181,11 @@ def test_replayable_seeds_only_unseeded_sampling() -> None:
     unseeded = Job("u", (1,), SamplingParams(max_tokens=2, temperature=0.7))
     assert replayable(greedy) is greedy and replayable(seeded) is seeded
     assert replayable(unseeded).sampling.seed is not None
+
+
+def test_paths_must_end_decode_local() -> None:
+    """A failed path goes to the next one: the last must be decode-local, which cannot fail so."""
+    log = Log()
+    with pytest.raises(ValueError, match="end with None"):
+        asyncio.run(_run(FakeDecode(log), [FakePrefill("p0", log)], log))
+    assert log.calls == []
