@@ -8,6 +8,7 @@ as they are computed, by the transport routed for that decode worker.
     pushes.first_token(push, chunks)     ... and from now on the transfer's deadline runs
     await pushes.result(transfer_id)     how it went: a TransferReport
     pushes.expire_leases()               each step: a push past its lease is cancelled
+    pushes.ended                         how pushes ended, by END_REASONS (the stats say it)
 
 The push opens its stream with the first chunks; the rest, the last page included, follow
 with the first token. The transfer's deadline runs from the first token (as for a push that
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import cast
@@ -46,6 +48,9 @@ from prefill.worker import Chunk
 logger = logging.getLogger(__name__)
 
 LEASE_GRACE_S = 1.0  # past the push's own deadline, which normally ends it first
+# How a push ended: acked; cancelled by the request's abort, by drop() or close(), or at its
+# lease; its deadline passed; the decode side answered with a refusal; the transport failed.
+END_REASONS = ("ok", "aborted", "dropped", "lease", "deadline", "refused", "transport")
 
 
 class ChunkFeed:
@@ -112,6 +117,8 @@ class Pushes:
         self._nccl: NcclSender | None = None  # its channels, once a route asks for nccl
         self._routes: dict[str, str] = {}  # decode address -> transport ("grpc" when unset)
         self._pushes: dict[str, Push] = {}  # transfer_id -> its push, until reported or expired
+        self._cancelled: dict[str, str] = {}  # transfer_id -> why this side cancelled its push
+        self.ended: Counter[str] = Counter()  # pushes by END_REASONS
         self._flowing = asyncio.Event()  # cleared: pushes wait after their first chunk (hold)
         self._flowing.set()
         self.num_transfers = self.num_failed = self.num_lease_expired = 0
@@ -163,12 +170,17 @@ class Pushes:
         """A transfer that will not complete: its push (and the reservation it holds) goes."""
         push = self._pushes.pop(transfer_id, None)
         if push is not None:
-            push.task.cancel()
+            self._cancel(transfer_id, push, "dropped")
 
     def abort(self, req_id: str) -> None:
-        for push in self._pushes.values():
+        for transfer_id, push in self._pushes.items():
             if push.req_id == req_id:
-                push.task.cancel()
+                self._cancel(transfer_id, push, "aborted")
+
+    def _cancel(self, transfer_id: str, push: Push, reason: str) -> None:
+        if not push.task.done():
+            self._cancelled.setdefault(transfer_id, reason)
+            push.task.cancel()
 
     async def result(self, transfer_id: str) -> TransferReport:
         push = self._pushes.get(transfer_id)
@@ -202,13 +214,13 @@ class Pushes:
             if not push.task.done():
                 if now >= push.lease_end + LEASE_GRACE_S:
                     self.num_lease_expired += 1
-                    push.task.cancel()
+                    self._cancel(transfer_id, push, "lease")
             elif now >= push.lease_end + self.push_deadline_s:
                 del self._pushes[transfer_id]
 
     async def close(self) -> None:
-        for push in self._pushes.values():
-            push.task.cancel()
+        for transfer_id, push in self._pushes.items():
+            self._cancel(transfer_id, push, "dropped")
         for sender in self._senders.values():
             close = getattr(sender, "close", None)
             if close is not None:
@@ -236,13 +248,16 @@ class Pushes:
                 finally:
                     feed.watch(None)  # a push that ended before the first token has no deadline left
             accepted, error = result.accepted, result.error
+            end = "ok" if accepted else _end_of(error)
         except TimeoutError:
-            accepted, error = False, "deadline exceeded"
-        except asyncio.CancelledError:  # aborted, or its lease ended: the chunks go now
+            accepted, error, end = False, "deadline exceeded", "deadline"
+        except asyncio.CancelledError:  # aborted, dropped or its lease ended: the chunks go now
+            end = self._cancelled.pop(dest.transfer_id, "aborted")
             accepted, error = False, "aborted"
         except Exception as exc:
             logger.exception("push of %s failed", dest.transfer_id)
-            accepted, error = False, f"transport error: {type(exc).__name__}"
+            accepted, error, end = False, f"transport error: {type(exc).__name__}", "transport"
+        self.ended[end] += 1
         if transport == "nccl" and self._nccl is not None and not self._nccl.is_open(dest.address):
             if self._routes.get(dest.address) == "nccl":
                 logger.warning("nccl channel to %s is dead (%s): pages go by gRPC", dest.address, error)
@@ -286,6 +301,14 @@ class Pushes:
                 await self._flowing.wait()  # hold(False)
             first = False
             yield chunk
+
+
+def _end_of(error: str) -> str:
+    """END_REASONS' name for a sender's failed PushResult: its own deadline or transport
+    (kvtransfer.grpc_transport.failed_call), else the decode side's refusal."""
+    if error == "deadline exceeded":
+        return "deadline"
+    return "transport" if error.startswith("transport error") else "refused"
 
 
 class _Stopwatch:

@@ -162,7 +162,7 @@ class PrefillActor(WorkerActor):
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
             self.worker.engine.scheduler.num_pending_tokens, self.s_per_token,
             cache_report(self.worker.engine.pool.pages, cache, self.worker.engine.cfg.page_size),
-            self.worker.engine.num_preempted_total, os.getpid(),
+            self.worker.engine.num_preempted_total, os.getpid(), dict(pushes.ended),
         )  # fmt: skip
 
     def _set_epoch(self, epoch: int) -> None:

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.outputs import StepOutput
 from kvcache.report import CacheReport
@@ -41,6 +41,7 @@ class PrefillStats:
     cache: CacheReport = CacheReport()  # by tier, for status and the per-node metrics
     num_preempted: int = 0  # requests its engine preempted since start
     pid: int = 0  # its process: another one than before means Ray restarted the actor
+    pushes_ended: dict[str, int] = field(default_factory=dict)  # how its pushes ended (prefill.pushes.END_REASONS)
 
 
 @dataclass(frozen=True, slots=True)

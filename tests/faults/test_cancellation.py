@@ -138,6 +138,7 @@ def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, sta
     counts = {o: metric(slow1, "baton_requests_total", api="http", outcome=o) for o in OUTCOMES}
     prefill = front_of(slow1).fleet.prefills[0].actor
     held = state == "transferring"
+    ended = _prefill(slow1).pushes_ended
     if held:  # the push stays open until the pages are back: only the client's leaving ends it
         ray.get(prefill.hold_pushes.remote(True), timeout=30)
     try:
@@ -149,6 +150,12 @@ def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, sta
     finally:  # the worker as it was, also for the tests after a failed one
         if held:
             ray.get(prefill.hold_pushes.remote(False), timeout=30)
+    after = _prefill(slow1).pushes_ended
+    moved_pushes = {k: n - ended.get(k, 0) for k, n in after.items() if n != ended.get(k, 0)}
+    if held:  # the abort ended the held push, not its deadline (which also falls inside the 5 s)
+        assert moved_pushes == {"aborted": 1}, moved_pushes
+    elif state != "queued":  # the pages moved before the client left
+        assert moved_pushes == {"ok": 1}, moved_pushes
     # The request is counted once: cancelled, or (finishing: every token was out) ok.
     expected = {"cancelled"} if state != "finishing" else {"cancelled", "ok"}
     deadline = time.monotonic() + 5.0

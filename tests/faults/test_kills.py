@@ -86,6 +86,11 @@ def _pushing(prefills: list[PrefillHandle]) -> PrefillHandle:
     return pushing
 
 
+def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The push end reasons counted between two PrefillStats."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
 def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> None:
     front = front_of(slow)
     baseline = wait_decode_idle(front)
@@ -97,13 +102,17 @@ def test_a_client_leaving_mid_transfer_frees_both_sides(slow: ServerHandle) -> N
                 lines = response.iter_lines()  # held: dropping the iterator would close the stream
                 assert next(line for line in lines if line.startswith("data:"))  # the first token
                 pushing = _pushing(front.fleet.prefills)
+                ended = _prefill_stats(pushing).pushes_ended
                 assert decode_stats(front).num_open_reservations == 1  # its pages are still moving
         deadline = time.monotonic() + 10  # the aborts reach both actors (the push is still held)
         while (_prefill_stats(pushing).num_pinned_pages or decode_stats(front).num_reserved_pages) and (
             time.monotonic() < deadline
         ):
             time.sleep(0.05)
-        assert _prefill_stats(pushing).num_pinned_pages == 0
+        after = _prefill_stats(pushing)
+        assert after.num_pinned_pages == 0
+        # the abort ended the push, not its deadline (which would free the pages in this window too)
+        assert _moved(ended, after.pushes_ended) == {"aborted": 1}
     finally:
         _hold(front.fleet.prefills, False)
     stats = wait_decode_idle(front)

@@ -52,7 +52,7 @@ async def test_pages_fed_while_computing_and_at_the_first_token_land_whole(
     assert report.num_bytes == sum(c.header.payload_bytes for c in chunks)
     assert 0 <= report.wire_seconds <= report.seconds
     _assert_landed(side, dest, pages)  # exactly those pages, the reservation complete
-    assert pushes.num_transfers == 1 and not pushes.num_failed
+    assert pushes.num_transfers == 1 and not pushes.num_failed and pushes.ended == {"ok": 1}
     assert not pushes.in_flight() and not pushes.num_running
 
 
@@ -72,6 +72,7 @@ async def test_a_push_past_its_lease_is_cancelled_and_the_reservation_goes_back(
     pushes.expire_leases()
     report = await pushes.result(dest.transfer_id)
     assert not report.accepted and report.error == "aborted" and pushes.num_lease_expired == 1
+    assert pushes.ended == {"lease": 1}
     async with asyncio.timeout(10):  # the server's handler is cancelled with the stream
         while not side.released:
             await asyncio.sleep(0.02)
@@ -92,7 +93,32 @@ async def test_a_held_push_sends_one_chunk_and_an_abort_ends_it(decode: tuple[De
     assert _stored(side, dest) == 1 and pushes.num_running == 1
     pushes.abort("req-1")
     report = await pushes.result(dest.transfer_id)
-    assert not report.accepted and report.error == "aborted"
+    assert not report.accepted and report.error == "aborted" and pushes.ended == {"aborted": 1}
+
+
+async def test_a_held_push_ends_at_its_deadline_or_when_dropped(decode: tuple[Decode, str]) -> None:
+    """How a push ended is told apart (what the fault tests read to know that an abort, and not
+    the deadline that would free the same pages a little later, ended a transfer)."""
+    side, address = decode
+    short = Pushes(torch.device("cpu"), FaultPoints(), None, push_deadline_s=0.3, stream_limit_s=10.0)
+    try:
+        short.hold(True)
+        dest = side.reserve(address, 2)
+        push = short.open("late", dest)
+        short.first_token(push, tuple(build_chunks(dest, _kv(2), EPOCH, pages_per_chunk=1)))
+        report = await short.result(dest.transfer_id)
+        assert report.error == "deadline exceeded" and short.ended == {"deadline": 1}, report
+        dest = side.reserve(address, 2)
+        push = short.open("dropped", dest)  # fed before its first token: no deadline runs yet
+        short.feed(dest.transfer_id, tuple(build_chunks(dest, _kv(2), EPOCH, pages_per_chunk=1)))
+        async with asyncio.timeout(10):  # under way: its first chunk is stored
+            while _stored(side, dest) < 1:
+                await asyncio.sleep(0.02)
+        short.drop(dest.transfer_id)
+        await asyncio.wait_for(asyncio.shield(push.task), 10)
+        assert short.ended == {"deadline": 1, "dropped": 1}
+    finally:
+        await short.close()
 
 
 def _stored(side: Decode, dest: KVDestination) -> int:
@@ -107,5 +133,6 @@ async def test_a_corrupt_drill_is_refused_by_the_receiver(decode: tuple[Decode, 
     pushes.first_token(push, tuple(build_chunks(dest, _kv(2), EPOCH, pages_per_chunk=1)))
     report = await pushes.result(dest.transfer_id)
     assert not report.accepted and report.error == "checksum mismatch" and pushes.num_failed == 1
+    assert pushes.ended == {"refused": 1}  # the decode side's answer, not this side's deadline
     # nothing stored; the reservation waits for the gateway's cancel (an unproven chunk frees nothing)
     assert _stored(side, dest) == 0 and side.book.num_open == 1
