@@ -3,6 +3,7 @@
     server = EtcdServer.launch(tmp_dir)   etcd on 127.0.0.1 (free ports, its own data dir)
     server.stop() / server.start()        by its own PID; the same data dir and port
     server.count_keys(prefix)             how many keys under prefix (the JSON gateway)
+    EtcdServer.launch(tmp_dir, tls=EtcdServerTls(...))   https only, client certificates required
 
 etcd comes from the Debian package `etcd-server` (ENV-NOTES.md); .ci/run installs it. A
 missing binary is EtcdMissing, never a silent skip.
@@ -16,10 +17,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.server_proc import free_port
 
@@ -40,13 +44,36 @@ def is_listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@dataclass(frozen=True, slots=True)
+class EtcdServerTls:
+    """PEM files for an etcd that serves https only and requires a client certificate from
+    `ca` (--client-cert-auth); `client_cert`/`client_key` are what this harness itself
+    presents (its health checks and JSON-gateway calls)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+    def args(self) -> list[str]:
+        return ["--cert-file", str(self.cert), "--key-file", str(self.key), "--trusted-ca-file", str(self.ca),
+                "--client-cert-auth"]  # fmt: skip
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return ctx
+
+
 class EtcdServer:
     """One etcd on loopback, started and stopped by its own PID (restartable: the same data dir
     and ports)."""
 
     def __init__(self, binary: str, data_dir: Path, port: int, peer_port: int, name: str = "baton",
-                 host: str = "127.0.0.1") -> None:  # fmt: skip
+                 host: str = "127.0.0.1", tls: EtcdServerTls | None = None) -> None:  # fmt: skip
         self.binary = binary
+        self.tls = tls
         self.host = host  # loopback, or a test's own private address (tests/multihost: the bridge)
         self.name = name
         self.data_dir = data_dir
@@ -56,14 +83,23 @@ class EtcdServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def launch(cls, tmp_dir: Path, name: str = "baton", host: str = "127.0.0.1") -> EtcdServer:
+    def launch(cls, tmp_dir: Path, name: str = "baton", host: str = "127.0.0.1",
+               tls: EtcdServerTls | None = None) -> EtcdServer:  # fmt: skip
         """etcd with its data in tmp_dir/etcd-data (log: tmp_dir/etcd-data.log), free ports on `host`."""
         binary = shutil.which("etcd")
         if binary is None:
             raise EtcdMissing(INSTALL_HINT)
-        server = cls(binary, tmp_dir / "etcd-data", free_port(host), free_port(host), name, host)
+        server = cls(binary, tmp_dir / "etcd-data", free_port(host), free_port(host), name, host, tls)
         server.start()
         return server
+
+    @property
+    def url(self) -> str:
+        """Where clients reach it: http, or https with TLS."""
+        return f"{'https' if self.tls is not None else 'http'}://{self.host}:{self.port}"
+
+    def _open(self, req: str | urllib.request.Request, timeout: float) -> Any:
+        return urllib.request.urlopen(req, timeout=timeout, context=self.tls.context() if self.tls else None)
 
     @property
     def pid(self) -> int | None:
@@ -71,7 +107,7 @@ class EtcdServer:
 
     def start(self, timeout_s: float = 15.0) -> None:
         assert self.proc is None or self.proc.poll() is not None, "etcd is already running"
-        peer, client = f"http://{self.host}:{self.peer_port}", f"http://{self.host}:{self.port}"
+        peer, client = f"http://{self.host}:{self.peer_port}", self.url
         args = [
             self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
             "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -80,6 +116,7 @@ class EtcdServer:
             # a fast election (startup ~0.2 s) and a minimum lease TTL of 1 s
             "--heartbeat-interval", "50", "--election-timeout", "500",
             "--logger", "zap", "--log-level", "warn",
+            *(self.tls.args() if self.tls is not None else []),
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -95,7 +132,7 @@ class EtcdServer:
 
     def is_healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=1) as resp:
+            with self._open(f"{self.url}/health", timeout=1) as resp:
                 return b'"true"' in resp.read()
         except OSError:
             return False
@@ -104,10 +141,10 @@ class EtcdServer:
         """Keys under `prefix` (etcd's JSON gateway, /v3/kv/range); None if etcd does not answer."""
         end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
         body = {"key": _b64(prefix), "range_end": _b64(end), "count_only": True}
-        req = urllib.request.Request(f"http://{self.host}:{self.port}/v3/kv/range", json.dumps(body).encode(),
+        req = urllib.request.Request(f"{self.url}/v3/kv/range", json.dumps(body).encode(),
                                      method="POST")  # fmt: skip
         try:
-            with urllib.request.urlopen(req, timeout=2) as resp:
+            with self._open(req, timeout=2) as resp:
                 return int(json.load(resp).get("count", 0))
         except OSError:
             return None
@@ -121,9 +158,9 @@ class EtcdServer:
         return self._post("/v3/kv/deleterange", {"key": _b64(key)}) is not None
 
     def _post(self, path: str, body: dict[str, str]) -> dict[str, object] | None:
-        req = urllib.request.Request(f"http://{self.host}:{self.port}{path}", json.dumps(body).encode(), method="POST")
+        req = urllib.request.Request(f"{self.url}{path}", json.dumps(body).encode(), method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=2) as resp:
+            with self._open(req, timeout=2) as resp:
                 return dict(json.load(resp))
         except OSError:
             return None

@@ -21,7 +21,8 @@ value of the wrong type or out of its range. An example with every key is exampl
                 tls_cert, tls_key, tls_ca (mutual TLS between the workers' KV ports)
     recovery:   max_migrations, watchdog_s, max_restarts
     placement:  policy (cache, round_robin), local_prefill_tokens
-    membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port}
+    membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port, tls_ca, tls_cert, tls_key,
+                server_name, username, password_file}
     planner:    enabled, period_s, ttft_slo_s, itl_slo_s, min/max_prefill, min/max_decode,
                 max_total, out_samples, in_samples, cooldown_s   (cluster.ops.planner)
     api:        host, port, grpc_port (0: off), api_keys_file, tls_cert, tls_key,
@@ -36,12 +37,15 @@ No pickle: the file is parsed with yaml.safe_load, then checked by the schema be
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cluster.disagg_config import EtcdAccess
 
 MAX_CONFIG_BYTES = 1 << 20
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -139,6 +143,13 @@ class PlacementSection(_Section):
 class EtcdSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=2379, ge=1, le=65535)
+    # TLS and auth (cluster.disagg_config.EtcdAccess): file paths, e.g. a mounted Secret
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    server_name: str | None = None
+    username: str | None = None
+    password_file: str | None = None
 
 
 class MembershipSection(_Section):
@@ -292,7 +303,8 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             max_restarts=f.recovery.max_restarts,
             prefill_resources=_resources(w.prefill), decode_resources=_resources(w.decode),
             decode_threads=w.decode.threads,
-            membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port),
+            membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port,
+                                        _etcd_access(m.etcd)),
         )  # fmt: skip
     planner = _planner(f) if f.planner.enabled else None
     a, tr = f.api, f.tracing
@@ -329,6 +341,13 @@ def _planner(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> PlannerConfi
                       max_decode=pl.max_decode, min_total=max(2, pl.min_prefill + pl.min_decode),
                       max_total=pl.max_total),
     )  # fmt: skip
+
+
+def _etcd_access(e: EtcdSection) -> EtcdAccess:
+    from cluster.disagg_config import EtcdAccess
+
+    return EtcdAccess(e.tls_ca or "", e.tls_cert or "", e.tls_key or "", e.server_name or "", e.username or "",
+                      e.password_file or "")  # fmt: skip
 
 
 def _resources(role: RoleSection):  # type: ignore[no-untyped-def]

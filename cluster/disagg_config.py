@@ -27,6 +27,39 @@ class ActorResources:
 
 
 @dataclass(frozen=True, slots=True)
+class EtcdAccess:
+    """How a process proves itself to etcd, and etcd to it (cluster.yaml's membership.etcd; on
+    Kubernetes the files are a mounted Secret). All off: plaintext, no auth (loopback only).
+
+    tls_ca                https: etcd's certificate is checked against this CA (and against
+                          `server_name`, when etcd is dialled by an address its certificate
+                          does not name)
+    tls_cert, tls_key     a client certificate (etcd's --client-cert-auth); with etcd's auth on,
+                          its CN is the user: no password, no token that can expire
+    username, password_file   etcd's password auth (the token is fetched again when etcd
+                          forgets it, e.g. after its restart)"""
+
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    server_name: str = ""
+    username: str = ""
+    password_file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("membership.etcd.tls_cert", "tls_cert and tls_key go together")
+        if (self.tls_cert or self.server_name) and not self.tls_ca:
+            raise ConfigError("membership.etcd.tls_ca", "a client certificate or server_name needs tls_ca (https)")
+        if bool(self.username) != bool(self.password_file):
+            raise ConfigError("membership.etcd.username", "username and password_file go together")
+
+    @property
+    def is_tls(self) -> bool:
+        return bool(self.tls_ca)
+
+
+@dataclass(frozen=True, slots=True)
 class MembershipConfig:
     """Who registers workers: `ray` (a registry actor, the embedded default) or `etcd` (leases)."""
 
@@ -35,6 +68,7 @@ class MembershipConfig:
     lease_ttl_s: int = 10
     etcd_host: str = "127.0.0.1"
     etcd_port: int = 2379
+    etcd_access: EtcdAccess = EtcdAccess()
 
     def __post_init__(self) -> None:
         if self.backend not in ("ray", "etcd"):

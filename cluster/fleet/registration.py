@@ -44,7 +44,9 @@ async def open_membership(cfg: MembershipConfig, registry_name: str) -> Membersh
     if cfg.backend == "etcd":
         from cluster.membership.etcd import EtcdConfig, EtcdMembership
 
-        return await EtcdMembership.open(EtcdConfig(cfg.etcd_host, cfg.etcd_port, cfg.cluster, cfg.lease_ttl_s))
+        return await EtcdMembership.open(
+            EtcdConfig(cfg.etcd_host, cfg.etcd_port, cfg.cluster, cfg.lease_ttl_s, access=cfg.etcd_access)
+        )
     import ray
 
     from cluster.membership.embedded import RayMembership, actor_port

@@ -23,7 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import aetcd  # type: ignore[import-untyped]
+import aetcd.client  # type: ignore[import-untyped]
+import aetcd.exceptions  # type: ignore[import-untyped]
+import grpc
 
+from cluster.disagg_config import EtcdAccess
 from cluster.membership.protocol import (
     MembershipUnavailable,
     MemberView,
@@ -32,6 +36,7 @@ from cluster.membership.protocol import (
     WorkerInfo,
     is_name,
 )
+from engine.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ class EtcdConfig:
     request_timeout_s: float = 5.0
     retry_s: float = 0.5  # after a failed watch or registration
     max_queued_events: int = 10_000  # per watcher
+    access: EtcdAccess = EtcdAccess()  # TLS and auth; all off: plaintext (loopback only)
 
     def __post_init__(self) -> None:
         if not is_name(self.cluster):
@@ -77,6 +83,7 @@ class EtcdStats(NamedTuple):
     num_resumes: int  # watches re-created from last_seen + 1 after a disconnect
     num_reregistrations: int  # leases lost and registrations created again (new epochs)
     num_bad_values: int  # keys whose value was not a WorkerInfo (skipped)
+    num_reauthentications: int = 0  # auth tokens etcd forgot, fetched again
 
 
 @dataclass(slots=True)
@@ -101,17 +108,21 @@ class EtcdMembership(ViewBacked):
         self._is_connected = False
         self._is_closed = False
         self._num_relists = self._num_watches = self._num_reregistrations = self._num_bad_values = 0
+        self._num_reauthentications = 0
 
     @classmethod
     async def open(cls, cfg: EtcdConfig) -> EtcdMembership:
         """Connect and list; MembershipUnavailable when etcd cannot be reached."""
-        client = aetcd.Client(cfg.host, cfg.port, timeout=cfg.request_timeout_s, options=_CHANNEL_OPTIONS)
+        client = _client(cfg)
         membership = cls(cfg, client)
         try:
             await membership._relist()
         except _UNREACHABLE as exc:
             await client.close()
             raise MembershipUnavailable(f"etcd at {cfg.host}:{cfg.port} is unreachable") from exc
+        except aetcd.ClientError as exc:  # refused: credentials (auth, permissions) or TLS
+            await client.close()
+            raise MembershipUnavailable(f"etcd at {cfg.host}:{cfg.port} refused this client: {exc}") from exc
         membership._follower = asyncio.create_task(membership._follow(), name=f"baton-etcd-{cfg.cluster}")
         return membership
 
@@ -157,7 +168,8 @@ class EtcdMembership(ViewBacked):
 
     def stats(self) -> EtcdStats:
         return EtcdStats(self._view.revision, self._is_connected, self._num_relists,
-                         max(self._num_watches - 1, 0), self._num_reregistrations, self._num_bad_values)  # fmt: skip
+                         max(self._num_watches - 1, 0), self._num_reregistrations, self._num_bad_values,
+                         self._num_reauthentications)  # fmt: skip
 
     # -- worker side: create, update, keep alive --------------------------------------------------
 
@@ -201,6 +213,7 @@ class EtcdMembership(ViewBacked):
                     await self._rejoin(held)
             except (aetcd.ClientError, TimeoutError) as exc:  # unreachable: retry at the next tick
                 logger.info("%s: keepalive failed (%s)", held.info.worker_id, exc)
+                await self._after_error(exc)
             except Exception:  # never let the lease lapse silently over a bug
                 logger.exception("%s: keepalive failed", held.info.worker_id)
 
@@ -215,6 +228,14 @@ class EtcdMembership(ViewBacked):
         self._num_reregistrations += 1
         logger.warning("%s registered again: epoch %d -> %d", worker_id, old, new.info.epoch)
         return True
+
+    async def _after_error(self, exc: BaseException) -> None:
+        """etcd forgot this client's auth token (it keeps them in memory: a restart loses them):
+        drop the connection, so that the next call connects and authenticates again."""
+        if isinstance(exc, aetcd.exceptions.UnauthenticatedError) and self.cfg.access.username:
+            self._num_reauthentications += 1
+            logger.warning("etcd refused the auth token (%s): authenticating again", exc)
+            await self._client.close()
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:
@@ -231,6 +252,10 @@ class EtcdMembership(ViewBacked):
                 if must_relist:
                     await self._relist()
                     must_relist = False
+                elif self.cfg.access.username:
+                    # aetcd takes a watch that etcd refused (cancelled at creation: a token etcd
+                    # forgot) as created, and it never delivers: prove the token first
+                    await self._client.get(self.cfg.prefix)
                 await self._watch_from(self._view.revision + 1)
             except aetcd.RevisionCompactedError as exc:
                 logger.warning("etcd compacted past revision %d (%s): listing again", self._view.revision, exc)
@@ -239,6 +264,7 @@ class EtcdMembership(ViewBacked):
                 if self._is_connected:
                     logger.warning("etcd unreachable (%s): serving on the last-known membership", exc)
                 self._is_connected = False
+                await self._after_error(exc)
             except Exception:  # a bug: start over from a listing rather than stop following
                 logger.exception("membership watch failed: listing again")
                 must_relist, self._is_connected = True, False
@@ -284,6 +310,81 @@ class EtcdMembership(ViewBacked):
 
     def _key(self, worker_id: str) -> bytes:
         return self.cfg.prefix + worker_id.encode()
+
+
+MAX_SECRET_BYTES = 64 << 10  # a PEM file or a password
+
+
+def _client(cfg: EtcdConfig) -> Any:
+    """An aetcd client for `cfg`: plaintext, or TLS with its CA (and a client certificate);
+    with a username, it authenticates with the password file's first line."""
+    access = cfg.access
+    password = _read(access.password_file, "membership.etcd.password_file").decode().splitlines()[0] \
+        if access.username else None  # fmt: skip
+    options: dict[str, Any] = dict(_CHANNEL_OPTIONS)
+    if not access.is_tls:
+        return aetcd.Client(cfg.host, cfg.port, access.username or None, password, timeout=cfg.request_timeout_s,
+                            options=options)  # fmt: skip
+    credentials = grpc.ssl_channel_credentials(
+        _read(access.tls_ca, "membership.etcd.tls_ca"),
+        _read(access.tls_key, "membership.etcd.tls_key") if access.tls_key else None,
+        _read(access.tls_cert, "membership.etcd.tls_cert") if access.tls_cert else None,
+    )
+    if access.server_name:
+        options["grpc.ssl_target_name_override"] = access.server_name
+    return _TlsClient(credentials, cfg.host, cfg.port, access.username or None, password,
+                      timeout=cfg.request_timeout_s, options=options)  # fmt: skip
+
+
+def _read(path: str, key: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from None
+    if not data.strip() or len(data) > MAX_SECRET_BYTES:
+        raise ConfigError(key, f"{path} is empty or over {MAX_SECRET_BYTES} bytes")
+    return data
+
+
+class _TlsClient(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client over TLS. aetcd 1.0 dials plaintext only, so this `connect` is aetcd's
+    (the same stubs, authentication and watcher, in the same order) over a secure channel;
+    aetcd is pinned in pyproject.toml, and tests/cluster/test_etcd_tls.py runs it against a
+    real etcd that takes https only."""
+
+    _is_connecting: bool  # aetcd's
+
+    def __init__(self, credentials: grpc.ChannelCredentials, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._credentials = credentials
+
+    @aetcd.client._handle_errors  # type: ignore[untyped-decorator]  # grpc errors -> aetcd's, as its own
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        rpc = aetcd.rpc
+        try:
+            self._is_connecting = True
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials,
+                                                   options=list(self._options.items()))  # fmt: skip
+            if self._username is not None and self._password is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+                reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                self.metadata = (("token", reply.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                  metadata=self.metadata)  # fmt: skip
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 CANCEL_TRIES = 50  # x CANCEL_WAIT_S: how long close() waits for a task that swallows cancellation
