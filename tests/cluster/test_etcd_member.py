@@ -1,0 +1,167 @@
+"""cluster.membership.etcd_member against three real etcd members on loopback, each started
+from the config file it writes (as the StatefulSet's init container does): a first start makes
+a new cluster, also for a member that starts after the others; a member whose volume is lost rejoins the running cluster by itself, with the
+data replicated to it, instead of crash-looping as a `new` member would (issue 23, finding 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aetcd  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from bench.server_proc import free_port
+from cluster.membership.etcd_member import Member, has_member, main, plan, write
+from tests.etcd_server import INSTALL_HINT
+
+pytestmark = pytest.mark.timeout(120)
+
+NAMES = ("etcd-0", "etcd-1", "etcd-2")
+
+
+class Trio:
+    """Three members on 127.0.0.1, each with its own ports, data dir and config file."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.members = {n: Member(n, f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
+                        for n in NAMES}  # fmt: skip
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def data_dir(self, name: str) -> Path:
+        return self.root / name / "data"
+
+    def listen(self, name: str) -> dict[str, str]:
+        m = self.members[name]
+        return {"client": m.client_url, "peer": m.peer_url, "metrics": f"http://127.0.0.1:{free_port()}"}
+
+    async def configure(self, name: str) -> dict[str, object]:
+        config = await plan(self.members[name], self.members, self.data_dir(name), self.listen(name))
+        config |= {"heartbeat-interval": 50, "election-timeout": 500, "log-level": "warn"}  # a fast test
+        write(config, self.root / name / "etcd.conf.yml")
+        return config
+
+    def start(self, name: str) -> None:
+        binary = shutil.which("etcd")
+        assert binary is not None
+        with open(self.root / f"{name}.log", "ab") as log:
+            self.procs[name] = subprocess.Popen([binary, "--config-file", str(self.root / name / "etcd.conf.yml")],
+                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def kill(self, name: str) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def wait_healthy(self, name: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs[name]
+            assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{self.log(name)}"
+            try:
+                with urllib.request.urlopen(f"{self.members[name].client_url}/health", timeout=1) as resp:
+                    if b'"true"' in resp.read():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{name} not healthy within {timeout_s} s:\n{self.log(name)}")
+
+    def log(self, name: str) -> str:
+        return "\n".join((self.root / f"{name}.log").read_text(errors="replace").splitlines()[-15:])
+
+    def client(self, name: str) -> aetcd.Client:
+        return aetcd.Client("127.0.0.1", int(self.members[name].client_url.rsplit(":", 1)[1]), timeout=5)
+
+    def stop(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+
+
+@pytest.fixture
+def trio(tmp_path: Path) -> Iterator[Trio]:
+    if shutil.which("etcd") is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    made = Trio(tmp_path)
+    yield made
+    made.stop()
+
+
+async def _members(trio: Trio, via: str) -> dict[str, list[str]]:
+    async with trio.client(via) as client:
+        listed = await client.clusterstub.MemberList(aetcd.rpc.MemberListRequest(), timeout=5)
+    return {m.name: list(m.peerURLs) for m in listed.members}
+
+
+async def test_a_member_that_lost_its_volume_rejoins_with_the_data(trio: Trio) -> None:
+    for name in NAMES:  # the first start: no member answers yet
+        config = await trio.configure(name)
+        assert config["initial-cluster-state"] == "new"
+    for name in NAMES[:2]:
+        trio.start(name)
+    for name in NAMES[:2]:
+        trio.wait_healthy(name)  # two of three: a quorum
+    # the third starts later than the others: the cluster lists it unstarted, nothing is removed
+    assert (await trio.configure("etcd-2"))["initial-cluster-state"] == "new"
+    trio.start("etcd-2")
+    trio.wait_healthy("etcd-2")
+    async with trio.client("etcd-0") as client:
+        await client.put(b"/baton/workers/p-0", b"kept")
+    # a restart with its data: as before, nothing removed or added
+    assert (await trio.configure("etcd-1"))["initial-cluster-state"] == "new" and has_member(trio.data_dir("etcd-1"))
+    assert set(await _members(trio, "etcd-0")) == set(NAMES)
+
+    trio.kill("etcd-2")
+    shutil.rmtree(trio.data_dir("etcd-2"))  # its volume is gone, and with it its member ID
+    config = await trio.configure("etcd-2")
+    assert config["initial-cluster-state"] == "existing"
+    assert sorted(part.split("=")[0] for part in str(config["initial-cluster"]).split(",")) == list(NAMES)
+    trio.start("etcd-2")
+    trio.wait_healthy("etcd-2")
+    async with trio.client("etcd-2") as client:  # a serializable read: etcd-2's own copy
+        got = await client.get(b"/baton/workers/p-0", serializable=True)
+    assert got is not None and got.value == b"kept"
+    listed = await _members(trio, "etcd-2")
+    assert set(listed) == set(NAMES) and listed["etcd-2"] == [trio.members["etcd-2"].peer_url]
+
+
+def test_the_command_writes_the_pod_config(tmp_path: Path) -> None:
+    out = tmp_path / "run" / "etcd.conf.yml"
+    assert main(["--name", "baton-etcd-1", "--members", "baton-etcd-0,baton-etcd-1,baton-etcd-2",
+                 "--domain", "baton-etcd.baton.svc", "--data-dir", str(tmp_path / "data"), "--out", str(out)]) == 0  # fmt: skip
+    config = yaml.safe_load(out.read_text())
+    assert config["name"] == "baton-etcd-1" and config["initial-cluster-state"] == "new"  # nothing answered
+    assert config["advertise-client-urls"] == "http://baton-etcd-1.baton-etcd.baton.svc:2379"
+    assert config["initial-cluster"].split(",")[2] == "baton-etcd-2=http://baton-etcd-2.baton-etcd.baton.svc:2380"
+    assert config["auto-compaction-mode"] == "periodic" and config["quota-backend-bytes"] == 1 << 30
+    with pytest.raises(SystemExit):
+        main(["--name", "x", "--members", "a,b", "--domain", "d", "--data-dir", "d", "--out", str(out)])
+
+
+def test_tls_dir_makes_clients_and_peers_https(tmp_path: Path) -> None:
+    out = tmp_path / "etcd.conf.yml"
+    tls = tmp_path / "tls"
+    main(["--name", "e-0", "--members", "e-0", "--domain", "d.svc", "--data-dir", str(tmp_path / "data"),
+          "--out", str(out), "--tls-dir", str(tls)])  # fmt: skip
+    config = yaml.safe_load(out.read_text())
+    assert config["listen-client-urls"].startswith("https://") and config["initial-cluster"] == "e-0=https://e-0.d.svc:2380"
+    for side in ("client-transport-security", "peer-transport-security"):
+        assert config[side] == {"cert-file": str(tls / "tls.crt"), "key-file": str(tls / "tls.key"),
+                                "trusted-ca-file": str(tls / "ca.crt"), "client-cert-auth": True}  # fmt: skip
+    assert config["listen-metrics-urls"] == "http://0.0.0.0:2381"  # probes and scrapes stay plain
+
+
+def test_probe_gives_up_quickly_when_nobody_answers(tmp_path: Path) -> None:
+    started = time.monotonic()
+    members = {n: Member(n, f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}") for n in NAMES}
+    listen = {"client": "http://127.0.0.1:1", "peer": "http://127.0.0.1:2", "metrics": "http://127.0.0.1:3"}
+    config = asyncio.run(plan(members["etcd-0"], members, tmp_path / "data", listen))
+    assert config["initial-cluster-state"] == "new" and time.monotonic() - started < 10
