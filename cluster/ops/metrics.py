@@ -44,7 +44,7 @@ class EdgeMetrics:
         self.running = Gauge("baton_running_batch", "Requests in the engine's running batch", registry=r)
         self.pages_used = Gauge("baton_kv_pages_used", "KV pages held by requests", ["tier"], registry=r)
         self.pages_cached = Gauge("baton_kv_pages_cached", "KV pages held only by the prefix cache", ["tier"], registry=r)
-        self.pages_total = Gauge("baton_kv_pages_total", "KV pages in the pool", ["tier"], registry=r)
+        self.pages_total = Gauge("baton_kv_pages", "KV pages in the pool", ["tier"], registry=r)
         self.loop_lag = Histogram(
             "baton_event_loop_lag_seconds", "How late the gateway's event loop woke a timer (sampled every 0.1 s)",
             buckets=_LAG_BUCKETS, registry=r,

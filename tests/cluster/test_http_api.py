@@ -186,7 +186,7 @@ def test_health_and_metrics(server: ServerHandle) -> None:
         _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         text = client.get("/metrics").text
         assert 'baton_requests_total{api="http",outcome="ok"}' in text
-        assert "baton_ttft_seconds_bucket" in text and "baton_kv_pages_total" in text
+        assert "baton_ttft_seconds_bucket" in text and 'baton_kv_pages{tier="device"}' in text
         spec = client.get("/openapi.json").json()
         assert "/v1/completions" in spec["paths"] and "/v1/chat/completions" in spec["paths"]
 

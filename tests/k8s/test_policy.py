@@ -31,6 +31,11 @@ RAY_DYNAMIC_PORT = 23456  # a worker / object-manager / KV-transfer port picked 
 ETCD_CLIENT, ETCD_PEER = 2379, 2380
 GATEWAY_PORTS = (8000, 50051)
 OUTSIDER = {"app.kubernetes.io/name": "something-else"}  # any other pod in the namespace
+# Prometheus, where the NetworkPolicies expect it (k8s/README.md: change both together), and the
+# metrics port it scrapes on each kind of pod (k8s/monitoring/podmonitor.yaml)
+SCRAPER_NAMESPACE = {"kubernetes.io/metadata.name": "monitoring"}
+SCRAPER = {"app.kubernetes.io/name": "prometheus"}
+GATEWAY_METRICS, RAY_METRICS, ETCD_METRICS = 8000, 8080, 2381
 
 
 def _all(
@@ -155,12 +160,25 @@ def _ingress_peers(
     return peers
 
 
+def _is_the_scraper(peer: dict[str, Any] | None) -> bool:
+    """`peer` admits Prometheus's pods in its namespace and nothing else there or elsewhere."""
+    if peer is None or "namespaceSelector" not in peer or "podSelector" not in peer:
+        return False
+    ns, pods = peer["namespaceSelector"], peer["podSelector"]
+    return (_selects(ns, SCRAPER_NAMESPACE) and not _selects(ns, {"kubernetes.io/metadata.name": "elsewhere"})
+            and _selects(pods, SCRAPER) and not _selects(pods, OUTSIDER))  # fmt: skip
+
+
 def _only_from(
-    objects: list[Obj], pod: dict[str, str], port: int, allowed: list[dict[str, str]]
+    objects: list[Obj], pod: dict[str, str], port: int, allowed: list[dict[str, str]],
+    scraper: bool = False,
 ) -> list[str]:
-    """Why `port` of `pod` is reachable from something outside `allowed` (empty: it is not)."""
+    """Why `port` of `pod` is reachable from something outside `allowed` (and, with `scraper`,
+    Prometheus's pods) (empty: it is not)."""
     problems = []
     for peer in _ingress_peers(objects, pod, port):
+        if scraper and _is_the_scraper(peer):
+            continue
         if peer is None or "ipBlock" in peer or "namespaceSelector" in peer:
             problems.append(f"port {port} open to {peer or 'any source'}")
         elif _selects(peer["podSelector"], OUTSIDER):
@@ -190,11 +208,13 @@ def test_ray_and_etcd_ports_are_reachable_only_from_their_pods(
         etcd = _labels(objects, "baton-etcd")
         for pod in ray:
             for port in (*RAY_PORTS, RAY_DYNAMIC_PORT):
-                problems += [f"{target} {pod}: {p}" for p in _only_from(objects, pod, port, ray)]
+                problems += [f"{target} {pod}: {p}"
+                             for p in _only_from(objects, pod, port, ray, scraper=port == RAY_METRICS)]  # fmt: skip
         problems += [
             f"{target} etcd: {p}" for p in _only_from(objects, etcd, ETCD_CLIENT, [*ray, etcd])
         ]
         problems += [f"{target} etcd: {p}" for p in _only_from(objects, etcd, ETCD_PEER, [etcd])]
+        problems += [f"{target} etcd: {p}" for p in _only_from(objects, etcd, ETCD_METRICS, [], scraper=True)]
         # ...and they are reachable where they must be (or nothing would work)
         assert _ingress_peers(objects, ray[2], RAY_DYNAMIC_PORT) and _ingress_peers(
             objects, etcd, ETCD_PEER
@@ -219,6 +239,35 @@ def test_clients_reach_the_gateway_and_nothing_else(builds: dict[str, list[Obj]]
                 assert None not in _ingress_peers(objects, pod, port), (
                     f"{target}: {pod} open on {port}"
                 )
+
+
+def _scraper_reaches(objects: list[Obj], pod: dict[str, str], port: int) -> bool:
+    return any(p is None or _is_the_scraper(p) for p in _ingress_peers(objects, pod, port))
+
+
+def test_the_scraper_reaches_every_metrics_port(builds: dict[str, list[Obj]]) -> None:
+    """Prometheus (namespace monitoring) reaches what the PodMonitor scrapes: the gateway's
+    /metrics, Ray's metrics agent on the head and every worker, etcd's metrics listener."""
+    for target in TARGETS:
+        objects = builds[target]
+        wanted = [(g, _labels(objects, g), RAY_METRICS) for g in ("head", "prefill", "decode")]
+        wanted += [("head", _labels(objects, "head"), GATEWAY_METRICS),
+                   ("baton-etcd", _labels(objects, "baton-etcd"), ETCD_METRICS)]  # fmt: skip
+        shut = [f"{g}:{port}" for g, pod, port in wanted if not _scraper_reaches(objects, pod, port)]
+        assert not shut, f"{target}: Prometheus cannot scrape {shut}"
+        # ...and only those: not Ray's GCS, etcd's client port, a worker's KV-transfer server
+        for g, port in (("head", 6379), ("baton-etcd", ETCD_CLIENT), ("decode", RAY_DYNAMIC_PORT)):
+            assert not _scraper_reaches(objects, _labels(objects, g), port), f"{target}: {g}:{port}"
+
+
+def test_the_scraper_peer_check_can_fail() -> None:
+    assert _is_the_scraper({"namespaceSelector": {"matchLabels": SCRAPER_NAMESPACE},
+                            "podSelector": {"matchLabels": SCRAPER}})  # fmt: skip
+    for too_wide in ({"namespaceSelector": {}, "podSelector": {"matchLabels": SCRAPER}},
+                     {"namespaceSelector": {"matchLabels": SCRAPER_NAMESPACE}, "podSelector": {}},
+                     {"namespaceSelector": {"matchLabels": SCRAPER_NAMESPACE}},
+                     {"podSelector": {"matchLabels": SCRAPER}}, None):  # fmt: skip
+        assert not _is_the_scraper(too_wide), too_wide
 
 
 def test_the_network_check_can_fail(builds: dict[str, list[Obj]]) -> None:
@@ -247,15 +296,13 @@ def test_gateway_is_probed_and_drains(builds: dict[str, list[Obj]], target: str)
     gw = head.container("gateway")
     ports = {p["name"]: p["containerPort"] for p in gw["ports"]}
     assert ports == {"http": 8000, "grpc": 50051}
-    for probe, path in (
-        ("livenessProbe", "/live"),
-        ("readinessProbe", "/ready"),
-        ("startupProbe", "/live"),
-    ):
+    for probe, path in (("livenessProbe", "/live"), ("startupProbe", "/live")):
         get = gw[probe]["httpGet"]
         assert get["path"] == path and ports.get(get["port"], get["port"]) == 8000, (
             f"{probe}: {get}"
         )
+    # readiness is grpc.health.v1 on the gRPC port (the same answer as /ready; test_ways_in.py)
+    assert gw["readinessProbe"]["grpc"]["port"] == ports["grpc"]
     assert (
         gw["command"][0] == "/bin/sh"
         and "exec baton serve --config /etc/baton/cluster.yaml" in gw["args"][0]
