@@ -40,10 +40,10 @@ COPY kvtransfer/ kvtransfer/
 COPY prefill/ prefill/
 
 # torch first, from the index chosen above, at the version pyproject.toml's model extra pins;
-# then baton with what a pod runs, and ray[default] at the project's Ray version (KubeRay's
-# probes need its dashboard agent; the cluster extra has plain ray).
+# then baton with what a pod runs (k8s: the planner's KubeRay client), and ray[default] at the
+# project's Ray version (KubeRay's probes need its dashboard agent; the cluster extra has plain ray).
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
- && pip install ".[model,serve,cluster,trace]" "ray[default]==2.60.0"
+ && pip install ".[model,serve,cluster,trace,k8s]" "ray[default]==2.60.0"
 
 USER 1000:1000
 ENV HOME=/home/baton

@@ -6,6 +6,7 @@
     baton serve --ray-address ADDR    the same on an existing Ray cluster
     baton serve --config cluster.yaml everything from one file (cluster.cluster_config); also `up`
     baton status [--url URL] [--json] a running gateway's workers: role, health, load, cache by tier
+    baton scale prefill=N decode=M    resize its worker pools (KubeRay on Kubernetes), draining first
     baton generate --model M --prompt P
     baton model create {tiny,small} DIR
     baton dev hosts N                 N network-namespaced hosts, each its own Ray node, until Ctrl-C (root)
@@ -23,6 +24,7 @@ import time
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from engine.env import api_key
 from engine.errors import BatonError
@@ -80,6 +82,14 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw GET /status JSON")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     status.set_defaults(func=_cmd_status)
+
+    scale = sub.add_parser("scale", help="bring a running gateway's worker pools to a size, one worker at a "
+                           "time (scale-in drains first); an operator key in BATON_API_KEY")
+    scale.add_argument("targets", nargs="+", metavar="ROLE=N", help="prefill=N and/or decode=M")
+    scale.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP address")
+    scale.add_argument("--timeout", type=float, default=1800.0,
+                       help="seconds to wait (a pod per worker: image, model load)")
+    scale.set_defaults(func=_cmd_scale)
 
     gen = sub.add_parser("generate", help="generate text offline from one prompt")
     _add_engine_args(gen)
@@ -336,30 +346,66 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
 def _cmd_status(args: argparse.Namespace) -> int:
     """GET /status, printed as a table; the key (if the gateway has keys) from BATON_API_KEY."""
     import json
-    import urllib.error
-    import urllib.request
 
     from cluster.ops.status_view import render_status
 
-    url = args.url.rstrip("/") + "/status"
+    body = _call_gateway(args.url, "/status", None, args.timeout)
+    print(json.dumps(body, indent=2) if args.json else render_status(body))
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    """POST /admin/scale {"prefill": N, "decode": M}; prints what was added and drained."""
+    targets: dict[str, int] = {}
+    for item in args.targets:
+        role, _, count = item.partition("=")
+        if role not in ("prefill", "decode") or not count.isdigit():
+            raise BatonError(f"{item!r}: use prefill=N or decode=M")
+        targets[role] = int(count)
+    report = _call_gateway(args.url, "/admin/scale", targets, args.timeout)
+    for role, done in report.items():
+        changes = [*(f"+{n}" for n in done.get("added", []) if n), *(f"-{n}" for n in done.get("drained", []))]
+        print(f"{role}: {done['before']} -> {done['after']}" + (f"  ({', '.join(changes)})" if changes else ""))
+    return 0
+
+
+def _call_gateway(base: str, path: str, body: dict[str, int] | None, timeout_s: float) -> dict[str, Any]:
+    """GET (or POST `body` as JSON) a gateway route -> its JSON answer; BatonError with the
+    gateway's own message otherwise. The key (if the gateway has keys) from BATON_API_KEY."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = base.rstrip("/") + path
     if not url.startswith(("http://", "https://")):
-        raise BatonError(f"--url {args.url!r}: use http://host:port or https://host:port")
-    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+        raise BatonError(f"--url {base!r}: use http://host:port or https://host:port")
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Accept": "application/json",
+                                                              "Content-Type": "application/json"})  # fmt: skip
     if key := api_key():
         request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=args.timeout) as reply:  # noqa: S310  (http(s) only, above)
-            body = json.loads(reply.read(8 << 20))
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:  # noqa: S310  (http(s) only, above)
+            answer: dict[str, Any] = json.loads(reply.read(8 << 20))
+            return answer
     except urllib.error.HTTPError as exc:
         hint = {401: " (set BATON_API_KEY)", 403: " (BATON_API_KEY must be an operator key: role=operator)"}.get(
             exc.code, "")
-        raise BatonError(f"{url}: HTTP {exc.code}{hint}") from None
+        raise BatonError(f"{url}: HTTP {exc.code}{hint}{_message(exc)}") from None
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         raise BatonError(f"{url}: cannot reach the gateway ({getattr(exc, 'reason', exc)})") from None
     except ValueError:
         raise BatonError(f"{url}: the answer is not JSON") from None
-    print(json.dumps(body, indent=2) if args.json else render_status(body))
-    return 0
+
+
+def _message(exc: Any) -> str:
+    """The OpenAI-shaped error body's message, if the answer has one."""
+    import json
+
+    try:
+        return ": " + str(json.loads(exc.read(1 << 16))["error"]["message"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return ""
 
 
 def _cmd_model_create(args: argparse.Namespace) -> int:

@@ -181,7 +181,7 @@ class ApiSection(_Section):
     tls_cert: str | None = None
     tls_key: str | None = None
     allow_priority_field: bool = False
-    enable_admin: bool = False  # POST /admin/drain (a pod's preStop); needs an operator key when keys are set
+    enable_admin: bool = False  # POST /admin/drain (preStop), /admin/scale (baton scale); keys set: an operator key
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
 

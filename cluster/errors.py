@@ -21,17 +21,18 @@ class Kind(enum.IntEnum):
     CANCELLED = 6
     INTERNAL = 7
     PERMISSION_DENIED = 8
+    ABORTED = 9  # conflicts with what the server is doing (a scale under way, the planner's counts)
 
     @property
     def http_status(self) -> int:
-        return (400, 401, 404, 429, 408, 503, 499, 500, 403)[self]
+        return (400, 401, 404, 429, 408, 503, 499, 500, 403, 409)[self]
 
     @property
     def openai_type(self) -> str:
         return (
             "invalid_request_error", "authentication_error", "invalid_request_error",
             "rate_limit_exceeded", "timeout", "service_unavailable", "cancelled", "internal_error",
-            "permission_error",
+            "permission_error", "conflict_error",
         )[self]
 
 

@@ -50,6 +50,7 @@ from kvcache.tiers import TierConfig
 if TYPE_CHECKING:
     from cluster.fleet.front import RayFront
     from cluster.ops.planner import PlannerConfig
+    from cluster.ops.planner_loop import Scaler
 
 logger = logging.getLogger(__name__)
 
@@ -135,20 +136,27 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
                        ssl_certfile=cfg.http.tls_certfile, ssl_keyfile=cfg.http.tls_keyfile)
     )
     planner = None
-    if cfg.planner is not None:
-        if ray_front is None:
-            raise ConfigError("planner", "the planner resizes Ray worker pools: run disaggregated on Ray")
-        planner = asyncio.create_task(_plan(cfg.planner, cfg.planner_period_s, frontend, ray_front), name="baton-planner")
+    if cfg.planner is not None and ray_front is None:
+        raise ConfigError("planner", "the planner resizes Ray worker pools: run disaggregated on Ray")
+    if ray_front is not None:
+        from cluster.fleet.scalers import ScaleControl, scaler_for
+        from engine.env import kuberay_cluster
+
+        scaler = scaler_for(ray_front.fleet, kuberay_cluster())  # KubeRay in a head pod, else its own Ray actors
+        frontend.scaling = ScaleControl(ray_front.fleet, scaler, planner_owns=cfg.planner is not None)
+        if cfg.planner is not None:
+            planner = asyncio.create_task(_plan(cfg.planner, cfg.planner_period_s, frontend, scaler),
+                                          name="baton-planner")  # fmt: skip
     loop_lag = asyncio.create_task(watch_loop_lag(frontend.metrics), name="baton-loop-lag")
     return Running(engine, front, frontend, http, grpc_server, planner, loop_lag)
 
 
-async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, front: RayFront) -> None:
+async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, scaler: Scaler) -> None:
     from cluster.ops.planner import Planner
-    from cluster.ops.planner_loop import LatencyWindow, LocalRayScaler, run, sample_from
+    from cluster.ops.planner_loop import LatencyWindow, run, sample_from
 
     window = LatencyWindow(frontend.metrics)
-    await run(Planner(cfg), LocalRayScaler(front.fleet), lambda: sample_from(frontend, window), period_s, asyncio.Event())
+    await run(Planner(cfg), scaler, lambda: sample_from(frontend, window), period_s, asyncio.Event())
 
 
 class DrainingServer(uvicorn.Server):

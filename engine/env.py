@@ -63,6 +63,16 @@ def api_keys_file() -> Path | None:
     return Path(raw) if raw else None
 
 
+KUBERAY_ENV = ("BATON_RAYCLUSTER", "POD_NAMESPACE")  # the head pod sets both (k8s/base/raycluster.yaml)
+
+
+def kuberay_cluster() -> tuple[str, str] | None:
+    """(RayCluster name, namespace) when this process runs in a KubeRay head pod that names them
+    (the planner's scaler patches that RayCluster: cluster.fleet.scalers); None elsewhere."""
+    name, namespace = (os.environ.get(key, "") for key in KUBERAY_ENV)
+    return (name, namespace) if name and namespace else None
+
+
 def api_key() -> str | None:
     """The key a client command (`baton status`) sends (BATON_API_KEY)."""
     return os.environ.get("BATON_API_KEY") or None

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
@@ -111,6 +111,13 @@ class PreparesConstraints(Protocol):
     async def prepare(self, sampling: SamplingParams) -> None: ...
 
 
+class Scaling(Protocol):
+    """POST /admin/scale's other end (cluster.fleet.scalers.ScaleControl): each role's worker
+    count brought to its target -> what was done; EdgeError(ABORTED) when it may not now."""
+
+    async def scale(self, targets: Mapping[str, int]) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     job: Job  # what the engine side gets, whole: its req_id the server's, never the client's
@@ -144,6 +151,7 @@ class Frontend:
         self.metrics.registry.register(self.node_metrics)
         self.request_timeout_s = request_timeout_s
         self.draining = False
+        self.scaling: Scaling | None = None  # set on Ray: `baton scale` (POST /admin/scale)
         self.started_at = time.time()
         self._compiler: GrammarCompiler | None = None  # the gateway's, when the engines are elsewhere
 

@@ -7,7 +7,7 @@ how a dropped stream aborts its engine request.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
 /live, /ready, /metrics, /status (the gateway and every node: cluster.ops.node_status), /dashboard
-(a live page over /status), POST /admin/drain (stop admitting, finish in-flight), /openapi.json. Every error body is OpenAI-shaped.
+(a live page over /status), POST /admin/drain and /admin/scale (cluster.edge.admin), /openapi.json. Every error body is OpenAI-shaped.
 
 Tracing (cluster.ops.tracing, when configured): an outermost middleware opens each generation call's
 `baton.request` span before auth and validation, so refused calls are traced too; its parent
@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from cluster.edge.admin import add_admin_routes
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
 from cluster.edge.frontend import Frontend, GenerateRequest
@@ -62,7 +63,7 @@ class HttpConfig:
     allow_priority_field: bool = False  # let clients set `priority` (else it comes from the key)
     tls_certfile: str | None = None  # both set: HTTPS (and TLS on gRPC)
     tls_keyfile: str | None = None
-    enable_admin: bool = False  # POST /admin/drain (off: 404); with keys set it needs an operator key
+    enable_admin: bool = False  # POST /admin/drain, /admin/scale (off: 404); with keys: an operator key
 
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -155,14 +156,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
                         headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
                                  "Content-Security-Policy": DASHBOARD_CSP})  # fmt: skip
 
-    @app.post("/admin/drain", include_in_schema=False)  # an operator route, not the OpenAI API
-    async def drain() -> JSONResponse:
-        if not cfg.enable_admin:
-            raise EdgeError(Kind.NOT_FOUND, "Not Found")  # admin routes are off unless configured
-        """Stop taking requests (ready -> 503, new requests -> 503 + Retry-After) and let the
-        in-flight ones finish: a pod's preStop calls this, then waits for inflight to reach 0."""
-        frontend.draining = True
-        return JSONResponse({"draining": True, "inflight": frontend.admission.num_inflight})
+    add_admin_routes(app, frontend, cfg.enable_admin)  # /admin/drain, /admin/scale (cluster.edge.admin)
 
     @app.get("/status")
     async def status() -> JSONResponse:

@@ -1,8 +1,10 @@
 """The planner's decisions on Kubernetes: the RayCluster's worker groups (k8s/base/raycluster.yaml:
 groups `prefill` and `decode`, one worker actor per pod), scaled through KubeRay.
 
-    add(role)              rc = GET rayclusters/{name}; PATCH scale_patch(rc, +1)
-    remove(role, victim)   pod = pod_of(victim); drain(victim) through the gateway;
+    add(role)              rc = GET rayclusters/{name}; PATCH scale_patch(rc, +1); then
+                           spawn(role): the gateway starts the worker actor, which Ray places
+                           on the new pod (its group's custom resource) once KubeRay made it
+    remove(role, victim)   pod = await pod_of(victim); drain(victim) through the gateway;
                            rc = GET; PATCH scale_patch(rc, -1, pod): replicas - 1 and
                            scaleStrategy.workersToDelete = [pod]
     dry_run                the same GET, then the patch printed as JSON (one line) instead
@@ -20,9 +22,13 @@ replicas go down. An add sets it to [] (the planner's previous victim is gone by
 waits for that), so a stale name never lingers.
 
 pod_of: the gateway names its workers (prefill-0, decode-1) and KubeRay names the pods; the
-caller maps one to the other (e.g. the hostname each actor reports, which is its pod's name,
-or the Ray node it runs on). It raises KeyError for a worker it cannot place; the remove then
-fails before anything is drained, and the planner backs off.
+caller maps one to the other (the gateway: the host name of the Ray node the actor runs on,
+which on KubeRay is its pod's name). It raises KeyError for a worker it cannot place; the
+remove then fails before anything is drained, and the planner backs off.
+
+The RayCluster is the one the gateway runs in (engine.env.kuberay_cluster: the head pod names
+it and its namespace in its environment, k8s/base/raycluster.yaml); the pod's ServiceAccount may
+get and patch that RayCluster and nothing else (k8s/base/rbac.yaml).
 
 `kubernetes` (tested with 37.0.2; not a dependency of baton's) is imported only by
 custom_objects_api(), at the first real call: the rest of baton, and these patches, need none.
@@ -106,27 +112,33 @@ class KubeRayScaler:
     """planner_loop.Scaler for a RayCluster `name` in `namespace`.
 
     drain: the gateway's drain of one worker (Fleet.drain_worker), awaited before the pod is
-    named for deletion; None when something else drains (the pod's preStop). api: a
-    CustomObjectsApi (default: made on first use). dry_run: print, do not patch or drain."""
+    named for deletion; None when something else drains (the pod's preStop). spawn: the
+    gateway's start of one worker actor of a role (Fleet.add_worker), awaited after the patch
+    that makes room for it -> its name; None: a worker starts by other means. api: a
+    CustomObjectsApi (default: made on first use). dry_run: print, do not patch, drain or spawn."""
 
     def __init__(
-        self, name: str, namespace: str, pod_of: Callable[[str], str], *, api: CustomObjects | None = None,
-        drain: Callable[[str], Awaitable[object]] | None = None, dry_run: bool = False, out: TextIO | None = None,
-    ) -> None:
+        self, name: str, namespace: str, pod_of: Callable[[str], Awaitable[str]], *,
+        api: CustomObjects | None = None, drain: Callable[[str], Awaitable[object]] | None = None,
+        spawn: Callable[[Role], Awaitable[str]] | None = None, dry_run: bool = False, out: TextIO | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.namespace = namespace
         self.pod_of = pod_of
         self.drain = drain
+        self.spawn = spawn
         self.dry_run = dry_run
         self.out = out if out is not None else sys.stdout
         self._api = api
 
     async def add(self, role: Role) -> str:
         await self.apply(Decision("add", role, None, "KubeRayScaler.add"))
-        return ""  # KubeRay names the pod; the planner counts healthy workers instead
+        if self.spawn is None or self.dry_run:
+            return ""  # KubeRay names the pod; the planner counts healthy workers instead
+        return await self.spawn(role)
 
     async def remove(self, role: Role, victim: str) -> None:
-        pod = self.pod_of(victim)
+        pod = await self.pod_of(victim)
         if self.dry_run:
             logger.info("dry run: would drain %s (pod %s)", victim, pod)
         elif self.drain is not None:

@@ -46,6 +46,7 @@ from cluster.ops.planner_loop import (
     run,
     sample_from,
 )
+from engine.env import kuberay_cluster
 from engine.errors import ConfigError
 from kvcache.report import CacheReport, TierReport
 from tests.k8s.manifests import CRDS, crd_schema
@@ -715,8 +716,16 @@ async def test_kuberay_scaler_drains_then_patches() -> None:
     async def drain(name: str) -> None:
         log.append(("drain", name))
 
+    async def spawn(role: str) -> str:
+        log.append(("spawn", role))
+        return f"{role}-9"
+
     pods = {"decode-1": "baton-decode-worker-abcde"}
-    scaler = KubeRayScaler("baton", "baton", pods.__getitem__, api=api, drain=drain)
+
+    async def pod_of(name: str) -> str:
+        return pods[name]
+
+    scaler = KubeRayScaler("baton", "baton", pod_of, api=api, drain=drain, spawn=spawn)
     await scaler.remove("decode", "decode-1")
     assert [entry[0] for entry in log] == ["drain", "get", "patch"]
     assert log[0] == ("drain", "decode-1")
@@ -725,7 +734,9 @@ async def test_kuberay_scaler_drains_then_patches() -> None:
     assert target == ["ray.io", "v1", "baton", "rayclusters", "baton"] and content_type == MERGE_PATCH
     assert groups(api.obj)["decode"]["replicas"] == 2
     assert groups(api.obj)["decode"]["scaleStrategy"]["workersToDelete"] == ["baton-decode-worker-abcde"]
-    assert await scaler.add("prefill") == ""
+    del log[:]
+    assert await scaler.add("prefill") == "prefill-9"  # the pod is made room for first, then its actor
+    assert [entry[0] for entry in log] == ["get", "patch", "spawn"] and log[-1] == ("spawn", "prefill")
     assert groups(api.obj)["prefill"]["replicas"] == 2
     assert groups(api.obj)["decode"]["scaleStrategy"]["workersToDelete"] == ["baton-decode-worker-abcde"]
     # A worker that cannot be placed on a pod: nothing drained, nothing patched.
@@ -744,7 +755,10 @@ async def test_kuberay_dry_run_prints_the_patch_and_changes_nothing() -> None:
     async def drain(name: str) -> None:
         log.append(("drain", name))
 
-    scaler = KubeRayScaler("baton", "baton", lambda n: f"pod-of-{n}", api=api, drain=drain, dry_run=True, out=out)
+    async def pod_of(name: str) -> str:
+        return f"pod-of-{name}"
+
+    scaler = KubeRayScaler("baton", "baton", pod_of, api=api, drain=drain, dry_run=True, out=out)
     await scaler.remove("prefill", "prefill-1")
     await scaler.add("decode")
     assert [entry[0] for entry in log] == ["get", "get"]  # read, never patched nor drained
@@ -813,7 +827,7 @@ async def test_the_real_kubernetes_client_merge_patches_and_rereads_on_conflict(
         conf = kubernetes.client.Configuration()
         conf.host = f"http://127.0.0.1:{server.server_address[1]}"
         api = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(conf))
-        await KubeRayScaler("baton", "baton", lambda n: n, api=api).add("decode")
+        await KubeRayScaler("baton", "baton", _no_pod, api=api).add("decode")
     finally:
         server.shutdown()
         server.server_close()
@@ -826,6 +840,18 @@ async def test_the_real_kubernetes_client_merge_patches_and_rereads_on_conflict(
     after = groups(_ApiServer.obj)
     assert after["decode"]["replicas"] == 2 and after["prefill"]["replicas"] == 3  # theirs kept, ours applied
     assert _ApiServer.obj["metadata"]["resourceVersion"] == "19"
+
+
+async def _no_pod(name: str) -> str:
+    raise KeyError(name)
+
+
+def test_the_head_pods_environment_names_its_raycluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATON_RAYCLUSTER", "baton-b")
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    assert kuberay_cluster() is None  # off Kubernetes, or a pod that does not say
+    monkeypatch.setenv("POD_NAMESPACE", "serving")
+    assert kuberay_cluster() == ("baton-b", "serving")
 
 
 def test_planner_k8s_imports_without_the_kubernetes_client() -> None:

@@ -9,20 +9,28 @@ import asyncio
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
+from cluster import cli
 from cluster.disagg_config import DisaggConfig, MembershipConfig
+from cluster.edge.http_api import HttpConfig
 from cluster.fleet.front import RayFront
+from cluster.fleet.scalers import pod_of_worker, scaler_for
+from cluster.ops.planner_k8s import KubeRayScaler
+from cluster.ops.planner_loop import LocalRayScaler
 from cluster.server import ServerConfig
 from engine.engine_config import EngineConfig
 from engine.job import Job
 from engine.sampling import SamplingParams
 from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.test_planner import FakeCustomObjects, groups, raycluster, validate_raycluster
 
 ray = pytest.importorskip("ray")
 
@@ -35,6 +43,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def pd3(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
     cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name="baton-tiny",
+                       http=HttpConfig(port=0, enable_admin=True),
                        disagg=DisaggConfig(num_prefill=1, num_decode=2, transport="grpc",
                                            membership=MembershipConfig(lease_ttl_s=3)))  # fmt: skip
     handle = start_server(cfg, None)
@@ -276,3 +285,54 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     stop.set()
     decisions = planning.result(30)
     assert [(d.action, d.role) for d in decisions] == [("add", "prefill"), ("remove", "prefill")], decisions
+
+
+def test_on_kuberay_the_scaler_patches_the_group_and_starts_or_drains_the_actor(pd3: ServerHandle) -> None:
+    """scaler_for() in a KubeRay head pod (its environment names the RayCluster): an add makes
+    room in the worker group, then starts the actor on the real Ray; a remove drains the actor,
+    then names its pod (its Ray node's host name) for deletion. The API server is a recording
+    stand-in here (the real kubernetes client: tests/cluster/test_planner.py)."""
+    front = pd3.running.front
+    assert isinstance(front, RayFront)
+    log: list[Any] = []
+    api = FakeCustomObjects(raycluster(decode=2), log)
+    scaler = scaler_for(front.fleet, ("baton", "baton"), api=api)
+    assert isinstance(scaler, KubeRayScaler) and isinstance(scaler_for(front.fleet, None), LocalRayScaler)
+    name = on_loop(pd3, scaler.add("decode"), 180)
+    assert name in front.fleet.decode_of and front.fleet.decode_of[name].is_routable
+    assert groups(api.obj)["decode"]["replicas"] == 3
+    assert on_loop(pd3, pod_of_worker(front.fleet, name)) == socket.gethostname()  # one host: its pod
+    with pytest.raises(KeyError):
+        on_loop(pd3, pod_of_worker(front.fleet, "decode-99"))
+    on_loop(pd3, scaler.remove("decode", name), 120)
+    assert name not in front.fleet.decode_of  # drained and stopped before the pod was named
+    after = groups(api.obj)["decode"]
+    assert after["replicas"] == 2 and after["scaleStrategy"] == {"workersToDelete": [socket.gethostname()]}
+    validate_raycluster(api.obj)
+    assert [entry[0] for entry in log] == ["get", "patch", "get", "patch"]
+
+
+def test_baton_scale_brings_a_pool_to_size_through_the_gateway(
+    pd3: ServerHandle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`baton scale` -> POST /admin/scale -> the planner's scaler (here the gateway's own Ray
+    actors): one more decode worker, then back, the one with the least work drained first."""
+    front = pd3.running.front
+    assert isinstance(front, RayFront)
+
+    def decodes() -> list[str]:
+        return [d.name for d in front.fleet.decodes if d.is_alive and d.is_member]
+
+    start = decodes()
+    assert cli.main(["scale", f"decode={len(start) + 1}", "--url", pd3.url]) == 0
+    [new] = [n for n in decodes() if n not in start]
+    assert capsys.readouterr().out.strip() == f"decode: {len(start)} -> {len(start) + 1}  (+{new})"
+    assert cli.main(["scale", f"decode={len(start)}", "--url", pd3.url]) == 0
+    assert len(decodes()) == len(start) and new not in front.fleet.decode_of  # idle: the newest went
+    assert capsys.readouterr().out.strip() == f"decode: {len(start) + 1} -> {len(start)}  (-{new})"
+    for bad in ({"decode": 0}, {"gpu": 1}, {}, {"prefill": "2"}, {"decode": 10_000}):
+        reply = httpx.post(pd3.url + "/admin/scale", json=bad, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["message"], (bad, reply.text)
+    assert cli.main(["scale", "decode=two", "--url", pd3.url]) == 2  # a clear one-line error
+    assert "decode=M" in capsys.readouterr().err
+    assert decodes() == start

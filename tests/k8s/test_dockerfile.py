@@ -72,9 +72,10 @@ def test_nothing_is_fetched_by_add() -> None:
 
 def test_pip_installs_baton_with_the_pod_extras_and_rays_version() -> None:
     runs = " ".join(args for ins, args in instructions() if ins == "RUN")
-    m = re.search(r'pip install "?\.\[([a-z,]+)\]"?', runs)
+    m = re.search(r'pip install "?\.\[([a-z0-9,]+)\]"?', runs)
     assert m, "no `pip install .[extras]`"
-    assert {"model", "serve", "cluster"} <= set(m.group(1).split(","))
+    # k8s: the planner scales the RayCluster with the kubernetes client (cluster/ops/planner_k8s.py)
+    assert {"model", "serve", "cluster", "k8s"} <= set(m.group(1).split(","))
     assert f'"ray[default]=={pinned("cluster", "ray")}"' in runs, (
         "ray[default] at the project's Ray version"
     )
