@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.baton-installed
 EXTRAS ?= model,serve,bench,cluster,trace,dev
 
-.PHONY: run test setup lint typecheck unit bench clean
+.PHONY: run test setup lint typecheck unit bench clean lock
 
 setup: $(STAMP)
 
@@ -32,6 +32,19 @@ test: setup typecheck lint
 
 bench: setup
 	$(VENV)/bin/baton bench --offline
+
+# The image's lock files (requirements/README.md): after a pin in pyproject.toml changes.
+# TORCH_CPU_INDEX: PyTorch's CPU wheel index, where the CPU lock takes torch's dependencies from.
+IMAGE_EXTRAS := --extra model --extra serve --extra cluster --extra trace --extra k8s
+LOCK := env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
+	$(VENV)/bin/pip-compile -q --rebuild --generate-hashes --strip-extras \
+	--no-header --no-emit-index-url --no-emit-find-links
+lock: setup
+	$(PY) -m pip install -q pip-tools==7.7.0
+	$(LOCK) --allow-unsafe $(IMAGE_EXTRAS) --extra gpu -o requirements/image-gpu.lock pyproject.toml requirements/image.in
+	test -n "$(TORCH_CPU_INDEX)" || { echo "make lock TORCH_CPU_INDEX=<PyTorch's CPU wheel index>" >&2; exit 2; }
+	$(LOCK) --extra-index-url "$(TORCH_CPU_INDEX)" --unsafe-package torch $(IMAGE_EXTRAS) \
+		-o requirements/image-cpu.lock pyproject.toml requirements/image.in
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
