@@ -359,7 +359,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
     targets: dict[str, int] = {}
     for item in args.targets:
         role, _, count = item.partition("=")
-        if role not in ("prefill", "decode") or not count.isdigit():
+        if role not in ("prefill", "decode") or not (count.isascii() and count.isdigit()):
             raise BatonError(f"{item!r}: use prefill=N or decode=M")
         targets[role] = int(count)
     report = _call_gateway(args.url, "/admin/scale", targets, args.timeout)

@@ -227,7 +227,11 @@ class Pushes:
                 await close()
 
     async def _push(self, dest: KVDestination, feed: ChunkFeed, transport: str) -> TransferReport:
-        first = await feed.next_batch()  # no stream is open until there is a page to send
+        try:
+            first = await feed.next_batch()  # no stream is open until there is a page to send
+        except asyncio.CancelledError:  # it ends before it began: counted by how, never as a transfer
+            self.ended[self._cancelled.pop(dest.transfer_id, "aborted")] += 1
+            raise
         start = time.perf_counter()
         waited = _Stopwatch()
         try:

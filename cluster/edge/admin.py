@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,19 +31,19 @@ class ScaleBody(BaseModel):
 
 
 def add_admin_routes(app: FastAPI, frontend: Frontend, enabled: bool) -> None:
-    def check() -> None:
+    def check() -> None:  # a dependency: it runs before the body is read, so an off route is a 404 whatever it is sent
         if not enabled:
             raise EdgeError(Kind.NOT_FOUND, "Not Found")  # admin routes are off unless configured
 
-    @app.post("/admin/drain", include_in_schema=False)  # an operator route, not the OpenAI API
+    admin = [Depends(check)]
+
+    @app.post("/admin/drain", include_in_schema=False, dependencies=admin)  # an operator route
     async def drain() -> JSONResponse:
-        check()
         frontend.draining = True
         return JSONResponse({"draining": True, "inflight": frontend.admission.num_inflight})
 
-    @app.post("/admin/scale", include_in_schema=False)
+    @app.post("/admin/scale", include_in_schema=False, dependencies=admin)
     async def scale(body: ScaleBody) -> dict[str, Any]:
-        check()
         targets = body.model_dump(exclude_none=True)
         if not targets:
             raise invalid("name a target: {\"prefill\": N} and/or {\"decode\": M}")

@@ -63,7 +63,7 @@ ADD_WORKER_S = 300.0  # a new actor loads its model and joins within this
 class StartsWorkers(Protocol):
     """What add_worker needs of a launcher (cluster.fleet.launch.Spawner)."""
 
-    async def start_worker(self, role: str, index: int) -> Any: ...
+    async def start_worker(self, role: str, index: int, timeout_s: float = ...) -> Any: ...
 
 
 class Fleet:
@@ -428,7 +428,7 @@ class Fleet:
         index = max(taken, default=-1) + 1
         name = f"{role}-{index}"
         async with asyncio.timeout(timeout_s):
-            self._spawned[name] = await self.spawner.start_worker(role, index)
+            self._spawned[name] = await self.spawner.start_worker(role, index, timeout_s)
             while name not in named:
                 await asyncio.sleep(0.05)
         logger.info("added %s", name)

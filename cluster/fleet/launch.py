@@ -134,12 +134,13 @@ class Spawner:
             reservation_ttl_s=cfg.reservation_ttl_s, max_restarts=cfg.max_restarts, tls=cfg.kv_tls,
         )  # fmt: skip
 
-    async def start_worker(self, role: str, index: int) -> Any:
-        """Spawn one more worker, wait until its model is loaded, and let it join membership
-        as `{role}-{index}`. Keep the returned handle: the actor lives while its creator's
-        handle does (a name alone does not keep it)."""
+    async def start_worker(self, role: str, index: int, timeout_s: float = ACTOR_START_S) -> Any:
+        """Spawn one more worker, wait (up to `timeout_s`: on KubeRay its pod is made first)
+        until its model is loaded, and let it join membership as `{role}-{index}`. Keep the
+        returned handle: the actor lives while its creator's handle does (a name alone does not
+        keep it)."""
         actor = self.decode(index) if role == "decode" else self.prefill(index)
-        async with asyncio.timeout(ACTOR_START_S):
+        async with asyncio.timeout(timeout_s):
             await (actor.start.remote() if role == "decode" else actor.ping.remote())
             await actor.join.remote(self.cfg.membership, self.registry_name, f"{role}-{index}")
         return actor

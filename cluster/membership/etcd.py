@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -109,6 +110,8 @@ class EtcdMembership(ViewBacked):
         self._is_closed = False
         self._num_relists = self._num_watches = self._num_reregistrations = self._num_bad_values = 0
         self._num_reauthentications = 0
+        self._reauth_lock = asyncio.Lock()
+        self._reauthenticated_at = float("-inf")
 
     @classmethod
     async def open(cls, cfg: EtcdConfig) -> EtcdMembership:
@@ -231,11 +234,20 @@ class EtcdMembership(ViewBacked):
 
     async def _after_error(self, exc: BaseException) -> None:
         """etcd forgot this client's auth token (it keeps them in memory: a restart loses them):
-        drop the connection, so that the next call connects and authenticates again."""
-        if isinstance(exc, aetcd.exceptions.UnauthenticatedError) and self.cfg.access.username:
+        drop the connection, so that the next call connects and authenticates again. Once for
+        the keepalives and the watch together; it never raises (it runs in their error paths)."""
+        if not (isinstance(exc, aetcd.exceptions.UnauthenticatedError) and self.cfg.access.username):
+            return
+        async with self._reauth_lock:
+            if time.monotonic() - self._reauthenticated_at < 2 * self.cfg.retry_s:
+                return  # another loop just did: its new token is the one in use
             self._num_reauthentications += 1
             logger.warning("etcd refused the auth token (%s): authenticating again", exc)
-            await self._client.close()
+            try:
+                await self._client.close()
+            except Exception as close_exc:  # e.g. waiting on a connect already under way
+                logger.warning("closing the etcd connection failed (%r): the next call connects again", close_exc)
+            self._reauthenticated_at = time.monotonic()
 
     async def _revoke_quietly(self, lease_id: int) -> None:
         try:
@@ -374,7 +386,12 @@ class _TlsClient(aetcd.Client):  # type: ignore[misc]
             if self._username is not None and self._password is not None:
                 self.auth_stub = rpc.AuthStub(self.channel)
                 request = rpc.AuthenticateRequest(name=self._username, password=self._password)
-                reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                try:
+                    reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                except BaseException:  # refused or unreachable: this channel is not kept (nor leaked)
+                    await self.channel.close()
+                    self._init_channel_attrs()
+                    raise
                 self.metadata = (("token", reply.token),)
             self.kvstub = rpc.KVStub(self.channel)
             self.clusterstub = rpc.ClusterStub(self.channel)

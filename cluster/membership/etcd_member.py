@@ -20,7 +20,11 @@ configuration is this file). What it says depends on what this member finds:
                                       an interrupted try is picked up where it stopped: _rejoin)
 
 With --tls-dir (ca.crt, tls.crt, tls.key: a cert-manager or `kubernetes.io/tls` Secret), clients
-and peers speak https and must present a certificate from that CA (--client-cert-auth).
+and peers speak https and must present a certificate from that CA (--client-cert-auth). With
+etcd's auth on, that certificate's CN must be `root`: removing and adding members is root's.
+
+Not told apart: an empty volume while no other member runs (all of etcd down at once) looks like
+a first start, and that member starts a new cluster the others refuse (k8s/README.md, "etcd").
 """
 
 from __future__ import annotations

@@ -127,15 +127,27 @@ class KubeRayScaler:
         self.pod_of = pod_of
         self.drain = drain
         self.spawn = spawn
+        self._unfilled: dict[Role, int] = {}  # replicas added whose actor did not start
         self.dry_run = dry_run
         self.out = out if out is not None else sys.stdout
         self._api = api
 
     async def add(self, role: Role) -> str:
-        await self.apply(Decision("add", role, None, "KubeRayScaler.add"))
+        if self._unfilled.get(role, 0) > 0:  # a pod made for an actor that never started: reuse it
+            self._unfilled[role] -= 1
+        else:
+            await self.apply(Decision("add", role, None, "KubeRayScaler.add"))
         if self.spawn is None or self.dry_run:
             return ""  # KubeRay names the pod; the planner counts healthy workers instead
-        return await self.spawn(role)
+        try:
+            return await self.spawn(role)
+        except BaseException:
+            # The group has its new replica and no actor on it: the next add of this role starts
+            # an actor there instead of asking for yet another pod (no pile of idle pods).
+            self._unfilled[role] = self._unfilled.get(role, 0) + 1
+            logger.error("RayCluster %s/%s: a %s pod was added, its actor did not start; the next add reuses it",
+                         self.namespace, self.name, role)  # fmt: skip
+            raise
 
     async def remove(self, role: Role, victim: str) -> None:
         pod = await self.pod_of(victim)

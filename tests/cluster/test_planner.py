@@ -746,6 +746,27 @@ async def test_kuberay_scaler_drains_then_patches() -> None:
     assert log == []
 
 
+async def test_a_pod_whose_actor_did_not_start_is_reused_by_the_next_add() -> None:
+    log: list[Any] = []
+    api = FakeCustomObjects(raycluster(decode=1), log)
+    tries = iter([TimeoutError("no pod in time"), "decode-1"])
+
+    async def spawn(role: str) -> str:
+        log.append(("spawn", role))
+        outcome = next(tries)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    scaler = KubeRayScaler("baton", "baton", _no_pod, api=api, spawn=spawn)
+    with pytest.raises(TimeoutError):
+        await scaler.add("decode")
+    assert groups(api.obj)["decode"]["replicas"] == 2  # the pod was asked for
+    assert await scaler.add("decode") == "decode-1"
+    assert groups(api.obj)["decode"]["replicas"] == 2  # and reused: no second pod
+    assert [e[0] for e in log] == ["get", "patch", "spawn", "spawn"]
+
+
 async def test_kuberay_dry_run_prints_the_patch_and_changes_nothing() -> None:
     log: list[Any] = []
     rc = raycluster(prefill=2)

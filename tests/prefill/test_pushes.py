@@ -125,6 +125,24 @@ def _stored(side: Decode, dest: KVDestination) -> int:
     return sum(bool(side.pool.read_page(p).any()) for p in dest.dest_page_ids)
 
 
+async def test_a_push_that_ends_before_its_first_chunk_is_counted_and_forgotten(
+    decode: tuple[Decode, str], pushes: Pushes
+) -> None:
+    side, address = decode
+    for req_id, end in (("req-a", "aborted"), ("req-d", "dropped")):
+        dest = side.reserve(address, 2)
+        push = pushes.open(req_id, dest)  # no chunk fed: no stream open yet
+        await asyncio.sleep(0)
+        if end == "aborted":
+            pushes.abort(req_id)
+        else:
+            pushes.drop(dest.transfer_id)
+        with pytest.raises(asyncio.CancelledError):
+            await push.task
+    assert pushes.ended == {"aborted": 1, "dropped": 1} and not pushes._cancelled
+    assert pushes.num_transfers == 0  # nothing was transferred, or failed to be
+
+
 async def test_a_corrupt_drill_is_refused_by_the_receiver(decode: tuple[Decode, str], pushes: Pushes) -> None:
     side, address = decode
     dest = side.reserve(address, 2)
