@@ -123,6 +123,8 @@ async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
             await waiting
             task.cancel()  # the client goes away: its connection closes
             await asyncio.gather(task, return_exceptions=True)
+            if state == "queued":  # stalled until the abort is there, so that the prompt is never computed
+                await _until(lambda: _prefill(handle).num_running == 0, "the abort at the stalled prefill worker")
     finally:  # the worker as it was, also for the tests after a failed one
         if state == "queued":
             await asyncio.to_thread(ray.get, prefill.actor.stall.remote(0), timeout=30)
