@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from cluster.disagg_config import EtcdAccess
 from cluster.membership.etcd import EtcdConfig, EtcdMembership
 from cluster.membership.protocol import MembershipUnavailable, Role, WorkerInfo
 from engine.errors import ConfigError
+from tests.cluster.test_membership import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -112,21 +112,14 @@ def _worker(worker_id: str) -> WorkerInfo:
                       num_pages=64)  # fmt: skip
 
 
-async def _until(check: object, what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"never reached: {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_client_certificate_is_the_worker_identity(secure_etcd: EtcdServer, pki: Pki) -> None:
     membership = await EtcdMembership.open(_config(secure_etcd, pki.access("baton")))  # CN=baton: no password
     try:
         epoch = await membership.register(_worker("d-cert"))
-        await _until(lambda: "d-cert" in membership.members(), "the worker in the view")
+        await wait_until(lambda: "d-cert" in membership.members(), 20, "the worker in the view")
         assert membership.members()["d-cert"].epoch == epoch
         await membership.deregister("d-cert")
-        await _until(lambda: not membership.members(), "the worker gone")
+        await wait_until(lambda: not membership.members(), 20, "the worker gone")
     finally:
         await membership.close()
 
@@ -143,10 +136,10 @@ async def test_password_auth_survives_an_etcd_restart_that_forgets_the_token(
         epoch = await membership.register(_worker("d-pass"))
         secure_etcd.stop()
         secure_etcd.start()  # its simple tokens were in memory: the client's token is now unknown
-        await _until(lambda: membership.stats().num_reauthentications >= 1, "a new token fetched")
-        await _until(lambda: membership.stats().is_connected, "the watch back")
+        await wait_until(lambda: membership.stats().num_reauthentications >= 1, 20, "a new token fetched")
+        await wait_until(lambda: membership.stats().is_connected, 20, "the watch back")
         assert await membership.register(_worker("d-after")) > epoch  # writes work again
-        await _until(lambda: set(membership.members()) == {"d-pass", "d-after"}, "both in the view")
+        await wait_until(lambda: set(membership.members()) == {"d-pass", "d-after"}, 20, "both in the view")
         # the lease outlived etcd's restart and the new token: the first worker kept its epoch
         assert membership.members()["d-pass"].epoch == epoch
     finally:

@@ -144,6 +144,19 @@ def pod_templates(objects: list[Obj]) -> Iterator[PodTemplate]:
             yield PodTemplate(f"{kind}/{name}", name, t["metadata"].get("labels", {}), t["spec"])
 
 
+def selects(selector: Obj, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels + matchExpressions) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]  # fmt: skip
+        if not ok:
+            return False
+    return True
+
+
 def ray_cluster(objects: list[Obj]) -> Obj:
     return one(objects, "RayCluster", "baton")
 

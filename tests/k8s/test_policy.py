@@ -20,6 +20,7 @@ from tests.k8s.manifests import (
     one,
     pod_templates,
     ray_cluster,
+    selects,
     template,
     worker_group,
 )
@@ -117,19 +118,6 @@ def test_no_service_exposes_ray_or_etcd_outside_the_cluster(
         )
 
 
-def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-    for k, v in selector.get("matchLabels", {}).items():
-        if labels.get(k) != v:
-            return False
-    for e in selector.get("matchExpressions", []):
-        key, op, values = e["key"], e["operator"], e.get("values", [])
-        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]  # fmt: skip
-        if not ok:
-            return False
-    return True
-
-
 def _port_in(rule: dict[str, Any], port: int) -> bool:
     if not rule.get("ports"):
         return True
@@ -150,7 +138,7 @@ def _ingress_peers(
     peers: list[dict[str, Any] | None] = []
     for np in of_kind(objects, "NetworkPolicy"):
         spec = np["spec"]
-        if "Ingress" not in spec.get("policyTypes", ["Ingress"]) or not _selects(
+        if "Ingress" not in spec.get("policyTypes", ["Ingress"]) or not selects(
             spec["podSelector"], pod
         ):
             continue
@@ -165,8 +153,8 @@ def _is_the_scraper(peer: dict[str, Any] | None) -> bool:
     if peer is None or "namespaceSelector" not in peer or "podSelector" not in peer:
         return False
     ns, pods = peer["namespaceSelector"], peer["podSelector"]
-    return (_selects(ns, SCRAPER_NAMESPACE) and not _selects(ns, {"kubernetes.io/metadata.name": "elsewhere"})
-            and _selects(pods, SCRAPER) and not _selects(pods, OUTSIDER))  # fmt: skip
+    return (selects(ns, SCRAPER_NAMESPACE) and not selects(ns, {"kubernetes.io/metadata.name": "elsewhere"})
+            and selects(pods, SCRAPER) and not selects(pods, OUTSIDER))  # fmt: skip
 
 
 def _only_from(
@@ -181,9 +169,9 @@ def _only_from(
             continue
         if peer is None or "ipBlock" in peer or "namespaceSelector" in peer:
             problems.append(f"port {port} open to {peer or 'any source'}")
-        elif _selects(peer["podSelector"], OUTSIDER):
+        elif selects(peer["podSelector"], OUTSIDER):
             problems.append(f"port {port} open to every pod in the namespace")
-        elif not any(_selects(peer["podSelector"], a) for a in allowed):
+        elif not any(selects(peer["podSelector"], a) for a in allowed):
             problems.append(f"port {port} open to pods outside {allowed}")
     return problems
 
@@ -220,7 +208,7 @@ def test_ray_and_etcd_ports_are_reachable_only_from_their_pods(
             objects, etcd, ETCD_PEER
         )
         assert any(
-            p is not None and _selects(p["podSelector"], ray[1])
+            p is not None and selects(p["podSelector"], ray[1])
             for p in _ingress_peers(objects, etcd, ETCD_CLIENT)
         )
     assert not problems, "\n".join(problems)
@@ -459,12 +447,12 @@ def test_disruption_budgets(builds: dict[str, list[Obj]], target: str) -> None:
     raycluster = one(objects, "RayCluster", "baton")
     replicas = {g["groupName"]: g["replicas"] for g in raycluster["spec"]["workerGroupSpecs"]}
     for group in ("prefill", "decode"):
-        [pdb] = [p for p in pdbs if _selects(p["spec"]["selector"], _labels(objects, group))]
+        [pdb] = [p for p in pdbs if selects(p["spec"]["selector"], _labels(objects, group))]
         assert "maxUnavailable" not in pdb["spec"], f"{target} {group}: needs the owner's /scale"
         assert pdb["spec"]["minAvailable"] == replicas[group] - 1, f"{target} {group}"
-    [etcd] = [p for p in pdbs if _selects(p["spec"]["selector"], _labels(objects, "baton-etcd"))]
+    [etcd] = [p for p in pdbs if selects(p["spec"]["selector"], _labels(objects, "baton-etcd"))]
     assert etcd["spec"]["maxUnavailable"] == 1
-    assert not [p for p in pdbs if _selects(p["spec"]["selector"], _labels(objects, "head"))], (
+    assert not [p for p in pdbs if selects(p["spec"]["selector"], _labels(objects, "head"))], (
         "a head PDB blocks drains"
     )
     assert one(objects, "StatefulSet", "baton-etcd")["spec"]["replicas"] == 3
@@ -477,7 +465,7 @@ def test_no_budget_over_pods_without_a_scale_subresource_needs_one(builds: dict[
     objects = builds[target]
     ray_pods = [t for t in pod_templates(objects) if t.owner.startswith("RayCluster/")]
     for pdb in of_kind(objects, "PodDisruptionBudget"):
-        if any(_selects(pdb["spec"]["selector"], t.labels) for t in ray_pods):
+        if any(selects(pdb["spec"]["selector"], t.labels) for t in ray_pods):
             spec = pdb["spec"]
             assert "maxUnavailable" not in spec and isinstance(spec.get("minAvailable"), int), pdb["metadata"]["name"]
 

@@ -39,6 +39,7 @@ from tests.k8s.manifests import (
     of_kind,
     one,
     pod_templates,
+    selects,
     template,
 )
 
@@ -82,19 +83,6 @@ def gateway_api_seconds(duration: str) -> float:
     return sum(int(n) * unit[u] for n, u in parts)
 
 
-def matches(selector: Obj, labels: dict[str, str]) -> bool:
-    """A Kubernetes label selector (matchLabels + matchExpressions) against a pod's labels."""
-    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for e in selector.get("matchExpressions", []):
-        key, op, values = e["key"], e["operator"], e.get("values", [])
-        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[op]  # fmt: skip
-        if not ok:
-            return False
-    return True
-
-
 def selectors(objects: list[Obj]) -> dict[str, Obj]:
     """Every pod selector of the shared objects: Services, budgets, NetworkPolicies, PodMonitors."""
     out: dict[str, Obj] = {}
@@ -115,7 +103,7 @@ def service_port(objects: list[Obj], service: str, port: int | str) -> int:
     (p,) = [p for p in svc["spec"]["ports"] if port in (p["port"], p.get("name"))]
     target = p.get("targetPort", p["port"])
     gw = template(objects, "head").container("gateway")
-    assert matches({"matchLabels": svc["spec"]["selector"]}, template(objects, "head").labels)
+    assert selects({"matchLabels": svc["spec"]["selector"]}, template(objects, "head").labels)
     by_name = {cp["name"]: cp["containerPort"] for cp in gw["ports"]}
     return int(by_name.get(target, target))
 
@@ -269,7 +257,7 @@ def test_the_otlp_egress_opens_the_collector_port_to_the_gateway_only(
     selected = [
         t.group
         for t in pod_templates(builds["overlays/gpu"])
-        if matches(policy["spec"]["podSelector"], t.labels)
+        if selects(policy["spec"]["podSelector"], t.labels)
     ]
     assert selected == ["head"]
     assert policy["spec"]["policyTypes"] == ["Egress"]
@@ -353,16 +341,16 @@ def test_shared_objects_select_both_generations_alike(
             e["key"] for e in selector.get("matchExpressions", [])
         }
         assert not keys & {INSTANCE, "ray.io/cluster"}, f"{name} selects one generation"
-        in_a = [t.group for t in pod_templates(a) if matches(selector, t.labels)]
+        in_a = [t.group for t in pod_templates(a) if selects(selector, t.labels)]
         in_b = [
             t.group
             for t in pod_templates(b)
-            if matches(selector, t.labels) and t.owner.startswith("RayCluster/")
+            if selects(selector, t.labels) and t.owner.startswith("RayCluster/")
         ]
         assert [g for g in in_a if g in ("head", "prefill", "decode")] == in_b, name
     for service in ("baton-http", "baton-grpc", "baton-metrics"):
         assert "head" in [
-            t.group for t in pod_templates(b) if matches(shared[f"Service/{service}"], t.labels)
+            t.group for t in pod_templates(b) if selects(shared[f"Service/{service}"], t.labels)
         ]
 
 
