@@ -73,6 +73,14 @@ def kuberay_cluster() -> tuple[str, str] | None:
     return (name, namespace) if name and namespace else None
 
 
+POD_NAME_ENV = "POD_NAME"  # the worker pods set it from the downward API (k8s/base/raycluster.yaml)
+
+
+def pod_name() -> str:
+    """The Kubernetes pod this process runs in; "" outside Kubernetes."""
+    return os.environ.get(POD_NAME_ENV, "")
+
+
 def api_key() -> str | None:
     """The key a client command (`baton status`) sends (BATON_API_KEY)."""
     return os.environ.get("BATON_API_KEY") or None

@@ -34,6 +34,7 @@ class WorkerPlace:
     has_nccl: bool = False  # CuPy with NCCL is usable there
     has_shm: bool = False  # it serves KVTransfer.PushShm from an shm region (decode side)
     host: str = ""  # the node's address (Ray's node IP): what /status shows
+    pod: str = ""  # the Kubernetes pod it runs in (POD_NAME, from the downward API); "" elsewhere
 
 
 def choose_transport(prefill: WorkerPlace, decode: WorkerPlace) -> TransportKind:

@@ -17,14 +17,13 @@ fixed server name (SERVER_NAME, a DNS SAN) and senders check the peer against th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from engine.errors import ConfigError
+from engine.secrets import read_secret
 
 SERVER_NAME = "baton-kv"  # the DNS SAN a KV certificate carries
-MAX_PEM_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +60,9 @@ class KVTls:
         that is missing, too large or not PEM."""
         if not paths.is_on:
             return None
-        return cls(_pem(paths.cert, "transfer.tls_cert"), _pem(paths.key, "transfer.tls_key"),
-                   _pem(paths.ca, "transfer.tls_ca"))  # fmt: skip
+        cert, key, ca = (read_secret(path, f"transfer.tls_{name}", pem=True)
+                         for path, name in ((paths.cert, "cert"), (paths.key, "key"), (paths.ca, "ca")))  # fmt: skip
+        return cls(cert, key, ca)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(
@@ -74,16 +74,3 @@ class KVTls:
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)]
-
-
-def _pem(path: str, key: str) -> bytes:
-    p = Path(path)
-    try:
-        if p.stat().st_size > MAX_PEM_BYTES:
-            raise ConfigError(key, f"{path} is over {MAX_PEM_BYTES} bytes")
-        data = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from None
-    if b"-----BEGIN " not in data:
-        raise ConfigError(key, f"{path} is not PEM")
-    return data

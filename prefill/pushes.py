@@ -182,6 +182,11 @@ class Pushes:
             self._cancelled.setdefault(transfer_id, reason)
             push.task.cancel()
 
+    def _why_cancelled(self, transfer_id: str) -> str:
+        """END_REASONS' name for a cancelled push: what _cancel() recorded, else "aborted" (a
+        cancel from outside: the worker going away)."""
+        return self._cancelled.pop(transfer_id, "aborted")
+
     async def result(self, transfer_id: str) -> TransferReport:
         push = self._pushes.get(transfer_id)
         if push is None:
@@ -230,7 +235,7 @@ class Pushes:
         try:
             first = await feed.next_batch()  # no stream is open until there is a page to send
         except asyncio.CancelledError:  # it ends before it began: counted by how, never as a transfer
-            self.ended[self._cancelled.pop(dest.transfer_id, "aborted")] += 1
+            self.ended[self._why_cancelled(dest.transfer_id)] += 1
             raise
         start = time.perf_counter()
         waited = _Stopwatch()
@@ -256,8 +261,7 @@ class Pushes:
         except TimeoutError:
             accepted, error, end = False, "deadline exceeded", "deadline"
         except asyncio.CancelledError:  # aborted, dropped or its lease ended: the chunks go now
-            end = self._cancelled.pop(dest.transfer_id, "aborted")
-            accepted, error = False, "aborted"
+            accepted, error, end = False, "aborted", self._why_cancelled(dest.transfer_id)
         except Exception as exc:
             logger.exception("push of %s failed", dest.transfer_id)
             accepted, error, end = False, f"transport error: {type(exc).__name__}", "transport"

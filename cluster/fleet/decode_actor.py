@@ -34,6 +34,7 @@ from cluster.placement.kv_log import KVEventLog
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.env import pod_name
 from engine.job import Job
 from engine.omp import release_thread_pool
 from engine.outputs import StepOutput
@@ -194,7 +195,7 @@ class DecodeActor(WorkerActor):
 
         return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(),
                            self.worker.engine.device.type == "cuda", has_nccl=nccl_usable(self.worker.engine.device),
-                           has_shm=self._region is not None, host=_node()[0])  # fmt: skip
+                           has_shm=self._region is not None, host=_node()[0], pod=pod_name())  # fmt: skip
 
     def kv_address(self) -> str:
         return self.worker.address

@@ -28,6 +28,7 @@ from cluster.membership.protocol import Role
 from cluster.placement.kv_log import KVEventLog
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.env import pod_name
 from engine.faults import require_injection
 from engine.job import Job
 from engine.omp import release_thread_pool
@@ -95,7 +96,7 @@ class PrefillActor(WorkerActor):
 
         device = self.worker.engine.device
         return WorkerPlace(ray.get_runtime_context().get_node_id(), os.getpid(), device.type == "cuda",
-                           has_nccl=nccl_usable(device), host=ray.util.get_node_ip_address())  # fmt: skip
+                           has_nccl=nccl_usable(device), host=ray.util.get_node_ip_address(), pod=pod_name())  # fmt: skip
 
     async def route(self, address: str, transport: str, rendezvous: tuple[str, bytes] | None = None) -> str:
         """Push to the decode worker at `address` by `transport` (prefill.pushes.Pushes.route)."""

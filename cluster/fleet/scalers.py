@@ -9,8 +9,8 @@ the gateway starts and stops itself (cluster.ops.planner_loop.LocalRayScaler).
 On KubeRay a worker is a pod and an actor: an add patches the group one replica up, then starts
 the actor, which Ray places on the new pod by the group's custom resource (it waits there for
 the pod: POD_START_S); a remove drains the actor through the gateway, then patches the group
-one replica down naming that actor's pod (the host name of its Ray node, which KubeRay sets to
-the pod's name).
+one replica down naming that actor's pod (the POD_NAME the pod's downward API gives the actor:
+pod_of_worker).
 """
 
 from __future__ import annotations
@@ -49,19 +49,20 @@ def scaler_for(fleet: Fleet, where: tuple[str, str] | None, api: CustomObjects |
     return KubeRayScaler(name, namespace, pod_of, api=api, drain=fleet.drain_worker, spawn=spawn)
 
 
-async def pod_of_worker(fleet: Fleet, worker: str, nodes: Any = None) -> str:
-    """The host name of the Ray node `worker`'s actor runs on (its pod's name on KubeRay);
-    KeyError for a worker this gateway does not have or a node Ray does not list alive.
-    `nodes`: ray.nodes (tests pass their own listing)."""
+async def pod_of_worker(fleet: Fleet, worker: str) -> str:
+    """The Kubernetes pod `worker`'s actor runs in: the POD_NAME its pod's downward API gives it
+    (WorkerPlace.pod), else its Ray node's host name (KubeRay sets it to the pod's name; a pod
+    started without POD_NAME). KeyError for a worker this gateway does not have, or whose Ray
+    node is not listed alive."""
     handle = fleet.handle(worker)
     if handle is None:
         raise KeyError(f"no worker named {worker!r}")
     place = await ray_await(handle.actor.place_of.remote())
-    if nodes is None:
-        import ray
+    if place.pod:
+        return str(place.pod)
+    import ray
 
-        nodes = ray.nodes
-    listed = await asyncio.to_thread(nodes)
+    listed = await asyncio.to_thread(ray.nodes)
     hosts = {n["NodeID"]: n["NodeManagerHostname"] for n in listed if n.get("Alive")}
     if place.node_id not in hosts:
         raise KeyError(f"{worker}'s Ray node {place.node_id} is not alive")

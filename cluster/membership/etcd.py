@@ -37,7 +37,7 @@ from cluster.membership.protocol import (
     WorkerInfo,
     is_name,
 )
-from engine.errors import ConfigError
+from engine.secrets import read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -324,39 +324,25 @@ class EtcdMembership(ViewBacked):
         return self.cfg.prefix + worker_id.encode()
 
 
-MAX_SECRET_BYTES = 64 << 10  # a PEM file or a password
-
-
 def _client(cfg: EtcdConfig) -> Any:
     """An aetcd client for `cfg`: plaintext, or TLS with its CA (and a client certificate);
     with a username, it authenticates with the password file's first line."""
     access = cfg.access
-    password = _read(access.password_file, "membership.etcd.password_file").decode().splitlines()[0] \
+    password = read_secret(access.password_file, "membership.etcd.password_file").decode().splitlines()[0] \
         if access.username else None  # fmt: skip
     options: dict[str, Any] = dict(_CHANNEL_OPTIONS)
     if not access.is_tls:
         return aetcd.Client(cfg.host, cfg.port, access.username or None, password, timeout=cfg.request_timeout_s,
                             options=options)  # fmt: skip
     credentials = grpc.ssl_channel_credentials(
-        _read(access.tls_ca, "membership.etcd.tls_ca"),
-        _read(access.tls_key, "membership.etcd.tls_key") if access.tls_key else None,
-        _read(access.tls_cert, "membership.etcd.tls_cert") if access.tls_cert else None,
+        read_secret(access.tls_ca, "membership.etcd.tls_ca", pem=True),
+        read_secret(access.tls_key, "membership.etcd.tls_key", pem=True) if access.tls_key else None,
+        read_secret(access.tls_cert, "membership.etcd.tls_cert", pem=True) if access.tls_cert else None,
     )
     if access.server_name:
         options["grpc.ssl_target_name_override"] = access.server_name
     return _TlsClient(credentials, cfg.host, cfg.port, access.username or None, password,
                       timeout=cfg.request_timeout_s, options=options)  # fmt: skip
-
-
-def _read(path: str, key: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SECRET_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read {path}: {exc.strerror}") from None
-    if not data.strip() or len(data) > MAX_SECRET_BYTES:
-        raise ConfigError(key, f"{path} is empty or over {MAX_SECRET_BYTES} bytes")
-    return data
 
 
 class _TlsClient(aetcd.Client):  # type: ignore[misc]

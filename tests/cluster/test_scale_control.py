@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import cast
 
 import httpx
@@ -16,7 +17,8 @@ import pytest
 from cluster.edge.http_api import HttpConfig
 from cluster.errors import EdgeError, Kind
 from cluster.fleet.fleet import Fleet
-from cluster.fleet.scalers import ScaleControl
+from cluster.fleet.scalers import ScaleControl, pod_of_worker
+from kvtransfer.select import WorkerPlace
 from tests.cluster.conftest import ServerHandle
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,6 +30,7 @@ class Worker:
     num_inflight: int = 0
     is_alive: bool = True
     is_member: bool = True
+    actor: object = None
 
 
 @dataclass
@@ -113,3 +116,21 @@ def test_a_colocated_gateway_has_no_pools_to_scale(make_server: Callable[..., Se
     off = make_server()  # admin routes off: not there at all, whatever the body
     for body in ({"decode": 2}, {"decode": "x"}, {}):
         assert httpx.post(off.url + "/admin/scale", json=body, timeout=30).status_code == 404
+
+
+class _Placed:
+    """An actor handle whose place_of names the pod its worker runs in."""
+
+    def __init__(self, place: WorkerPlace) -> None:
+        self.place_of = SimpleNamespace(remote=lambda: asyncio.sleep(0, place))
+
+
+async def test_a_worker_names_its_pod_from_the_downward_api() -> None:
+    """On KubeRay each worker pod has POD_NAME (k8s/base/raycluster.yaml), which its actor
+    reports, and that pod is the one a scale-in names, whatever the node's host name; without
+    it the Ray node's host name stands in (real actors: tests/cluster/test_ray_drain.py)."""
+    worker = Worker("decode-0", actor=_Placed(WorkerPlace("node-a", 7, host="10.0.0.5", pod="baton-decode-x7k2p")))
+    pools = Pools(decodes=[worker])
+    assert await pod_of_worker(cast(Fleet, pools), "decode-0") == "baton-decode-x7k2p"
+    with pytest.raises(KeyError):
+        await pod_of_worker(cast(Fleet, pools), "decode-1")

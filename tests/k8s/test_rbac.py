@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.ops.planner_k8s import GROUP, PLURAL
-from engine.env import KUBERAY_ENV
+from engine.env import KUBERAY_ENV, POD_NAME_ENV
 from tests.k8s.manifests import K8S, TARGETS, Obj, kustomize, of_kind, one, template
 
 SCALER_VERBS = {"get", "patch"}  # KubeRayScaler.apply: GET the RayCluster, merge-PATCH it
@@ -51,7 +51,7 @@ def test_the_gateway_may_scale_its_raycluster_and_nothing_else(
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_the_head_pod_names_its_raycluster_and_the_workers_mount_no_token(
+def test_the_head_pod_names_its_raycluster_and_the_workers_their_pod_and_no_token(
     builds: dict[str, list[Obj]], target: str
 ) -> None:
     objects = builds[target]
@@ -60,7 +60,11 @@ def test_the_head_pod_names_its_raycluster_and_the_workers_mount_no_token(
     assert env[cluster_env]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['ray.io/cluster']"
     assert env[namespace_env]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     for group in ("prefill", "decode"):
-        assert template(objects, group).spec.get("automountServiceAccountToken") is False, group
+        worker = template(objects, group)
+        assert worker.spec.get("automountServiceAccountToken") is False, group
+        # the pod a scale-in names: the actor reports it (cluster.fleet.scalers.pod_of_worker)
+        pod = {e["name"]: e for e in worker.container("ray-worker")["env"]}[POD_NAME_ENV]
+        assert pod["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", group
 
 
 @pytest.mark.parametrize("target", TARGETS)
