@@ -24,7 +24,7 @@ CRDS = Path(__file__).resolve().parent / "crds"
 METRICS_DOC = ROOT / "docs" / "metrics.md"
 TARGETS = ("base", "overlays/cpu", "overlays/gpu")
 OVERLAYS = ("overlays/cpu", "overlays/gpu")
-COMPONENTS = ("model-fetch", "gcs-ft", "kv-disk-shared")  # k8s/overlays/gpu/optional/
+COMPONENTS = ("model-fetch", "gcs-ft", "kv-disk-shared", "etcd-tls")  # k8s/overlays/gpu/optional/
 NAMESPACE = "baton"
 KUSTOMIZE_TIMEOUT_S = 60
 
@@ -64,14 +64,28 @@ def build_gpu_with(component: str) -> list[Obj]:
     """The gpu overlay with one optional component on, enabled the way its kustomization.yaml
     says to: a copy of k8s/ whose overlay has `# components:` and `# - optional/<component>`
     uncommented (kustomize applies components before the overlay's own patches: wrapping the
-    overlay in another kustomization would hide a conflict between the two)."""
+    overlay in another kustomization would hide a conflict between the two), and so are the
+    lines of its cluster.yaml marked `# optional/<component>`."""
     with tempfile.TemporaryDirectory(prefix="baton-k8s-") as tmp:
         copy = Path(tmp) / "k8s"
         shutil.copytree(K8S, copy)
         overlay = copy / "overlays" / "gpu" / "kustomization.yaml"
-        text = enable_component(overlay.read_text(), component)
-        overlay.write_text(text)
+        overlay.write_text(enable_component(overlay.read_text(), component))
+        config = overlay.parent / "cluster.yaml"
+        config.write_text(enable_config_lines(config.read_text(), component))
         return kustomize(overlay.parent)
+
+
+def enable_config_lines(cluster_yaml: str, component: str) -> str:
+    """`cluster_yaml` with each commented line that ends in `# optional/<component>` uncommented."""
+    marker = f"# optional/{component}"
+    lines = []
+    for line in cluster_yaml.splitlines(keepends=True):
+        body = line.lstrip(" ")
+        if body.startswith("# ") and line.rstrip("\n").endswith(marker):
+            line = line[: len(line) - len(body)] + body[2:]
+        lines.append(line)
+    return "".join(lines)
 
 
 def enable_component(kustomization: str, component: str) -> str:

@@ -15,7 +15,9 @@ import yaml
 
 from cluster.membership import etcd_member
 from cluster.membership.etcd_member import main
-from tests.k8s.manifests import TARGETS, Obj, PodTemplate, one, template
+from tests.k8s.manifests import TARGETS, Obj, PodTemplate, cluster_file, one, template
+
+TLS_SECRET_KEYS = {"ca.crt", "tls.crt", "tls.key"}  # a kubernetes.io/tls Secret with its CA (cert-manager's)
 
 
 def etcd_config(
@@ -103,3 +105,41 @@ def test_the_init_container_runs_baton_image_as_the_members_do(builds: dict[str,
         assert init["resources"]["limits"]
         data = [m for m in init["volumeMounts"] if m["name"] == "data"]
         assert data and data[0].get("readOnly") is True  # it only looks for a member there
+
+
+def _secret_mounted_at(t: PodTemplate, container: Obj, directory: str) -> str:
+    """The Secret `container` of `t` has mounted, read-only, at `directory`."""
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    assert mount.get("readOnly") is True, f"{t.owner} {container['name']}: {directory} is writable"
+    secret: str = t.volume(mount["name"])["secret"]["secretName"]
+    return secret
+
+
+def test_the_etcd_tls_component_puts_each_certificate_where_its_reader_looks(
+    builds: dict[str, list[Obj]], component_builds: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    """optional/etcd-tls (with cluster.yaml's lines marked for it): the members' certificate
+    where the init container's --tls-dir names it and etcd then reads it (both containers), and
+    the client certificate where cluster.yaml's membership.etcd points, in every container that
+    talks to etcd: the gateway and each worker (they register with leases). Each from a
+    `kubernetes.io/tls` Secret's file names (ca.crt, tls.crt, tls.key)."""
+    plain = cluster_file(builds["overlays/gpu"]).membership.etcd
+    assert not (plain.tls_ca or plain.tls_cert or plain.tls_key), "TLS is the component's, off by default"
+    objects = component_builds["etcd-tls"]
+    members = template(objects, "baton-etcd")
+    init = _init(members)
+    [tls_dir] = [a.split("=", 1)[1] for a in init["args"] if a.startswith("--tls-dir=")]
+    files = etcd_member.Tls.in_dir(Path(tls_dir))
+    assert {p.name for p in (files.ca, files.cert, files.key)} == TLS_SECRET_KEYS
+    for container in (init, members.container("etcd")):
+        assert _secret_mounted_at(members, container, tls_dir) == "baton-etcd-tls"
+    config, _ = etcd_config(objects, tmp_path)
+    assert config["advertise-client-urls"].startswith("https://")
+    for side in ("client-transport-security", "peer-transport-security"):
+        assert config[side]["client-cert-auth"] is True and config[side]["cert-file"].startswith(tls_dir + "/")
+    access = cluster_file(objects).membership.etcd
+    client_files = [Path(p) for p in (access.tls_ca, access.tls_cert, access.tls_key)]
+    assert {p.name for p in client_files} == TLS_SECRET_KEYS and len({p.parent for p in client_files}) == 1
+    for group, name in (("head", "gateway"), ("prefill", "ray-worker"), ("decode", "ray-worker")):
+        t = template(objects, group)
+        assert _secret_mounted_at(t, t.container(name), str(client_files[0].parent)) == "baton-etcd-client", group

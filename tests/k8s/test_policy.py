@@ -482,4 +482,4 @@ def test_optional_components_do_what_they_say(component_builds: dict[str, list[O
         assert all(m.get("readOnly") for m in c["volumeMounts"] if m["name"] == "models"), c["name"]
     gcs = ray_cluster(component_builds["gcs-ft"])["spec"]["gcsFaultToleranceOptions"]
     assert gcs["redisAddress"] and gcs["redisPassword"]["valueFrom"]["secretKeyRef"]["name"]
-    assert COMPONENTS == ("model-fetch", "gcs-ft", "kv-disk-shared")
+    assert COMPONENTS == ("model-fetch", "gcs-ft", "kv-disk-shared", "etcd-tls")
