@@ -29,6 +29,7 @@ from kvtransfer.transport import (
 SERVICE = "baton.v1.KVTransfer"
 PUSH = f"/{SERVICE}/Push"
 _HEADER_ROOM = 1 << 20  # headroom over the payload bound for the header and framing
+RECEIVE_AHEAD = 2  # chunks a push's receiver reads before it stores them (transport.read_ahead)
 
 
 def _message_options(limits: CodecLimits) -> list[tuple[str, int]]:
@@ -96,7 +97,7 @@ async def start_kv_server(
     limits = limits or CodecLimits()
 
     async def push(request_iterator: AsyncIterator[WireChunk], context: object) -> pb.PushAck:
-        chunks = read_ahead(request_iterator)  # the next chunk arrives while this one is stored
+        chunks = read_ahead(request_iterator, RECEIVE_AHEAD)  # the next chunks arrive while this one is stored
         try:
             return await receive_push(receiver, chunks, limits)
         finally:
