@@ -8,7 +8,8 @@ import re
 
 
 def close_json(prefix: str) -> str:
-    """The shortest text that closes a prefix of compact JSON."""
+    """The shortest text that closes a prefix of compact JSON; ValueError for text that is not
+    one (a closing bracket or a separator outside any container), so a test shows the text."""
     stack: list[str] = []  # "{" or "[" per open container
     expect_key: list[bool] = []  # per open object: the next string is a key
     in_string = escape = False
@@ -29,8 +30,11 @@ def close_json(prefix: str) -> str:
             stack.append(char)
             expect_key.append(char == "{")
         elif char in "}]":
-            stack.pop()
+            if not stack or stack.pop() != "{["[char == "]"]:
+                raise ValueError(f"not a prefix of JSON: {prefix!r}")
             expect_key.pop()
+        elif char in ":," and not stack:
+            raise ValueError(f"not a prefix of JSON: {prefix!r}")
         elif char == ":":
             expect_key[-1] = False
         elif char == "," and stack[-1] == "{":

@@ -23,7 +23,7 @@ def test_short_soak_counts_every_request_and_returns_every_page(tmp_path: Path, 
     if shutil.which("etcd") is None:
         pytest.fail(INSTALL_HINT, pytrace=False)
     out = tmp_path / "soak"
-    code = main(["--minutes", "0.6", "--kill-every", "20", "--sample-every", "2", "--concurrency", "6",
+    code = main(["--minutes", "0.4", "--kill-every", "18", "--sample-every", "2", "--concurrency", "6",
                  "--recover-timeout", "60", "--idle-timeout", "30", "--out-dir", str(out)])  # fmt: skip
     report = json.loads((out / "soak.json").read_text())
 

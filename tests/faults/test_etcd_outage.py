@@ -27,7 +27,7 @@ from tests.faults.conftest import disaggregated, front_of, wait_for
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(300)  # the waits below, each at its bound, and the fixture
 
-OUTAGE_S = 30.0
+OUTAGE_S = 10.0  # five of the workers' 2 s lease TTLs: each keepalive fails past its lease, many times
 
 
 @pytest.fixture(scope="module")

@@ -510,6 +510,8 @@ def test_a_really_full_file_system_stores_nothing_and_raises_nothing(small_fs: P
         assert tier.stats().io_errors >= 3  # each ENOSPC counted, none raised
         tier.flush()
         assert sorted(tier.hashes()) == sorted(h(i) for i in stored)  # nothing half-written is indexed
+        on_disk = sum(f.stat().st_size for f in (small_fs / "disk").iterdir() if f.is_file())
+        assert on_disk == tier.stats().bytes_on_disk  # ... nor left on the disk: no torn tail
         assert all(same(tier.get(h(i)), page(i)) for i in stored)
         tier.check_integrity()
 
