@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 CLIENT_PORT, PEER_PORT, METRICS_PORT = 2379, 2380, 2381
 CLUSTER_TOKEN = "baton-etcd"
 PROBE_TIMEOUT_S = 3.0  # per member asked: a first start waits this long in all
-ADD_PATIENCE_S = 60.0  # for the cluster to take a member again (_add)
+ADD_PATIENCE_S = 60.0  # for the cluster to take a member again (add_member)
 # Steady-state settings (the same for every start): history compacted hourly, a 1 GiB quota.
 SETTINGS: dict[str, Any] = {
     "auto-compaction-mode": "periodic",
@@ -150,23 +150,27 @@ async def _rejoin(via: Member, me: Member, tls: Tls | None) -> str | None:
             for old in mine:
                 logger.warning("%s lost its data: removing its old member %x", me.name, old.ID)
                 await cluster.MemberRemove(aetcd.rpc.MemberRemoveRequest(ID=old.ID), timeout=PROBE_TIMEOUT_S)
-            added = await _add(cluster, me.peer_url)
+            added = await add_member(cluster, me.peer_url)
             logger.warning("%s added again as member %x: joining the running cluster", me.name, added.member.ID)
             listed = added.members
         # the member added has no name until it starts: it is this one
         return ",".join(f"{m.name or me.name}={m.peerURLs[0]}" for m in listed if m.peerURLs)
 
 
-async def _add(cluster: Any, peer_url: str) -> Any:
-    """MemberAdd, retried while etcd refuses it as unsafe: it adds a voting member only once
-    its leader has been connected to every other member for 5 s (--strict-reconfig-check),
-    which a member removed a moment ago, or a cluster just started, is not yet."""
+async def add_member(cluster: Any, peer_url: str) -> Any:
+    """MemberAdd, retried while etcd refuses it for the moment: as unsafe (UNAVAILABLE: it adds a
+    voting member only once its leader has been connected to every other member for 5 s,
+    --strict-reconfig-check, which a member removed a moment ago, or a cluster just started, is
+    not yet), or as a removed member (NOT_FOUND: etcd derives a new member's ID from its peer
+    URLs and the time in whole seconds, so adding the peer URL removed within the same second
+    gives the removed ID again -- a member that rejoined, lost its volume again at once)."""
     deadline = asyncio.get_running_loop().time() + ADD_PATIENCE_S
     while True:
         try:
             return await cluster.MemberAdd(aetcd.rpc.MemberAddRequest(peerURLs=[peer_url]), timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or asyncio.get_running_loop().time() > deadline:
+            retry = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+            if not retry or asyncio.get_running_loop().time() > deadline:
                 raise
             logger.info("etcd does not add a member yet (%s): retrying", exc.details())
             await asyncio.sleep(1.0)

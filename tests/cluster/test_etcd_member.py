@@ -1,7 +1,8 @@
 """cluster.membership.etcd_member against three real etcd members on loopback, each started
 from the config file it writes (as the StatefulSet's init container does): a first start makes
-a new cluster, also for a member that starts after the others; a member whose volume is lost rejoins the running cluster by itself, with the
-data replicated to it, instead of crash-looping as a `new` member would (issue 23, finding 8)."""
+a new cluster, also for a member that starts after the others; a member whose volume is lost
+rejoins the running cluster by itself, with the data replicated to it, instead of crash-looping
+as a `new` member would (issue 23, finding 8), also when an earlier try stopped half way."""
 
 from __future__ import annotations
 
@@ -131,6 +132,59 @@ async def test_a_member_that_lost_its_volume_rejoins_with_the_data(trio: Trio) -
     assert got is not None and got.value == b"kept"
     listed = await _members(trio, "etcd-2")
     assert set(listed) == set(NAMES) and listed["etcd-2"] == [trio.members["etcd-2"].peer_url]
+
+
+async def test_a_rejoin_cut_short_is_picked_up_where_it_stopped(trio: Trio) -> None:
+    """A pod can die between the steps of a rejoin: after removing its old member (the cluster
+    no longer lists it) or after adding itself again (listed, unnamed, never started). The next
+    try of its init container goes on from there: it adds itself only when it is not listed,
+    never twice, and joins with the data."""
+    for name in NAMES:
+        await trio.configure(name)
+        trio.start(name)
+    for name in NAMES:
+        trio.wait_healthy(name)
+    async with trio.client("etcd-0") as client:
+        await client.put(b"/baton/workers/p-0", b"kept")
+        stub = client.clusterstub
+
+        async def lose_etcd_2() -> int:
+            listed = (await stub.MemberList(aetcd.rpc.MemberListRequest(), timeout=5)).members
+            lost = next(m.ID for m in listed if m.name == "etcd-2")
+            trio.kill("etcd-2")
+            shutil.rmtree(trio.data_dir("etcd-2"))
+            for _ in range(200):  # bounded: a leader among the two left (etcd-2 may have led)
+                leader = (await client.maintenancestub.Status(aetcd.rpc.StatusRequest(), timeout=5)).leader
+                if leader not in (0, lost):
+                    return lost
+                await asyncio.sleep(0.05)
+            raise AssertionError("no leader after etcd-2 went")
+
+        async def rejoin() -> None:
+            config = await trio.configure("etcd-2")
+            assert config["initial-cluster-state"] == "existing"
+            assert sorted(p.split("=")[0] for p in str(config["initial-cluster"]).split(",")) == list(NAMES)
+            trio.start("etcd-2")
+            trio.wait_healthy("etcd-2")
+            for _ in range(200):  # bounded: until the cluster has applied etcd-2's start (its name)
+                listed = await _members(trio, "etcd-0")
+                if "etcd-2" in listed:
+                    break
+                await asyncio.sleep(0.05)
+            assert sorted(listed) == list(NAMES), listed  # one member each: none added twice
+            async with trio.client("etcd-2") as joined:
+                got = await joined.get(b"/baton/workers/p-0", serializable=True)
+            assert got is not None and got.value == b"kept"
+
+        # cut short after the removal: the cluster lists two members
+        await stub.MemberRemove(aetcd.rpc.MemberRemoveRequest(ID=await lose_etcd_2()), timeout=5)
+        assert sorted(await _members(trio, "etcd-0")) == ["etcd-0", "etcd-1"]
+        await rejoin()
+        # cut short after the add: a try removed and added it, and the pod went before etcd started
+        await lose_etcd_2()
+        assert (await trio.configure("etcd-2"))["initial-cluster-state"] == "existing"
+        assert sorted(await _members(trio, "etcd-0")) == ["", "etcd-0", "etcd-1"]  # listed, unnamed
+        await rejoin()
 
 
 def test_the_command_writes_the_pod_config(tmp_path: Path) -> None:
