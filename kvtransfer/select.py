@@ -26,7 +26,8 @@ class TransportKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class WorkerPlace:
-    """Where one worker runs, as far as moving KV pages is concerned."""
+    """Where one worker runs: what the choice of transport reads (node, process, device), and
+    what /status shows and a scale-in on Kubernetes names (address, pod)."""
 
     node_id: str  # the host (Ray node id): one node, one /dev/shm
     pid: int  # the worker's process on that node
