@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from engine.builtin import resolve_model_dir
+from engine.omp import release_thread_pool
 from tests.etcd_server import INSTALL_HINT, EtcdServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,13 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     server = EtcdServer.launch(tmp_path_factory.mktemp("etcd"))
     yield server
     server.stop()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Each test starts with no OpenMP pool on the test runner's thread: one left by an earlier
+    test's torch work would keep the step threads of the servers this test starts from spinning
+    their own pools (engine.omp); a test that runs torch here makes a new one."""
+    release_thread_pool()
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -112,3 +112,45 @@ def test_starting_the_step_thread_releases_the_pool_of_the_thread_that_built_the
     assert len(builders_workers) == torch.get_num_threads() - 1
     assert left == set()
     assert got == expected
+
+
+def test_an_idle_step_thread_lets_its_workers_go_and_makes_a_new_pool_for_the_next_request(tiny_model_dir: Path) -> None:
+    """An idle engine's pool would keep every other torch thread of the process from spinning
+    (the suite's shared server made the parity tests 1.7x slower): once idle for a whole idle
+    wait, the step thread releases it, and the next request's step starts a new one."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = tuple(range(30, 90))
+
+    def serve_twice() -> tuple[list[int], int, int, int, list[int]]:
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256))
+
+        async def serve() -> tuple[list[int], int, int, int, list[int]]:
+            await asyncio.to_thread(lambda: None)  # the executor's thread, named baton-omp-c too
+            others = _tasks_named("baton-omp-c")  # this thread and the executor's: not counted
+            front = AsyncEngine(engine, idle_wait_s=0.05)
+            front.start()  # the step thread is named baton-omp-c too: it and its workers are counted
+
+            async def run(req_id: str) -> list[int]:
+                got: list[int] = []
+                async for out in front.generate(Job(req_id, prompt, params)):
+                    got.extend(out.token_ids)
+                return got
+
+            try:
+                first = await run("a")
+                busy = len(_tasks_named("baton-omp-c") - others)  # the step thread and its workers
+                assert await asyncio.to_thread(front.pool_released.wait, 30)
+                idle = len(_tasks_named("baton-omp-c") - others)  # the step thread alone
+                second = await run("b")
+                again = len(_tasks_named("baton-omp-c") - others)
+            finally:
+                await front.stop()
+            return first, busy, idle, again, second
+
+        return asyncio.run(serve())
+
+    first, busy, idle, again, second = _on_named_thread("baton-omp-c", serve_twice)  # type: ignore[misc]
+    assert busy == torch.get_num_threads()  # the step thread and its pool's workers: the check can fail
+    assert idle == 1
+    assert again == busy  # stepping again made a new pool
+    assert first == second
