@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import grpc
 import pytest
@@ -36,7 +37,7 @@ KEYS = ApiKeys({KEY: Tenant("t")})
 AUTH = (("authorization", f"Bearer {KEY}"),)
 PROMPT = "the quick brown fox jumps over the lazy dog"
 GREEDY = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
-LONG = pb.Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)  # ~7 s of decoding
+LONG = pb.Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
 LONG_SAMPLING = Sampling(max_tokens=400, temperature=0.0, ignore_eos=True)
 
 
@@ -100,6 +101,22 @@ async def _stub(target: str) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
 async def stub(served: Served) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
     async with _stub(served.target) as s:
         yield s
+
+
+class _Held(NamedTuple):
+    gate: threading.Event
+    call: asyncio.Future[bool]
+
+    async def release(self) -> None:
+        self.gate.set()
+        assert await self.call  # the step thread waited at the gate, not past its bound
+
+
+def _hold_steps(front: AsyncEngine) -> _Held:
+    """Stop the step thread, and every request with it, until `release`: a deadline passes
+    mid-stream on a machine of any speed (400 tokens took ~7 s here once, 0.8 s later)."""
+    gate = threading.Event()
+    return _Held(gate, asyncio.ensure_future(front.call(lambda _: gate.wait(60))))
 
 
 async def _all_pages_free(engine: Engine) -> bool:
@@ -192,17 +209,21 @@ async def test_tokenize(served: Served, reference: Engine) -> None:
 
 
 async def test_call_deadline_aborts_the_request_and_frees_its_pages(
-    served: Served, engine: Engine, stub: pb_grpc.GenerationAsyncStub
+    served: Served, front: AsyncEngine, engine: Engine, stub: pb_grpc.GenerationAsyncStub
 ) -> None:
     before = _outcomes(served.frontend, "deadline") + _outcomes(served.frontend, "cancelled")
     request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG)
     call = stub.Generate(request, metadata=AUTH, timeout=1.0)
     received = 0
+    held: _Held | None = None
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         async for _ in call:
             received += 1
+            held = held or _hold_steps(front)  # generating, and stopped there until the deadline passed
+    assert held is not None
+    await held.release()
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0 < received < 400  # it was generating when the deadline passed
+    assert 0 < received < 400
     assert await _all_pages_free(engine)
     after = _outcomes(served.frontend, "deadline") + _outcomes(served.frontend, "cancelled")
     assert after == before + 1  # the server-side stream ended early, not by finishing
@@ -210,9 +231,12 @@ async def test_call_deadline_aborts_the_request_and_frees_its_pages(
 
 async def test_server_timeout_is_deadline_exceeded(front: AsyncEngine, engine: Engine) -> None:
     async with serving(front, request_timeout_s=0.5) as s, s.client() as client:
+        held: _Held | None = None
         with pytest.raises(BatonClientError) as caught:
             async for _ in client.generate(PROMPT, sampling=LONG_SAMPLING):
-                pass
+                held = held or _hold_steps(front)  # stopped mid-stream until the server's deadline passed
+        assert held is not None
+        await held.release()
         assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "deadline" in caught.value.message.lower()  # ours, or grpc's "Deadline Exceeded" under load
         # The client can see the status before the server's stream has closed and counted it.

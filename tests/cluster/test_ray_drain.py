@@ -272,14 +272,21 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     clients = [threading.Thread(target=client, args=(s,)) for s in range(6)]
     for c in clients:
         c.start()
-    try:
-        wait_for(lambda: len({p.name for p in front.fleet.prefills if p.is_routable}) > len(before),
-                 lambda: f"the planner added no prefill worker; it saw: {reasons[-8:]}", 120)  # fmt: skip
+    def added() -> bool:
+        return len({p.name for p in front.fleet.prefills if p.is_routable}) > len(before)
+
+    def deciding_to_add() -> bool:  # the load has done its part once the add is under way (or done)
+        pending = planner.pending
+        return (pending is not None and pending.action == "add" and pending.role == "prefill") or added()
+
+    try:  # an actor starts in seconds on an idle machine, and in up to 45 s beside the load
+        wait_for(deciding_to_add, lambda: f"the planner decided to add no prefill worker; it saw: {reasons[-8:]}", 120)
     finally:
         halt.set()
         for c in clients:
             c.join(60)
     assert failed == [] and ok[0] > 0
+    wait_for(added, lambda: f"the planner added no prefill worker; it saw: {reasons[-8:]}", 120)
     wait_for(lambda: len({p.name for p in front.fleet.prefills if p.is_routable}) == len(before),
              lambda: f"the planner did not scale back in; it saw: {reasons[-8:]}", 120)  # fmt: skip
     stop.set()
