@@ -272,6 +272,7 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     clients = [threading.Thread(target=client, args=(s,)) for s in range(6)]
     for c in clients:
         c.start()
+
     def added() -> bool:
         return len({p.name for p in front.fleet.prefills if p.is_routable}) > len(before)
 
