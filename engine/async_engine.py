@@ -75,9 +75,10 @@ class AsyncEngine:
         self.heartbeat = time.monotonic()
         self.last_stats: StepStats | None = None
         self.error: BaseException | None = None
-        # Set while the step thread, idle for a whole idle wait, has let its OpenMP workers go
-        # (cleared when it steps again): an idle engine's pool would keep every other thread of
-        # this process that runs torch from spinning its own (engine.omp).
+        # Set each time the step thread, idle for a whole idle wait, lets its OpenMP workers go (a
+        # no-op when it has none: a call that ran torch there since made new ones); cleared when it
+        # steps. An idle engine's pool would keep every other thread of this process that runs
+        # torch from spinning its own (engine.omp).
         self.pool_released = threading.Event()
 
     def start(self) -> None:
@@ -174,12 +175,13 @@ class AsyncEngine:
                 self._drain_commands()
                 if not self.engine.has_unfinished():
                     self.engine.flush_cache()
-                    if not self._wake.wait(self._idle_wait_s) and not self.pool_released.is_set():
+                    if not self._wake.wait(self._idle_wait_s):
                         release_thread_pool()  # the next step makes a new pool: one thread start
                         self.pool_released.set()
                     self._wake.clear()
                     continue
-                self.pool_released.clear()
+                if self.pool_released.is_set():  # an attribute read: Event.clear() takes a lock
+                    self.pool_released.clear()
                 outputs = self.engine.step()
                 self.last_stats = self.engine.last_stats
                 if outputs:

@@ -116,41 +116,48 @@ def test_starting_the_step_thread_releases_the_pool_of_the_thread_that_built_the
 
 def test_an_idle_step_thread_lets_its_workers_go_and_makes_a_new_pool_for_the_next_request(tiny_model_dir: Path) -> None:
     """An idle engine's pool would keep every other torch thread of the process from spinning
-    (the suite's shared server made the parity tests 1.7x slower): once idle for a whole idle
-    wait, the step thread releases it, and the next request's step starts a new one."""
+    (the suite's shared server made the parity tests 1.9x slower): once idle for a whole idle
+    wait, the step thread releases it, and its next torch work starts a new one. The workers are
+    counted on the step thread right after it ran the model (an AsyncEngine.call), so no idle
+    wait can end between the work and the count."""
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = tuple(range(30, 90))
 
-    def serve_twice() -> tuple[list[int], int, int, int, list[int]]:
+    def serve() -> tuple[list[int], int, int, int, list[int]]:
         engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256))
 
-        async def serve() -> tuple[list[int], int, int, int, list[int]]:
+        async def run() -> tuple[list[int], int, int, int, list[int]]:
             await asyncio.to_thread(lambda: None)  # the executor's thread, named baton-omp-c too
             others = _tasks_named("baton-omp-c")  # this thread and the executor's: not counted
-            front = AsyncEngine(engine, idle_wait_s=0.05)
-            front.start()  # the step thread is named baton-omp-c too: it and its workers are counted
 
-            async def run(req_id: str) -> list[int]:
+            def step_thread_and_workers(e: Engine) -> int:  # on the step thread, after a forward pass
+                e.generate([list(prompt)], params)
+                return len(_tasks_named("baton-omp-c") - others)
+
+            async def tokens(req_id: str) -> list[int]:
                 got: list[int] = []
                 async for out in front.generate(Job(req_id, prompt, params)):
                     got.extend(out.token_ids)
                 return got
 
+            front = AsyncEngine(engine, idle_wait_s=0.05)
+            front.start()  # the step thread is named baton-omp-c too: it and its workers are counted
             try:
-                first = await run("a")
-                busy = len(_tasks_named("baton-omp-c") - others)  # the step thread and its workers
+                first = await tokens("a")
+                busy = await front.call(step_thread_and_workers)
+                front.pool_released.clear()  # set again only by a release after that call
                 assert await asyncio.to_thread(front.pool_released.wait, 30)
                 idle = len(_tasks_named("baton-omp-c") - others)  # the step thread alone
-                second = await run("b")
-                again = len(_tasks_named("baton-omp-c") - others)
+                second = await tokens("b")  # stepping on a released pool
+                again = await front.call(step_thread_and_workers)
             finally:
                 await front.stop()
             return first, busy, idle, again, second
 
-        return asyncio.run(serve())
+        return asyncio.run(run())
 
-    first, busy, idle, again, second = _on_named_thread("baton-omp-c", serve_twice)  # type: ignore[misc]
+    first, busy, idle, again, second = _on_named_thread("baton-omp-c", serve)  # type: ignore[misc]
     assert busy == torch.get_num_threads()  # the step thread and its pool's workers: the check can fail
     assert idle == 1
-    assert again == busy  # stepping again made a new pool
+    assert again == busy  # the step thread's torch work made a new pool
     assert first == second
