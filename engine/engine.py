@@ -19,6 +19,7 @@ import torch
 from engine.allocator import tune_allocator
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
+from engine.cpu_decode import cpu_decode_step_for
 from engine.cuda_graphs import DecodeGraphs
 from engine.engine_config import EngineConfig
 from engine.errors import RequestError
@@ -97,6 +98,7 @@ class Engine:
         self.eos_ids = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + mc.eos_token_ids))
         backend = cfg.resolve_attention_backend(self.model.dtype, self.kv_dtype)
         self.model.fused_ops = fused_ops_for(backend, self.device, self.model.dtype, self.kv_dtype)
+        self.model.decode_step = cpu_decode_step_for(self.model, self.kv_dtype)
         graphs = None
         if self.device.type == "cuda" and backend == "triton" and cfg.cuda_graph_max_batch > 0:
             graphs = DecodeGraphs(

@@ -47,6 +47,12 @@ class FusedOps(Protocol):
     def silu_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor: ...
 
 
+class DecodeStep(Protocol):
+    """A decode-only step's layers in one call (engine.cpu_decode): CausalLM.forward's result."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, pool: DevicePool, /) -> torch.Tensor: ...
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale."""
     dtype = x.dtype
@@ -83,6 +89,9 @@ class CausalLM:
         # triton attention backend, engine.cpu_ops on CPU float32 with the cpu one; the engine
         # sets it. None: the torch ops below.
         self.fused_ops: FusedOps | None = None
+        # A decode-only step's layers in one compiled call (engine.cpu_decode), where the engine
+        # found every kernel it drives to be the model's own; None: the layers from Python.
+        self.decode_step: DecodeStep | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,6 +122,8 @@ class CausalLM:
         meta: AttnMetadata,
         pool: DevicePool,
     ) -> torch.Tensor:
+        if self.decode_step is not None and meta.cpu_plan is not None and not meta.num_prefill_tokens:
+            return self.decode_step(input_ids, positions, meta, pool)
         if self.fused_ops is not None:
             return self._forward_fused(self.fused_ops, input_ids, positions, meta, pool)
         cfg = self.cfg

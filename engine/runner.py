@@ -201,7 +201,8 @@ class ModelRunner:
         plan: DecodePlan | None = None
         if self.decode_backend == "cpu" and decodes:  # once per step, not once per layer
             rows = [(r.page_ids, r.num_computed_tokens + 1) for r, _ in decodes]
-            plan = DecodePlan.build(rows, keys, self.page_size, self.model.cfg.num_heads, self.model.cfg.head_dim)
+            cfg = self.model.cfg
+            plan = DecodePlan.build(rows, keys, self.page_size, cfg.num_heads, cfg.head_dim, torch.get_num_threads())
         if self.decode_backend == "torch" and decodes:  # once per step, not once per layer
             widths = [-(-(r.num_computed_tokens + 1) // self.page_size) for r, _ in decodes]
             groups = decode_groups(widths, keys)

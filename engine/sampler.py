@@ -85,6 +85,15 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]
 
 
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's first maximum. On the CPU through numpy: torch's argmax over a [1, 16k] row
+    took 25 us (a reduction set up for many threads), numpy's 1 us; both take the first
+    maximum and treat NaN as the largest value."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        return logits.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1).tolist()
+
+
 def _has_penalties(params: SamplingParams) -> bool:
     return (
         params.repetition_penalty != 1.0
@@ -334,7 +343,7 @@ class Sampler:
             # them, so an argmax that is not blocked is the blocked argmax too (ties included:
             # argmax takes the first maximum); the benchmark's min_tokens rows then skip the
             # copy and fill of every row's logits (~12% of a baton-tiny decode step at c=8).
-            argmax: list[int] = logits.argmax(dim=-1).tolist()
+            argmax = _argmax_rows(logits)
             if not any(token in row.blocked_ids for token, row in zip(argmax, rows, strict=True)):
                 return SamplerOutput(argmax, [None] * len(rows))
         raw = logits.float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,25 @@ def test_decode_matches_the_torch_path(kernel: object, page: int, heads: int, kv
     q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(2))
     plan = DecodePlan.build([(r, n) for r, n in zip(rows, lens, strict=True)], [-1] * len(rows), page, heads, dim)
     assert plan.num_shared_pages == 0 and len(plan.items) > len(rows)  # the long rows were split
+    out = torch.empty_like(q)
+    paged_decode(kernel, q, k, v, plan, dim**-0.5, out)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, _torch_path(q, k, v, rows, lens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("lens", "threads", "parts"), [
+    ([20 * 16], 2, [2]),  # one row, two threads: halves of 10 pages
+    ([20 * 16], 4, [4]),  # quarters of 5 pages
+    ([5 * 16], 4, [2]),  # no part below MIN_SPLIT_PAGES (4 pages): 4 + 1
+    ([3 * 16], 2, [1]),  # too short to split
+    ([20 * 16, 20 * 16], 2, [1, 1]),  # a row a thread already
+    ([80 * 16], 2, [3]),  # no part above SPLIT_PAGES (32 pages)
+])  # fmt: skip
+def test_fewer_rows_than_threads_split_finer_and_match(kernel: object, lens: list[int], threads: int, parts: list[int]) -> None:
+    page, heads, kv_heads, dim = 16, 4, 2, 64
+    k, v, rows, lens = _batch(6, lens, {}, page, kv_heads, dim)
+    q = torch.randn(len(lens), heads, dim, generator=torch.Generator().manual_seed(7))
+    plan = DecodePlan.build([(r, n) for r, n in zip(rows, lens, strict=True)], [-1] * len(rows), page, heads, dim, threads)
+    assert [int(n) for n in np.diff(plan.row_ptr)] == parts
     out = torch.empty_like(q)
     paged_decode(kernel, q, k, v, plan, dim**-0.5, out)  # type: ignore[arg-type]
     torch.testing.assert_close(out, _torch_path(q, k, v, rows, lens), rtol=1e-5, atol=1e-5)

@@ -61,6 +61,20 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs == [None] * 8
 
 
+def test_greedy_takes_the_first_maximum_and_nan_as_torch_does() -> None:
+    """The CPU fast path's argmax (numpy's) against torch's: ties, NaN, -inf, a strided view."""
+    logits = randn(6, V)
+    logits[0, 3] = logits[0, 9] = logits[0].max() + 1.0  # a tie: the first
+    logits[1, 5] = float("nan")  # NaN counts as the largest, as in torch
+    logits[2] = float("-inf")  # every token blocked: the first
+    logits[3, V - 1] = float("inf")
+    out = Sampler(V)(logits, [row(GREEDY)] * 6)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_ids[:4] == [3, 5, 0, V - 1]
+    strided = randn(4, 2 * V)[:, ::2]
+    assert Sampler(V)(strided, [row(GREEDY)] * 4).token_ids == strided.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_greedy_in_half_precision(dtype: torch.dtype) -> None:
     logits = randn(4, V).to(dtype)
