@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.attention import AttnMetadata
@@ -80,6 +79,9 @@ class CpuDecodeStep:
                 table[i, j] = t.data_ptr()
         self.weights = table
         self.final_norm = model.final_norm.contiguous()
+        self.embed = model.embed  # [vocab, hidden]: each row's first residual is its token's row
+        if self.embed.dtype != torch.float32 or not self.embed.is_contiguous():
+            raise ValueError("the CPU decode step takes a contiguous float32 embedding")
         self.cos, self.sin = model.rope.cos, model.rope.sin
         self.shape = _Shape(
             num_layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
@@ -108,23 +110,23 @@ class CpuDecodeStep:
         if plan is None or meta.num_prefill_tokens or plan.num_rows != rows:
             raise ValueError("the CPU decode step runs decode rows only, with their DecodePlan")
         slots = meta.slot_mapping
-        for name, t in (("positions", positions), ("slots", slots)):
+        for name, t in (("input_ids", input_ids), ("positions", positions), ("slots", slots)):
             if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (rows,):
                 raise ValueError(f"{name}: one contiguous int64 per row")
         if pool.kv is not self._pool_kv:
             self._bind(pool)
-        h = F.embedding(input_ids, self.model.embed)  # [B, hidden]: the residual stream
-        out = torch.empty_like(h)
+        out = torch.empty(rows, self.model.cfg.hidden_size, dtype=torch.float32)
         rc = self.lib.baton_decode_layers(
-            ctypes.byref(self.shape), self.weights.ctypes.data, self.final_norm.data_ptr(), h.data_ptr(),
-            out.data_ptr(), rows, positions.data_ptr(), slots.data_ptr(), plan.items.ctypes.data, len(plan.items),
-            plan.pages.ctypes.data, plan.row_ptr.ctypes.data, plan.row_slots.ctypes.data, plan.partials.ctypes.data,
+            ctypes.byref(self.shape), self.weights.ctypes.data, self.embed.data_ptr(), self.embed.shape[0],
+            self.final_norm.data_ptr(), input_ids.data_ptr(), out.data_ptr(), rows, positions.data_ptr(),
+            slots.data_ptr(), plan.items.ctypes.data, len(plan.items), plan.pages.ctypes.data,
+            plan.row_ptr.ctypes.data, plan.row_slots.ctypes.data, plan.partials.ctypes.data,
         )  # fmt: skip
         if rc == -2:
             raise MemoryError("the CPU decode step: out of memory for its activations")
         if rc != 0:
-            raise ValueError("the CPU decode step: a position outside the RoPE tables, a slot outside the pool "
-                             "or a shape the kernels refuse")  # fmt: skip
+            raise ValueError("the CPU decode step: a token outside the vocabulary, a position outside the RoPE "
+                             "tables, a slot outside the pool or a shape the kernels refuse")  # fmt: skip
         return out
 
 

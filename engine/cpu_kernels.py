@@ -136,7 +136,7 @@ def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
     lib.baton_linear.restype = ctypes.c_int
     lib.baton_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     lib.baton_decode_layers.restype = ctypes.c_int
-    lib.baton_decode_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr]
+    lib.baton_decode_layers.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr]
     return lib
 
 

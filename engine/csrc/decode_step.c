@@ -17,6 +17,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -47,31 +48,37 @@ typedef struct {
     int64_t layer_stride, v_offset, num_slots, page_size;
 } decode_shape_t;
 
-/* h [B, hidden]: the embedded tokens, then the residual stream (updated in place); out [B,
- * hidden]: the final RMSNorm of it. weights: [num_layers][W_FIELDS] addresses (W_QKV_BIAS 0
- * where the model has none); final_norm [hidden]. pos, slots: [B]; items .. partials: the
- * step's DecodePlan. Returns 0; -1 for a shape a kernel refuses (a position outside the RoPE
- * tables, a slot outside the pool, an unsupported head or page size), -2 out of memory; on an
- * error h and the pool may be partly written (the caller fails the step, as a failed kernel
- * call does on the Python path). */
-int baton_decode_layers(const decode_shape_t *s, const int64_t *weights, const float *final_norm, float *h,
-                        float *out, int64_t B, const int64_t *pos, const int64_t *slots, const int32_t *items,
-                        int num_items, const int64_t *pages, const int32_t *row_ptr, const int32_t *row_slots,
-                        float *partials) {
+/* ids [B]: the tokens, looked up in embed [vocab, hidden] (the residual stream starts as their
+ * rows); out [B, hidden]: the final RMSNorm of the stream. weights: [num_layers][W_FIELDS]
+ * addresses (W_QKV_BIAS 0 where the model has none); final_norm [hidden]. pos, slots: [B];
+ * items .. partials: the step's DecodePlan. Returns 0; -1 for a token outside the vocabulary
+ * (nothing written) or a shape a kernel refuses (a position outside the RoPE tables, a slot
+ * outside the pool, an unsupported head or page size: each checked before that kernel writes,
+ * but a later layer's refusal leaves the earlier layers' K/V in the pool, as a failed kernel
+ * call does on the Python path; the caller fails the step), -2 out of memory. */
+int baton_decode_layers(const decode_shape_t *s, const int64_t *weights, const float *embed, int64_t vocab,
+                        const float *final_norm, const int64_t *ids, float *out, int64_t B, const int64_t *pos,
+                        const int64_t *slots, const int32_t *items, int num_items, const int64_t *pages,
+                        const int32_t *row_ptr, const int32_t *row_slots, float *partials) {
     const int64_t hidden = s->hidden, I = s->intermediate;
     const int64_t q_width = s->heads * s->head_dim, qkv_width = (s->heads + 2 * s->kv_heads) * s->head_dim;
     if (B <= 0 || hidden <= 0 || I <= 0 || q_width <= 0) return -1;
-    /* one block for the step's activations: x, qkv, q, attn, proj (also the MLP's delta), gate_up, act */
-    const int64_t sizes[] = {hidden, qkv_width, q_width, q_width, hidden, 2 * I, I};
-    float *bufs[7];
+    for (int64_t b = 0; b < B; b++)
+        if (ids[b] < 0 || ids[b] >= vocab) return -1;
+    /* one block for the step's activations: h (the residual stream), x, qkv, q, attn, proj (also
+     * the MLP's delta), gate_up, act */
+    enum { NBUF = 8 };
+    const int64_t sizes[NBUF] = {hidden, hidden, qkv_width, q_width, q_width, hidden, 2 * I, I};
+    float *bufs[NBUF];
     int64_t total = 0;
-    for (int i = 0; i < 7; i++) total += B * sizes[i];
+    for (int i = 0; i < NBUF; i++) total += B * sizes[i];
     float *block = malloc(sizeof(float) * (size_t)total);
     if (block == NULL) return -2;
     bufs[0] = block;
-    for (int i = 1; i < 7; i++) bufs[i] = bufs[i - 1] + B * sizes[i - 1];
-    float *x = bufs[0], *qkv = bufs[1], *q = bufs[2], *attn = bufs[3], *proj = bufs[4], *gu = bufs[5],
-          *act = bufs[6];
+    for (int i = 1; i < NBUF; i++) bufs[i] = bufs[i - 1] + B * sizes[i - 1];
+    float *h = bufs[0], *x = bufs[1], *qkv = bufs[2], *q = bufs[3], *attn = bufs[4], *proj = bufs[5],
+          *gu = bufs[6], *act = bufs[7];
+    for (int64_t b = 0; b < B; b++) memcpy(h + b * hidden, embed + ids[b] * hidden, sizeof(float) * (size_t)hidden);
     const float *delta = NULL;
     int rc = 0;
     for (int64_t l = 0; l < s->num_layers && rc == 0; l++) {

@@ -126,6 +126,8 @@ def test_bad_input_is_refused_before_anything_is_written(tiny_model_dir: Path) -
         model.decode_step(input_ids, positions.to(torch.int32), meta, engine.pool)
     with pytest.raises(ValueError, match="decode rows only"):
         model.decode_step(torch.cat([input_ids, input_ids]), torch.cat([positions, positions]), meta, engine.pool)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.decode_step(input_ids + model.cfg.vocab_size, positions, meta, engine.pool)
     far = positions + engine.model.rope.max_len  # outside the RoPE tables: the kernel refuses it
     with pytest.raises(ValueError, match="outside the RoPE tables"):
         model.decode_step(input_ids, far, meta, engine.pool)
