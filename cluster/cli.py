@@ -163,7 +163,8 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve HTTPS and gRPC over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--max-prefill-chunk", type=int, default=None,
-                   help="longest piece of one prompt per engine step (chunked prefill; default 512); "
+                   help="longest piece of one prompt in an engine step that also decodes (chunked prefill; "
+                        "default 512; a step without decode rows is capped by --max-batched-tokens alone); "
                         "with --max-batched-tokens at least the prompt length, prompts are not chunked")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="token budget of one engine step (default 2048)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default="auto",

@@ -70,6 +70,8 @@ class PrefillWorker:
         self, engine: Engine, epoch: int = 1, pages_per_chunk: int | None = None, limits: CodecLimits | None = None
     ) -> None:
         self.engine = engine
+        # its prompts' pages stream out piece by piece while the next piece computes
+        engine.scheduler.cfg = replace(engine.scheduler.cfg, stream_chunks=True)
         self.epoch = epoch  # fencing token: decode refuses pages from a stale epoch
         kv = engine.pool.kv  # [layers, 2, pages, ...]: one page is kv[:, :, i]
         self.pages_per_chunk = chunk_pages(kv[:, :, 0].numel() * kv.element_size(), pages_per_chunk, limits)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.request import Request, RequestStatus
@@ -56,12 +58,31 @@ def test_prefill_then_decode_allocates_pages_on_page_boundaries() -> None:
     s.pages.check_integrity()
 
 
-def test_chunked_prefill_splits_a_long_prompt() -> None:
+def test_chunked_prefill_splits_a_long_prompt_beside_decode_rows() -> None:
     s = make(max_prefill_chunk=4)
+    b = req("b", 2)
+    s.add(b)
+    assert apply(s.schedule()) == {"b": 2}  # b decodes from now on
     a = req("a", 10)
     s.add(a)
-    assert [apply(s.schedule())["a"] for _ in range(3)] == [4, 4, 2]
+    steps = [apply(s.schedule()) for _ in range(3)]
+    assert [step["a"] for step in steps] == [4, 4, 2] and all(step["b"] == 1 for step in steps)
+    assert a.output_ids == [7] and len(a.page_ids) == 3
+
+
+def test_a_step_without_decode_rows_takes_a_prompt_up_to_its_budget() -> None:
+    """max_prefill_chunk protects decode rows' inter-token latency; with none in the step, a
+    prompt's piece is capped by the step's budget alone."""
+    s = make(max_prefill_chunk=4, max_num_batched_tokens=8)
+    a = req("a", 10)
+    s.add(a)
+    assert [apply(s.schedule())["a"] for _ in range(2)] == [8, 2]
     assert a.output_ids == [7] and a.page_ids == [0, 1, 2]
+    streaming = make(max_prefill_chunk=4, max_num_batched_tokens=8)  # a prefill worker's: pages leave piece by piece
+    streaming.cfg = replace(streaming.cfg, stream_chunks=True)
+    b = req("b", 10)
+    streaming.add(b)
+    assert [apply(streaming.schedule())["b"] for _ in range(3)] == [4, 4, 2]
 
 
 def test_token_budget_is_shared_and_fcfs_within_a_class() -> None:
