@@ -66,6 +66,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
     # Structured output (at most one): any JSON object, a JSON schema (JSON text), a regex the
     # whole output matches, or a Lark grammar (llguidance's). Bounds: see the .proto.
     json_object: bool = False
@@ -210,7 +211,7 @@ def _sampling(s: Sampling) -> pb.Sampling:
     msg = pb.Sampling(
         min_tokens=s.min_tokens, top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, stop=s.stop, stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
+        ignore_eos=s.ignore_eos, logit_bias=dict(s.logit_bias),
     )
     # proto3 `optional` fields: set only when given, so absence keeps the server's default.
     for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs"):

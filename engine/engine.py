@@ -191,6 +191,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in sampling.logit_bias):
+            raise RequestError("logit_bias", f"token ids must be in [0, {vocab})")
         total = len(prompt_ids) + sampling.max_tokens
         if total > self.max_model_len:
             raise RequestError(

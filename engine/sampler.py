@@ -4,7 +4,8 @@ Per row, in vLLM / OpenAI order:
 
     raw logits ── grammar mask (constrained rows: ids the grammar refuses -> -inf)
                ─┬─> log_softmax ──────────────────────────────> logprobs
-                └─> repetition penalty (prompt + output ids)
+                └─> logit_bias (each listed id's bias added)
+                    repetition penalty (prompt + output ids)
                     presence / frequency penalties (output ids)
                     blocked ids -> -inf
                     ├─ greedy ─> argmax
@@ -106,15 +107,16 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
     """Greedy with nothing to report or reweigh: its token is the argmax, unless that argmax
     is one of its blocked ids (min_tokens holding EOS back), which __call__ checks."""
     p = row.params
-    return p.is_greedy and p.logprobs is None and not _has_penalties(p)
+    return p.is_greedy and p.logprobs is None and not _has_penalties(p) and not p.logit_bias
 
 
 def deferrable(row: SamplingRow) -> bool:
     """A row whose token the host need not see before the next step is launched: nothing about
-    it depends on earlier tokens on the host (penalties, blocked ids, a grammar's mask) and
-    nothing is reported beside it (logprobs)."""
+    it depends on earlier tokens on the host (penalties, blocked ids, a grammar's mask), nothing
+    is reported beside it (logprobs) and its logits are the raw ones (no logit_bias: the
+    deferred path samples the raw logits)."""
     p = row.params
-    return p.logprobs is None and not _has_penalties(p) and not row.blocked_ids
+    return p.logprobs is None and not _has_penalties(p) and not row.blocked_ids and not p.logit_bias
 
 
 def _splitmix64(x: int) -> int:
@@ -185,6 +187,22 @@ def _apply_penalties(work: torch.Tensor, rows: Sequence[SamplingRow], idx: list[
         delta = (freq[row] * counts + pres[row]).to(dev)
         tokens = tokens.to(dev)
         flat[tokens] = flat[tokens] - delta
+
+
+def _apply_bias(work: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
+    """Add each row's logit_bias to its logits, in place on work (contiguous [B, V]): one
+    scatter-add for all of them, its size the entries, not the vocabulary; the ids and biases
+    travel to the device without a sync (kvcache.upload)."""
+    vocab = work.shape[1]
+    flat: list[int] = []
+    values: list[float] = []
+    for i in idx:
+        for token, bias in rows[i].params.logit_bias:
+            if not 0 <= token < vocab:
+                raise ValueError(f"logit_bias: token id {token} out of range [0, {vocab})")
+            flat.append(i * vocab + token)
+            values.append(bias)
+    work.view(-1).index_add_(0, upload(flat, torch.long, work.device), upload(values, work.dtype, work.device))
 
 
 def _byte_bias() -> npt.NDArray[np.float32]:
@@ -381,12 +399,16 @@ class Sampler:
         return tokens
 
     def _processed(self, raw: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Logits after penalties and blocked ids; raw itself when no row has any."""
+        """Logits after logit_bias, penalties and blocked ids, in that order; raw itself when no
+        row has any."""
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         penalized = [i for i, r in enumerate(rows) if _has_penalties(r.params)]
         blocked = [i for i, r in enumerate(rows) if r.blocked_ids]
-        if not penalized and not blocked:
+        if not biased and not penalized and not blocked:
             return raw
         work = raw.clone(memory_format=torch.contiguous_format)
+        if biased:
+            _apply_bias(work, rows, biased)
         if penalized:
             _apply_penalties(work, rows, penalized)
         if blocked:

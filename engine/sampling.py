@@ -21,6 +21,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256  # characters
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI bounds it
+MAX_BIAS = 100.0  # |bias| at most, as OpenAI bounds it
 MAX_TOP_K = 10_000
 MAX_TEMPERATURE = 2.0
 # Token counts and token ids travel as int32 on the device; this bounds them before the
@@ -90,6 +92,24 @@ def _stop_token_ids(value: object) -> tuple[int, ...]:
     return tuple(_int("stop_token_ids", item, 0, MAX_INT32) for item in value)
 
 
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} or (id, bias) pairs -> the pairs sorted by id; OpenAI's bounds."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, tuple | list):
+        raise SamplingError("logit_bias", "must map token ids to biases")
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise SamplingError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise SamplingError("logit_bias", "must map token ids to biases")
+        token = _int("logit_bias", pair[0], 0, MAX_INT32)
+        if token in out:
+            raise SamplingError("logit_bias", f"each token id at most once; {token} appears twice")
+        out[token] = _float("logit_bias", pair[1], -MAX_BIAS, MAX_BIAS)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each token of one request (OpenAI / vLLM semantics)."""
@@ -108,6 +128,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # the sampled token's logprob plus this many alternatives
+    # (token id, bias) pairs added to the raw logits before any other step (OpenAI's logit_bias:
+    # -100 bans a token, +100 all but forces it); ids checked against the vocabulary by the engine
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # The output must match this JSON schema / regex / grammar (structured output); None: free.
     constraint: Constraint | None = None
 
@@ -135,6 +158,7 @@ class SamplingParams:
             raise SamplingError("ignore_eos", "must be true or false")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        setf(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise SamplingError("constraint", "must be a Constraint (engine.constraint)")
 

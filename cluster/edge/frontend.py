@@ -210,6 +210,8 @@ class Frontend:
             raise invalid("the prompt is empty", "prompt")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise invalid(f"token ids must be in [0, {self.vocab_size})", "prompt")
+        if any(t >= self.vocab_size for t, _ in sampling.logit_bias):
+            raise invalid(f"token ids must be in [0, {self.vocab_size})", "logit_bias")
         if n >= self.max_model_len:
             raise invalid(
                 f"the prompt has {n} tokens; the model's context is {self.max_model_len} tokens, "

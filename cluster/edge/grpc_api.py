@@ -435,6 +435,7 @@ def build_sampling(s: pb.Sampling, default_max_tokens: int) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        logit_bias=tuple(s.logit_bias.items()),
     )
 
 

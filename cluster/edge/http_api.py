@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 TIMEOUT_HEADER = "x-request-timeout"
 _DONE = b"data: [DONE]\n\n"
 _BIG_PROMPT_CHARS = 20_000  # tokenized off the event loop beyond this
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,7 +392,12 @@ def _requests(
         tenant = replace(tenant, priority=body.priority)
     reqs: list[GenerateRequest] = []
     for prompt in prompts:
-        wanted = max_tokens if max_tokens is not None else frontend.default_max_tokens(prompt)
+        if max_tokens is not None:
+            wanted = max_tokens
+        elif isinstance(body, CompletionRequest):  # the legacy endpoint's default, as OpenAI's and vLLM's
+            wanted = min(COMPLETIONS_DEFAULT_MAX_TOKENS, frontend.default_max_tokens(prompt))
+        else:  # Chat: the rest of the context
+            wanted = frontend.default_max_tokens(prompt)
         sampling = replace(_sampling(body, wanted), constraint=spec.constraint)
         for i in range(body.n):
             params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
@@ -421,6 +427,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) 
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        logit_bias=tuple((int(token), bias) for token, bias in (body.logit_bias or {}).items()),
     )
 
 

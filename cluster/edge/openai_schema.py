@@ -11,7 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_TOP_K
+from engine.sampling import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MAX_TOP_K,
+)
 
 MAX_CHOICES = 16
 MAX_PROMPT_CHARS = 4_000_000  # the body limit bounds it first; this keeps the schema honest
@@ -93,6 +101,11 @@ class _Sampling(BaseModel):
                               description="extension: the output matches this regex in full")
     grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS,
                                 description="extension: the output is derived by this Lark grammar (llguidance's)")
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS,
+        description="token id (a string, as OpenAI's) -> bias added to its logit before sampling: -100 bans it, "
+                    "100 all but forces it",
+    )  # fmt: skip
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +136,23 @@ class CompletionRequest(_Sampling):
     )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES,
+                                description="accepted only equal to n (every sample is returned); more is refused")
+    suffix: str | None = Field(default=None, max_length=0, description="refused: insertion is not supported")
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"field 'best_of' ({self.best_of}) other than n ({self.n}) is not supported: "
+                             "baton returns every sample it draws; ask for n samples with logprobs and rank them")
+        return self
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        if value not in (None, ""):
+            raise ValueError("field 'suffix' is not supported: baton completes after the prompt, it does not insert")
+        return value
 
     @field_validator("prompt")
     @classmethod

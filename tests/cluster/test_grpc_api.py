@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -175,6 +175,20 @@ async def test_complete_returns_the_whole_sequence_with_logprobs(
         assert lp.top[0][0] == token  # greedy: the sampled token is the most likely one
 
 
+async def test_logit_bias_forces_a_token_and_bans_the_greedy_ones(served: Served) -> None:
+    """Sampling.logit_bias through the Python client: +100 all but forces a token; -100 on the
+    greedy tokens bans them."""
+    prompt_ids = list(range(40, 80))
+    async with served.client() as client:
+        greedy = Sampling(max_tokens=6, temperature=0.0, ignore_eos=True)
+        free = list((await client.complete(prompt_ids, sampling=greedy)).token_ids)
+        forced = await client.complete(prompt_ids, sampling=replace(greedy, logit_bias=((4242, 100.0),)))
+        banned = replace(greedy, logit_bias=tuple((t, -100.0) for t in sorted(set(free))))
+        other = list((await client.complete(prompt_ids, sampling=banned)).token_ids)
+    assert list(forced.token_ids) == [4242] * 6
+    assert not set(other) & set(free) and len(other) == 6
+
+
 async def test_chat_messages_are_rendered_with_the_template(
     served: Served, reference: Engine
 ) -> None:
@@ -306,6 +320,9 @@ def _sampled(**fields: Any) -> pb.GenerateRequest:
         (_sampled(max_tokens=2, min_tokens=3), "min_tokens"),
         (_sampled(top_k=10**5), "top_k"),
         (_sampled(seed=2**63), "seed"),
+        (_sampled(logit_bias={5: 100.5}), "logit_bias"),
+        (_sampled(logit_bias={16_384: 1.0}), "logit_bias"),  # past the vocabulary
+        (_sampled(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
         (pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1, 10**6])), "prompt"),
         (pb.GenerateRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1] * 512)), "prompt"),
         (pb.GenerateRequest(model=MODEL), "prompt"),

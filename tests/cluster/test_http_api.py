@@ -72,10 +72,30 @@ def test_n_choices_logprobs_and_seed(server: ServerHandle) -> None:
     assert len(content) == 3 and len(content[0]["top_logprobs"]) == 3
 
 
-def test_absent_max_tokens_defaults_to_the_rest_of_the_context(server: ServerHandle) -> None:
+def test_absent_max_tokens_is_16_on_completions_and_the_rest_of_the_context_on_chat(server: ServerHandle) -> None:
+    body = {"model": MODEL, "prompt": [5, 6, 7], "ignore_eos": True, "temperature": 0}
+    assert _post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 16  # OpenAI's, vLLM's
     body = {"model": MODEL, "prompt": list(range(100, 600)), "ignore_eos": True, "temperature": 0}
     reply = _post(server, "/v1/completions", body).json()
-    assert reply["usage"]["completion_tokens"] == 12  # context 512 - 500 prompt tokens
+    assert reply["usage"]["completion_tokens"] == 12  # fewer left: context 512 - 500 prompt tokens
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+    usage = _post(server, "/v1/chat/completions", chat).json()["usage"]
+    assert usage["completion_tokens"] == 512 - usage["prompt_tokens"]
+
+
+def test_logit_bias_bans_and_forces_tokens(server: ServerHandle) -> None:
+    """OpenAI's logit_bias on both endpoints: +100 all but forces a token, -100 bans it."""
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    free = _post(server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    forced = _post(server, "/v1/completions", {**body, "logit_bias": {"4242": 100}}).json()["choices"][0]["token_ids"]
+    assert forced == [4242] * 6 and free != forced
+    banned = {str(t): -100 for t in set(free)}
+    sampled = _post(server, "/v1/completions", {**body, "temperature": 1.0, "seed": 3, "n": 4, "logit_bias": banned}).json()
+    assert all(not set(c["token_ids"]) & set(free) for c in sampled["choices"])
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "logit_bias": {"4242": 100}, "return_token_ids": True}  # fmt: skip
+    assert _post(server, "/v1/chat/completions", chat).json()["choices"][0]["token_ids"] == [4242] * 3
 
 
 # -- validation: every case a 4xx with an OpenAI-shaped body, and the server stays healthy --------
@@ -118,6 +138,16 @@ CASES: list[tuple[str, str, Any, int, str]] = [
     ("code-running field", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logits_processors": ["x.y"]},
      400, "logits_processors"),
     ("echo unsupported", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "echo": True}, 400, "echo"),
+    ("suffix unsupported", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "suffix": "end"}, 400, "suffix"),
+    ("best_of over n", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "best_of": 3}, 400, "best_of"),
+    ("logit_bias > 100", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logit_bias": {"5": 101}},
+     400, "logit_bias"),
+    ("logit_bias id >= vocab", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+     "logit_bias": {"16384": 1}}, 400, "logit_bias"),
+    ("logit_bias id not a number", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logit_bias": {"a": 1}},
+     400, "logit_bias"),
+    ("logit_bias 301 entries", "/v1/completions",
+     {"model": MODEL, "prompt": PROMPT, "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
     ("bad timeout header", "/v1/completions", {"model": MODEL, "prompt": PROMPT}, 400, "x-request-timeout"),
 ]
 

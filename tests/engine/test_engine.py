@@ -74,6 +74,7 @@ def test_invalid_requests_are_refused_before_allocation(engine: Engine) -> None:
         ([1, 2, 16_384], params, "prompt"),
         ([1, -1], params, "prompt"),
         (list(range(10, 260)), params, "max_tokens"),  # 250 + 8 > max_model_len 256
+        ([1, 2], SamplingParams(max_tokens=8, logit_bias={16_384: 5.0}), "logit_bias"),
     ]
     for prompt, p, field in cases:
         with pytest.raises(RequestError) as info:

@@ -75,6 +75,29 @@ def test_greedy_takes_the_first_maximum_and_nan_as_torch_does() -> None:
     assert Sampler(V)(strided, [row(GREEDY)] * 4).token_ids == strided.argmax(-1).tolist()
 
 
+def test_logit_bias_bans_a_token_at_temperature_one_and_forces_one_greedily() -> None:
+    logits = randn(V, seed=5)
+    logits[5] = logits.max() + 6.0  # the likeliest token by far: most draws take it
+    free = sample_many(logits, SamplingParams(temperature=1.0), 400)
+    assert free.count(5) > 300
+    banned = sample_many(logits, SamplingParams(temperature=1.0, logit_bias={5: -100}), 400)
+    assert 5 not in banned and len(set(banned)) > 5
+    forced = Sampler(V)(logits[None].contiguous(), [row(SamplingParams(temperature=0.0, logit_bias={11: 100}))])
+    assert forced.token_ids == [11]
+
+
+def test_logit_bias_is_per_row_and_logprobs_stay_the_models() -> None:
+    logits = randn(3, V, seed=6)
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    rows = [row(params), row(replace(params, logit_bias={7: 100.0})), row(params)]
+    out = Sampler(V)(logits.clone(), rows)
+    plain = logits.argmax(-1).tolist()
+    assert out.token_ids == [plain[0], 7, plain[2]]
+    expected = torch.log_softmax(logits[1], -1)[7].item()  # the raw distribution's, as vLLM v1 reports
+    assert out.logprobs[1] is not None and abs(out.logprobs[1].logprob - expected) < 1e-5
+    assert not sampler_mod.deferrable(rows[1]) and sampler_mod.deferrable(row(GREEDY))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_greedy_in_half_precision(dtype: torch.dtype) -> None:
     logits = randn(4, V).to(dtype)

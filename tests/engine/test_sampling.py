@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from engine.errors import BatonError
 from engine.sampling import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
@@ -77,6 +78,16 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("logprobs", {"logprobs": -1}),
     ("logprobs", {"logprobs": MAX_LOGPROBS + 1}),
     ("logprobs", {"logprobs": True}),
+    ("logit_bias", {"logit_bias": {1: 100.5}}),
+    ("logit_bias", {"logit_bias": {1: -101}}),
+    ("logit_bias", {"logit_bias": {1: float("nan")}}),
+    ("logit_bias", {"logit_bias": {1: True}}),
+    ("logit_bias", {"logit_bias": {-1: 1.0}}),
+    ("logit_bias", {"logit_bias": {2**31: 1.0}}),
+    ("logit_bias", {"logit_bias": {"5": 1.0}}),  # ids are numbers here (the HTTP edge parses its strings)
+    ("logit_bias", {"logit_bias": ((1, 1.0), (1, 2.0))}),
+    ("logit_bias", {"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}),
+    ("logit_bias", {"logit_bias": "5:1"}),
 ]
 
 
@@ -133,6 +144,12 @@ def test_numbers_and_sequences_are_normalised() -> None:
     assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
     assert params.stop == ("a", "b") and params.stop_token_ids == (3,)
     assert hash(params) == hash(SamplingParams(stop=("a", "b"), stop_token_ids=(3,)))
+
+
+def test_logit_bias_becomes_sorted_pairs_within_openais_bounds() -> None:
+    params = SamplingParams(logit_bias={9: -100, 3: 100.0, 5: 0.5})
+    assert params.logit_bias == ((3, 100.0), (5, 0.5), (9, -100.0))
+    assert SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}).logit_bias[-1] == (MAX_LOGIT_BIAS - 1, 1.0)
 
 
 def test_params_are_frozen() -> None:

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"j\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.baton.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xf3\x03\n\x08Sampling\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xff\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12$\n\x08sampling\x18\x04 \x01(\x0b\x32\x12.baton.v1.Sampling\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12\'\n\x08messages\x18\x06 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\x15\n\x08priority\x18\x07 \x01(\x11H\x01\x88\x01\x01\x12\x1d\n\x05tools\x18\x08 \x03(\x0b\x32\x0e.baton.v1.Tool\x12)\n\x0btool_choice\x18\t \x01(\x0e\x32\x14.baton.v1.ToolChoice\x12\x15\n\rtool_function\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_priorityB\x16\n\x14_parallel_tool_calls\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12+\n\ntool_calls\x18\x07 \x03(\x0b\x32\x17.baton.v1.ToolCallDelta\"\xe8\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12&\n\ntool_calls\x18\x07 \x03(\x0b\x32\x12.baton.v1.ToolCall\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r*l\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xd7\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08\x43omplete\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.CompleteResponse\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x62\x61ton/v1/generation.proto\x12\x08\x62\x61ton.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"j\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.baton.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xdc\x04\n\x08Sampling\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x12 \x01(\tH\x00\x12\x35\n\nlogit_bias\x18\x13 \x03(\x0b\x32!.baton.v1.Sampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xff\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12$\n\x08sampling\x18\x04 \x01(\x0b\x32\x12.baton.v1.Sampling\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12\'\n\x08messages\x18\x06 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\x15\n\x08priority\x18\x07 \x01(\x11H\x01\x88\x01\x01\x12\x1d\n\x05tools\x18\x08 \x03(\x0b\x32\x0e.baton.v1.Tool\x12)\n\x0btool_choice\x18\t \x01(\x0e\x32\x14.baton.v1.ToolChoice\x12\x15\n\rtool_function\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x0b\n\t_priorityB\x16\n\x14_parallel_tool_calls\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xed\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12+\n\ntool_calls\x18\x07 \x03(\x0b\x32\x17.baton.v1.ToolCallDelta\"\xe8\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x08logprobs\x18\x04 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12-\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x16.baton.v1.FinishReason\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12&\n\ntool_calls\x18\x07 \x03(\x0b\x32\x12.baton.v1.ToolCall\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r*l\n\nToolChoice\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x02\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xd7\x01\n\nGeneration\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12\x41\n\x08\x43omplete\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.CompleteResponse\x12\x41\n\x08Tokenize\x12\x19.baton.v1.TokenizeRequest\x1a\x1a.baton.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICE']._serialized_start=2115
-  _globals['_TOOLCHOICE']._serialized_end=2223
-  _globals['_FINISHREASON']._serialized_start=2226
-  _globals['_FINISHREASON']._serialized_end=2376
+  _globals['_SAMPLING_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_TOOLCHOICE']._serialized_start=2220
+  _globals['_TOOLCHOICE']._serialized_end=2328
+  _globals['_FINISHREASON']._serialized_start=2331
+  _globals['_FINISHREASON']._serialized_end=2481
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_CHATMESSAGE']._serialized_start=64
@@ -46,23 +48,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALLDELTA']._serialized_start=292
   _globals['_TOOLCALLDELTA']._serialized_end=367
   _globals['_SAMPLING']._serialized_start=370
-  _globals['_SAMPLING']._serialized_end=869
-  _globals['_GENERATEREQUEST']._serialized_start=872
-  _globals['_GENERATEREQUEST']._serialized_end=1255
-  _globals['_TOPLOGPROB']._serialized_start=1257
-  _globals['_TOPLOGPROB']._serialized_end=1304
-  _globals['_TOKENLOGPROB']._serialized_start=1306
-  _globals['_TOKENLOGPROB']._serialized_end=1390
-  _globals['_USAGE']._serialized_start=1392
-  _globals['_USAGE']._serialized_end=1472
-  _globals['_GENERATERESPONSE']._serialized_start=1475
-  _globals['_GENERATERESPONSE']._serialized_end=1712
-  _globals['_COMPLETERESPONSE']._serialized_start=1715
-  _globals['_COMPLETERESPONSE']._serialized_end=1947
-  _globals['_TOKENIZEREQUEST']._serialized_start=1949
-  _globals['_TOKENIZEREQUEST']._serialized_end=2051
-  _globals['_TOKENIZERESPONSE']._serialized_start=2053
-  _globals['_TOKENIZERESPONSE']._serialized_end=2113
-  _globals['_GENERATION']._serialized_start=2379
-  _globals['_GENERATION']._serialized_end=2594
+  _globals['_SAMPLING']._serialized_end=974
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=826
+  _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=874
+  _globals['_GENERATEREQUEST']._serialized_start=977
+  _globals['_GENERATEREQUEST']._serialized_end=1360
+  _globals['_TOPLOGPROB']._serialized_start=1362
+  _globals['_TOPLOGPROB']._serialized_end=1409
+  _globals['_TOKENLOGPROB']._serialized_start=1411
+  _globals['_TOKENLOGPROB']._serialized_end=1495
+  _globals['_USAGE']._serialized_start=1497
+  _globals['_USAGE']._serialized_end=1577
+  _globals['_GENERATERESPONSE']._serialized_start=1580
+  _globals['_GENERATERESPONSE']._serialized_end=1817
+  _globals['_COMPLETERESPONSE']._serialized_start=1820
+  _globals['_COMPLETERESPONSE']._serialized_end=2052
+  _globals['_TOKENIZEREQUEST']._serialized_start=2054
+  _globals['_TOKENIZEREQUEST']._serialized_end=2156
+  _globals['_TOKENIZERESPONSE']._serialized_start=2158
+  _globals['_TOKENIZERESPONSE']._serialized_end=2218
+  _globals['_GENERATION']._serialized_start=2484
+  _globals['_GENERATION']._serialized_end=2699
 # @@protoc_insertion_point(module_scope)
