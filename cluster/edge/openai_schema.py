@@ -39,6 +39,34 @@ FOREIGN_CONSTRAINTS = {
 REFUSED_FIELDS = frozenset(
     {"logits_processors", "logits_processor", "logit_processors", "processors", "custom_logits_processors"}
 )
+# Fields of OpenAI's API and of vLLM's and SGLang's extensions that baton does not implement
+# and that would change the output: refused by name unless absent, null or the value that
+# changes nothing (docs/openai_fields.md lists every field and what baton does with it).
+_OFF: dict[str, tuple[object, ...]] = {
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "functions": ([],),  # OpenAI's deprecated function calling: use tools
+    "function_call": ("none",),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "prompt_logprobs": (),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "truncate_prompt_tokens": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "continue_final_message": (False,),
+    "documents": ([],),
+    "mm_processor_kwargs": ({},),
+    "echo": (False,),  # vLLM's chat extension; on Completions echo is declared and refused the same way
+}
 
 Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
@@ -117,6 +145,11 @@ class _Sampling(BaseModel):
             foreign = sorted(FOREIGN_CONSTRAINTS.keys() & data.keys())
             if foreign:
                 raise ValueError(f"field {foreign[0]!r} is not baton's: use {FOREIGN_CONSTRAINTS[foreign[0]]}")
+            for name in sorted(_OFF.keys() & data.keys()):
+                value = data[name]
+                if value is not None and not any(value == off and type(value) is type(off) for off in _OFF[name]):
+                    raise ValueError(f"field {name!r} is not supported (it would change the output); "
+                                     f"see docs/openai_fields.md")
         return data
 
     @field_validator("stop")
