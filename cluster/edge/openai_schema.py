@@ -2,7 +2,9 @@
 
 Types are checked strictly and every field is bounded, so /openapi.json documents exactly
 what is accepted. Unknown fields are ignored, except fields that would run code on the
-server (logits processors by name), which are refused.
+server (logits processors by name) and fields of OpenAI's API or of other servers that baton
+does not implement and that would change the output (`_OFF`, other servers' constraint
+fields), which are refused by name; docs/openai_fields.md lists every field.
 """
 
 from __future__ import annotations
