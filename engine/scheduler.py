@@ -5,9 +5,10 @@ Continuous batching with a per-step token budget (vLLM v1's shape, in miniature)
 1. Running requests, highest priority first, each take what they still have to compute
    (one token when decoding, a chunk of a long prompt otherwise), capped by the budget and,
    in a step that carries decode rows, by `max_prefill_chunk` (a step without any has no
-   inter-token latency to protect: its chunks are capped by the budget alone). When the pool cannot hold their new pages, the lowest-priority,
-   most recent running request is preempted: its pages are freed and it goes back to the
-   waiting queue to be recomputed later (preemption by recompute).
+   inter-token latency to protect: its chunks are capped by the budget alone). When the pool
+   cannot hold their new pages, the lowest-priority, most recent running request is
+   preempted: its pages are freed and it goes back to the waiting queue to be recomputed
+   later (preemption by recompute).
 2. Then, if nothing was preempted this step, waiting requests are admitted while the budget,
    `max_num_seqs` and free pages allow.
 
@@ -286,8 +287,8 @@ class Scheduler:
 
     def _chunks(self, total: int, prefill: int, ranks: dict[str, Rank], chunk: int) -> tuple[dict[str, int], int]:
         """least-uncached: each running prompt's chunk this step (at most `chunk` tokens),
-        `total` prompt tokens handed out in rank order, where waiting requests that rank ahead of a running prompt are
-        served first (they are admitted after the loop over the running ones), and the step's
+        `total` prompt tokens handed out in rank order, where waiting requests that rank ahead
+        of a running prompt are served first (they are admitted after the loop over the running ones), and the step's
         prefill budget: `prefill`, or what the chunks handed out come to when they reached
         STEP_WORTH step overheads first. ({}, prefill) under fcfs (running order, each chunk
         from what is left)."""
@@ -357,8 +358,9 @@ class Scheduler:
         ranks: dict[str, Rank], in_flight: set[bytes], chunk: int,
     ) -> int:  # fmt: skip
         """Admit waiting requests while `budget` (the step's tokens left, or its prefill budget
-        when that is less) lasts, each with a first piece of at most `chunk` tokens: in rank order under least-uncached (`ranks`; the rest after
-        them by priority and arrival), else by priority and arrival. `in_flight`: the pages
+        when that is less) lasts, each with a first piece of at most `chunk` tokens: in rank
+        order under least-uncached (`ranks`; the rest after them by priority and arrival), else
+        by priority and arrival. `in_flight`: the pages
         running requests are computing (grows with each admission)."""
         admitted: set[int] = set()
         for request in self._admission_order(window, ranks):

@@ -264,8 +264,6 @@ async def _admit(
     an output constraint is compiled before the response starts (a 400 if it does not)."""
     if body.model != frontend.model_name:
         raise EdgeError(Kind.NOT_FOUND, f"model {body.model!r} does not exist", "model")
-    if isinstance(body, CompletionRequest) and body.echo:
-        raise invalid("echo is not supported", "echo")
     tenant: Tenant = request.state.tenant
     trace = _trace(request)
     trace.set(model=frontend.model_name, tenant=tenant.name, stream=body.stream, choices=body.n)

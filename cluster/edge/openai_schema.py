@@ -67,7 +67,8 @@ _OFF: dict[str, tuple[object, ...]] = {
     "continue_final_message": (False,),
     "documents": ([],),
     "mm_processor_kwargs": ({},),
-    "echo": (False,),  # vLLM's chat extension; on Completions echo is declared and refused the same way
+    "echo": (False,),  # Completions' prompt echo, and vLLM's chat extension of it
+    "suffix": ("",),  # Completions' insertion: baton completes after the prompt
 }
 
 Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -170,10 +171,8 @@ class CompletionRequest(_Sampling):
         | Annotated[list[Annotated[list[Int32], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]], Field(min_length=1, max_length=MAX_CHOICES)]
     )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES,
                                 description="accepted only equal to n (every sample is returned); more is refused")
-    suffix: str | None = Field(default=None, max_length=0, description="refused: insertion is not supported")
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
@@ -181,13 +180,6 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"field 'best_of' ({self.best_of}) other than n ({self.n}) is not supported: "
                              "baton returns every sample it draws; ask for n samples with logprobs and rank them")
         return self
-
-    @field_validator("suffix", mode="before")
-    @classmethod
-    def _no_suffix(cls, value: Any) -> Any:
-        if value not in (None, ""):
-            raise ValueError("field 'suffix' is not supported: baton completes after the prompt, it does not insert")
-        return value
 
     @field_validator("prompt")
     @classmethod

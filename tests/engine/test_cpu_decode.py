@@ -15,9 +15,9 @@ from engine.builtin import RandomModelSpec, create_model
 from engine.cpu_decode import CpuDecodeStep
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, order_decodes
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +54,7 @@ def _forward_both(engine: Engine, out: SchedulerOutput) -> tuple[torch.Tensor, t
     for step in (driver, None):
         engine.pool.kv.copy_(before)
         model.decode_step = step
-        decodes, keys = _ordered(out.scheduled)
+        decodes, keys = order_decodes(out.scheduled)
         input_ids, positions, slots = runner._flat_inputs(decodes)
         meta = runner._metadata([], decodes, slots, keys)
         hidden = model.forward(input_ids, positions, meta, engine.pool)
@@ -64,12 +64,6 @@ def _forward_both(engine: Engine, out: SchedulerOutput) -> tuple[torch.Tensor, t
     assert not torch.equal(kv1, before)  # the step wrote its tokens' K/V
     engine.pool.kv.copy_(before)
     return h1, kv1, h2, kv2
-
-
-def _ordered(scheduled: list[ScheduledRequest]) -> tuple[list[ScheduledRequest], list[int]]:
-    from engine.runner import order_decodes
-
-    return order_decodes(scheduled)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
@@ -118,7 +112,7 @@ def test_bad_input_is_refused_before_anything_is_written(tiny_model_dir: Path) -
     out = _decode_batch(engine, [[3, 4, 5] * 10])
     runner, model = engine.runner, engine.model
     assert model.decode_step is not None
-    decodes, keys = _ordered(out.scheduled)
+    decodes, keys = order_decodes(out.scheduled)
     input_ids, positions, slots = runner._flat_inputs(decodes)
     meta = runner._metadata([], decodes, slots, keys)
     before = engine.pool.kv.clone()
