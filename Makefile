@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.baton-installed
 EXTRAS ?= model,serve,bench,cluster,trace,dev
 
-.PHONY: run test setup lint typecheck unit bench clean lock
+.PHONY: run test setup lint proto-lint typecheck unit bench clean lock
 
 setup: $(STAMP)
 
@@ -27,7 +27,21 @@ typecheck: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: setup typecheck lint
+# buf (from npm, pinned with its integrity hashes in tools/buf/package-lock.json) checks
+# proto/ against buf's STANDARD lint rules (buf.yaml). Install scripts are skipped: the
+# platform's binary comes as an optional dependency (@bufbuild/buf-linux-x64, ...), which the
+# package's bin/buf finds and runs.
+BUF       := tools/buf/node_modules/.bin/buf
+BUF_STAMP := tools/buf/node_modules/.baton-installed
+
+$(BUF_STAMP): tools/buf/package.json tools/buf/package-lock.json
+	npm ci --prefix tools/buf --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $@
+
+proto-lint: $(BUF_STAMP)
+	$(BUF) lint
+
+test: setup typecheck lint proto-lint
 	$(VENV)/bin/pytest -q
 
 bench: setup
@@ -47,4 +61,4 @@ lock: setup
 		-o requirements/image-cpu.lock pyproject.toml requirements/image.in
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache tools/buf/node_modules

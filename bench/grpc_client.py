@@ -1,4 +1,4 @@
-"""The gRPC transport (bench.transport): baton's streaming `Generation.Generate` through
+"""The gRPC transport (bench.transport): baton's streaming `GenerationService.Generate` through
 cluster.client.AsyncBatonClient, timed exactly as the HTTP client times SSE chunks.
 
     GenerateResponse  token_ids=[t0]              <- TTFT

@@ -1,4 +1,4 @@
-"""A small typed Python client of the gRPC API (`baton.v1.Generation`), sync and asyncio.
+"""A small typed Python client of the gRPC API (`baton.v1.GenerationService`), sync and asyncio.
 
     with BatonClient("127.0.0.1:50051", model="baton-tiny", api_key=KEY) as client:
         for delta in client.generate("Once upon", sampling=Sampling(max_tokens=32)):
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -39,12 +39,14 @@ _FINISH_NAMES = {
     pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 _TOOL_CHOICES = {
-    "auto": pb.TOOL_CHOICE_AUTO,
+    "auto": pb.TOOL_CHOICE_UNSPECIFIED,  # unset: auto on servers from before TOOL_CHOICE_AUTO too
     "none": pb.TOOL_CHOICE_NONE,
     "required": pb.TOOL_CHOICE_REQUIRED,
     "function": pb.TOOL_CHOICE_FUNCTION,
 }
 _CONSTRAINTS = ("json_schema", "regex", "grammar")
+# Generate's request or Complete's: the same fields (proto/baton/v1/generation.proto)
+Request = TypeVar("Request", pb.GenerateRequest, pb.CompleteRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +173,13 @@ class BatonClientError(Exception):
 
 
 def build_request(
-    model: str, prompt: str | Sequence[int] | None, messages: Sequence[Message] | None,
-    sampling: Sampling | None, tools: Tools | None = None,
-) -> pb.GenerateRequest:
-    """The request message; a value protobuf cannot hold (a negative count) is INVALID_ARGUMENT."""
+    kind: type[Request], model: str, prompt: str | Sequence[int] | None,
+    messages: Sequence[Message] | None, sampling: Sampling | None, tools: Tools | None = None,
+) -> Request:
+    """The request message of `kind` (GenerateRequest or CompleteRequest); a value protobuf
+    cannot hold (a negative count) is INVALID_ARGUMENT."""
     try:
-        request = pb.GenerateRequest(model=model, sampling=_sampling(sampling or Sampling()))
+        request = kind(model=model, sampling=_sampling(sampling or Sampling()))
         if messages is not None:
             request.chat = True
             request.messages.extend(_message(m) for m in messages)
@@ -196,7 +199,7 @@ def _message(m: Message) -> pb.ChatMessage:
     return pb.ChatMessage(role=m.role, content=m.content, tool_calls=calls, tool_call_id=m.tool_call_id)
 
 
-def _tools(request: pb.GenerateRequest, tools: Tools) -> None:
+def _tools(request: pb.GenerateRequest | pb.CompleteRequest, tools: Tools) -> None:
     if tools.choice not in _TOOL_CHOICES:
         raise ValueError(f"tool choice must be one of {', '.join(_TOOL_CHOICES)}, got {tools.choice!r}")
     request.tools.extend(
@@ -314,7 +317,7 @@ class BatonClient:
             self.channel = grpc.insecure_channel(target, options=conn.options)
         else:
             self.channel = grpc.secure_channel(target, conn.credentials, options=conn.options)
-        self._stub = pb_grpc.GenerationStub(self.channel)
+        self._stub = pb_grpc.GenerationServiceStub(self.channel)
         self._metadata = conn.metadata
         self.model = model
         self.timeout_s = timeout_s
@@ -323,7 +326,7 @@ class BatonClient:
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> Generator[Delta, None, None]:
-        request = build_request(self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.GenerateRequest, self.model, prompt, messages, sampling, tools)
         call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             for msg in call:
@@ -337,7 +340,7 @@ class BatonClient:
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> Completion:
-        request = build_request(self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.CompleteRequest, self.model, prompt, messages, sampling, tools)
         try:
             return to_completion(self._stub.Complete(request, **self._call(timeout_s)))
         except grpc.RpcError as exc:
@@ -380,7 +383,7 @@ class AsyncBatonClient:
             self.channel = grpc.aio.insecure_channel(target, options=conn.options)
         else:
             self.channel = grpc.aio.secure_channel(target, conn.credentials, options=conn.options)
-        self._stub = pb_grpc.GenerationStub(self.channel)
+        self._stub = pb_grpc.GenerationServiceStub(self.channel)
         self._metadata = conn.metadata
         self.model = model
         self.timeout_s = timeout_s
@@ -390,7 +393,7 @@ class AsyncBatonClient:
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Stream deltas. Close it (contextlib.aclosing) to cancel the call when leaving early."""
-        request = build_request(self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.GenerateRequest, self.model, prompt, messages, sampling, tools)
         call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             async for msg in call:
@@ -404,7 +407,7 @@ class AsyncBatonClient:
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
     ) -> Completion:
-        request = build_request(self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.CompleteRequest, self.model, prompt, messages, sampling, tools)
         try:
             return to_completion(await self._stub.Complete(request, **self._call(timeout_s)))
         except grpc.RpcError as exc:

@@ -23,10 +23,11 @@ from collections.abc import Callable
 
 import torch
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import StepOutput
+from engine.request import NOT_CACHED, CachedTokens
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import TransferError
 from kvtransfer.jobs import AbortedIds
@@ -142,13 +143,13 @@ class DecodeWorker:
                 self._release(done)
 
     def start_prefilled(
-        self, job: Job, dest: KVDestination, first_token: int, num_cached_tokens: int = 0
+        self, job: Job, dest: KVDestination, first_token: int, cached: CachedTokens = NOT_CACHED
     ) -> None:
         done = self.book.completed.pop(dest.transfer_id, None)
         if done is None:
             raise TransferError(f"transfer {dest.transfer_id} did not complete")
         self._forget(done)
-        self.engine.add_prefilled(job, first_token, list(done.page_ids), num_cached_tokens)
+        self.engine.add_prefilled(job, first_token, list(done.page_ids), cached)
 
     def start_local(self, job: Job) -> None:
         if self.was_aborted(job.req_id):

@@ -28,7 +28,8 @@ from engine.job import Job
 from engine.loader import checkpoint_fingerprint, load_state_dict
 from engine.model import CausalLM, fused_ops_for
 from engine.outputs import ExportedKV, StepOutput, StepStats
-from engine.request import FinishReason, Request, RequestStatus
+from engine.pins import PIN_REQUEST_PREFIX, Pin, Pins, PinView
+from engine.request import NOT_CACHED, CachedTokens, FinishReason, Request, RequestStatus
 from engine.runner import PENDING, ForwardResult, InFlight, ModelRunner, RunResult
 from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, deferrable
 from engine.sampling import SamplingParams
@@ -43,6 +44,8 @@ from kvcache.radix import PrefixCache
 from kvcache.tiers import build_tiers
 
 logger = logging.getLogger(__name__)
+
+PIN_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # a pin's internal request
 
 
 def _no_fence() -> None:
@@ -115,6 +118,9 @@ class Engine:
         self._inflight: InFlight | None = None  # async scheduling: the step not read back yet
         self._arrivals = 0
         self._exported: dict[str, ExportedKV] = {}
+        # Pinned prefixes (engine.pins): at most half the pool, so requests always have room.
+        self.pins = Pins(self.prefix_cache, self.pool.pages, num_pages // 2)
+        self._pin_requests: dict[str, tuple[Pin, list[bytes]]] = {}  # computing a pin's pages
         # Operator-shared prefixes; the server may add tokenized ones after start-up.
         self.shared_prefixes: tuple[tuple[int, ...], ...] = cfg.shared_prefixes
         self.last_stats: StepStats | None = None
@@ -149,10 +155,10 @@ class Engine:
         """A validated Request for `job`; with `first_token` (sampled elsewhere under the same
         constraint), its constraint's state is advanced past that token."""
         self._validate(job.req_id, job.prompt_ids, job.sampling)
+        if not 0 <= job.num_resumed < len(job.prompt_ids):
+            raise RequestError("num_resumed", f"must be in [0, {len(job.prompt_ids)}), got {job.num_resumed}")
         request = Request(job.req_id, list(job.prompt_ids), job.sampling, job.priority, self._arrivals)
-        request.matcher = self._new_matcher(job.sampling)
-        if first_token is not None and request.matcher is not None and request.matcher.advance(first_token) is not None:
-            raise RequestError("constraint", "the first token ends or breaks the constraint; it cannot continue here")
+        request.matcher = self._new_matcher(job, first_token)
         self._arrivals += 1
         request.cache_salt = job.cache_salt.encode()
         if self.cfg.detokenize:
@@ -180,8 +186,22 @@ class Engine:
         """True when `add_request` will not compile anything (thread-safe)."""
         return sampling.constraint is None or self.structured.compiler.is_cached(sampling.constraint)
 
-    def _new_matcher(self, sampling: SamplingParams) -> GrammarMatcher | None:
-        return None if sampling.constraint is None else self.structured.new_matcher(sampling.constraint)
+    def _new_matcher(self, job: Job, first_token: int | None) -> GrammarMatcher | None:
+        """The constraint's matcher (None: unconstrained), advanced past the output the request
+        already has: what it emitted before it moved (`job.num_resumed`, the prompt's tail) and
+        a first token sampled elsewhere. Tokens the grammar refuses fail the request, not the
+        engine. Resumed tokens that complete the grammar leave EOS the only token its mask
+        allows: the request ends "stop" on its first sample."""
+        if job.sampling.constraint is None:
+            return None
+        matcher = self.structured.new_matcher(job.sampling.constraint)
+        emitted = job.prompt_ids[len(job.prompt_ids) - job.num_resumed :]
+        if matcher.resume(emitted) == FinishReason.ABORT:
+            raise RequestError("constraint", f"the output emitted before the request moved (num_resumed="
+                                             f"{len(emitted)}) breaks its constraint here; it cannot continue")  # fmt: skip
+        if first_token is not None and matcher.advance(first_token) is not None:
+            raise RequestError("constraint", "the first token ends or breaks the constraint; it cannot continue here")
+        return matcher
 
     def _validate(self, req_id: str, prompt_ids: Sequence[int], sampling: SamplingParams) -> None:
         if self.scheduler.get(req_id) is not None:
@@ -220,11 +240,16 @@ class Engine:
         (and of this one when it could not be deferred)."""
         prev, self._inflight = self._inflight, None
         try:
-            return self._step(prev)
+            outputs = self._step(prev)
         except BaseException:
             if prev is not None and not prev.resolved:
                 self._inflight = prev  # still to be read: the next step starts from it
             raise
+        if self._pin_requests:
+            outputs = self._pin_outputs(outputs)
+        if len(self.pins):
+            self._expire_pins()
+        return outputs
 
     def _step(self, prev: InFlight | None) -> list[StepOutput]:
         start = time.perf_counter()
@@ -354,7 +379,7 @@ class Engine:
             finish_reason=reason,
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=num_out,
-            num_cached_tokens=request.num_cached_tokens,
+            cached=request.cached,
         )
 
     def _check_finish(
@@ -451,13 +476,17 @@ class Engine:
         """Give back a reservation that will not be used (a failed or expired transfer)."""
         self.pool.pages.free(page_ids)
 
-    def add_prefilled(self, job: Job, first_token: int, page_ids: list[int], num_cached_tokens: int = 0) -> None:
+    def add_prefilled(self, job: Job, first_token: int, page_ids: list[int], cached: CachedTokens = NOT_CACHED) -> None:
         """Join the running batch with a prompt whose KV already fills `page_ids` (reserved
         with `reserve_pages`; ownership passes to the request) and whose first token was
-        sampled elsewhere (`num_cached_tokens`: the prefill side's reuse, for usage). The next
-        step samples the second token."""
-        request = self._request(job, first_token)
-        request.num_cached_tokens = num_cached_tokens
+        sampled elsewhere (`cached`: the prefill side's reuse, for usage: from another worker's
+        cache, since its pages were shipped here). The next step samples the second token."""
+        try:
+            request = self._request(job, first_token)
+        except BaseException:
+            self.release_pages(page_ids)  # refused: the reservation goes back
+            raise
+        request.cached = cached.moved()
         request.output_ids.append(first_token)
         request.num_computed_tokens = len(request.prompt_ids)
         request.page_ids = page_ids
@@ -466,13 +495,76 @@ class Engine:
         self.scheduler.add_running(request)
 
     def flush_cache(self) -> None:
-        """Make pages written back to disk durable (and visible); called when the engine idles."""
+        """Make pages written back to disk durable (and visible), and release pins whose TTL
+        passed; called when the engine idles."""
         if self.prefix_cache is not None and self.prefix_cache.disk is not None:
             self.prefix_cache.disk.flush()
+        if len(self.pins):
+            self._expire_pins()
 
     def purge_tenant(self, cache_salt: str) -> int:
-        """Forget every cached page of one tenant; returns how many."""
-        return self.prefix_cache.purge(cache_salt.encode()) if self.prefix_cache is not None else 0
+        """Forget every cached page of one tenant, and its pins; returns how many pages."""
+        if self.prefix_cache is None:
+            return 0
+        for pin_id in self.pins.purge(cache_salt.encode()):
+            self._drop_pin_request(pin_id)
+        return self.prefix_cache.purge(cache_salt.encode())
+
+    # -- pinned prefixes --------------------------------------------------------------------
+
+    def pin_prefix(
+        self, pin_id: str, prompt_ids: Sequence[int], cache_salt: str = "", ttl_s: float = 300.0,
+        on_done: Callable[[PinView | str], None] | None = None,
+    ) -> PinView:
+        """Keep the whole pages of a prefix resident here for `ttl_s` seconds (engine.pins):
+        held at once when cached, else computed first by an internal request. Pinning an id
+        again replaces its pin. RequestError when the prompt or the worker's bound refuses it.
+        `on_done` (called on the step thread) gets the pin once held, or why it never was."""
+        prompt = tuple(prompt_ids)
+        req_id = PIN_REQUEST_PREFIX + pin_id
+        self._validate(req_id, prompt, PIN_SAMPLING)
+        self._drop_pin_request(pin_id)
+        pin = self.pins.add(pin_id, len(prompt), len(prompt) // self.cfg.page_size, cache_salt.encode(), ttl_s)
+        if on_done is not None:
+            pin.waiters.append(on_done)
+        request = self._request(Job(req_id, prompt, PIN_SAMPLING, cache_salt=cache_salt))
+        request.num_shared_pages = self._shared_pages(request.prompt_ids)
+        hashes = self.scheduler.prefix_hashes(request, pin.num_pages)
+        if not self.pins.hold(pin, hashes):
+            self._pin_requests[req_id] = (pin, hashes)
+            self.scheduler.add(request)
+        return self.pins.view(pin)
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        """Release a pin (its pages stay cached, unpinned); False if there was none."""
+        self._drop_pin_request(pin_id)
+        return self.pins.release(pin_id) is not None
+
+
+    def _pin_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """Take the pins' internal requests out of a step's outputs; hold a pin's pages once
+        its request has computed them."""
+        kept = []
+        for out in outputs:
+            computing = self._pin_requests.get(out.req_id)
+            if computing is None:
+                kept.append(out)
+            elif out.finished:
+                del self._pin_requests[out.req_id]
+                pin, hashes = computing
+                if not self.pins.hold(pin, hashes):
+                    logger.warning("pin %s: its pages were not all cached after computing them", pin.pin_id)
+                    self.pins.release(pin.pin_id, "its pages were not all cached after computing them")
+        return kept
+
+    def _drop_pin_request(self, pin_id: str) -> None:
+        req_id = PIN_REQUEST_PREFIX + pin_id
+        if self._pin_requests.pop(req_id, None) is not None:
+            self.abort(req_id)
+
+    def _expire_pins(self) -> None:
+        for pin in self.pins.expire():
+            self._drop_pin_request(pin.pin_id)
 
     def check_integrity(self) -> None:
         """Every page reference is accounted for: requests' pages plus the cache's."""
@@ -488,6 +580,8 @@ class Engine:
             self.prefix_cache.check_integrity()
             for page_id in self.prefix_cache.cached_page_ids():
                 expected[page_id] += 1
+        for page_id in self.pins.held_page_ids():
+            expected[page_id] += 1
         for page_id, count in enumerate(expected):
             if pages.refcount(page_id) != count:
                 raise AssertionError(f"page {page_id}: refcount {pages.refcount(page_id)}, holders {count}")
@@ -495,4 +589,4 @@ class Engine:
     def free_pages_at_idle(self) -> int:
         """Pages that are free or only cached (reusable on demand) when nothing runs."""
         cached = self.prefix_cache.num_cached_pages if self.prefix_cache is not None else 0
-        return self.pool.pages.num_free + cached
+        return self.pool.pages.num_free + max(0, cached - self.pins.num_held_pages)  # pinned: not reusable

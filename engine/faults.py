@@ -5,6 +5,8 @@ engine raises InjectedFault the next `times` times it is reached.
     faults.arm("forward", times=1)         PermissionError unless BATON_FAULT_INJECTION=1 in
                                            this process's environment (off in production: a
                                            worker started without it refuses every arm)
+    faults.arm("forward", after=5)         it passes 5 times first: the engine's 6th forward
+                                           fails (a fault mid-stream that no timing can miss)
     faults.hit("forward")                  in the engine, where the fault belongs: raises when
                                            armed, costs one dict lookup when not
 
@@ -39,17 +41,20 @@ def require_injection() -> None:
 
 class FaultPoints:
     def __init__(self) -> None:
-        self._armed: dict[str, int] = {}
+        self._armed: dict[str, tuple[int, int]] = {}  # point -> (passes left first, failures left)
         self._lock = threading.Lock()  # arm() comes from an actor call, hit() from the step thread
 
-    def arm(self, point: str, times: int = 1) -> None:
+    def arm(self, point: str, times: int = 1, after: int = 0) -> None:
+        """`point` fails its next `times` passes, once `after` passes have gone through."""
         require_injection()
         if point not in POINTS:
             raise ValueError(f"unknown fault point {point!r}; known: {sorted(POINTS)}")
         if not 1 <= times <= 1000:
             raise ValueError("times must be in 1..1000")
+        if not 0 <= after <= 100_000:
+            raise ValueError("after must be in 0..100000")
         with self._lock:
-            self._armed[point] = times
+            self._armed[point] = (after, times)
 
     def clear(self) -> None:
         with self._lock:
@@ -65,11 +70,14 @@ class FaultPoints:
         if not self._armed:
             return False
         with self._lock:
-            left = self._armed.get(point, 0)
+            passes, left = self._armed.get(point, (0, 0))
+            if passes:
+                self._armed[point] = (passes - 1, left)
+                return False
             if not left:
                 return False
             if left == 1:
                 del self._armed[point]
             else:
-                self._armed[point] = left - 1
+                self._armed[point] = (0, left - 1)
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
+from kvcache.hashing import tenant_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,4 +17,15 @@ class Job:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     priority: int = 0
-    cache_salt: str = ""  # the tenant's: prefix pages are shared only under the same salt
+    # Prefix pages are shared only under the same salt: the tenant's name, then, when the
+    # request gave one, SALT_SEPARATOR and its own cache_salt (kvcache.hashing.cache_salt).
+    cache_salt: str = ""
+    session: str = ""  # the request's session key: placement keeps a session where its pages are
+    # A request that moved (its decode worker was lost): the prompt's last num_resumed tokens
+    # are output it already emitted, and its constraint's grammar resumes after them.
+    num_resumed: int = 0
+
+    @property
+    def tenant(self) -> str:
+        """The tenant the salt belongs to (fairness, purges), without a request's own salt."""
+        return tenant_of(self.cache_salt)

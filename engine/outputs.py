@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import FinishReason
+from engine.request import CachedTokens, FinishReason
 from engine.sampler import TokenLogprobs
 
 
@@ -21,11 +21,15 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int  # so far, including token_ids
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    cached: CachedTokens  # prompt tokens served from the prefix cache, by tier
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cached.total
 
 
 @dataclass(frozen=True, slots=True)

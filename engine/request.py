@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.sampling import SamplingParams
 
@@ -38,6 +38,28 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort")[self]
 
 
+class CachedTokens(NamedTuple):
+    """Where a request's reused prompt tokens were found (usage): the tier of the cache that
+    held each page when the request was admitted, and how many of them another worker held
+    (a prefill worker's cache, its pages then shipped to the decode worker that streams)."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    remote: int = 0  # of the three, tokens reused from another worker's cache
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk
+
+    def moved(self) -> CachedTokens:
+        """The same reuse, as seen by the worker the pages were shipped to."""
+        return self._replace(remote=self.total)
+
+
+NOT_CACHED = CachedTokens()
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     req_id: str
@@ -54,7 +76,7 @@ class Request:
     num_shared_pages: int = 0  # leading pages inside an operator-shared prefix (no salt)
     page_hashes: list[bytes] = field(default_factory=list)  # of full pages, filled as needed
     num_committed_pages: int = 0  # leading pages already offered to the prefix cache
-    num_cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    cached: CachedTokens = NOT_CACHED  # prompt tokens reused from the cache at first admission
     # Prompt tokens the engine had computed when this request arrived: its age in work done
     # (engine.scheduler's least-uncached order ages requests by it, deterministically).
     work_mark: int = 0
@@ -65,6 +87,10 @@ class Request:
     # Async scheduling: the request's last token is in flight and ends it whatever it is
     # (max_tokens, the context): the scheduler leaves it out until the engine reads it.
     finishing: bool = False
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cached.total
 
     @property
     def num_tokens(self) -> int:

@@ -56,7 +56,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.request import Request, RequestStatus
+from engine.request import NOT_CACHED, CachedTokens, Request, RequestStatus
 from engine.step_cost import StepCostModel, StepShape, StepWorth
 from kvcache.hashing import ROOT_HASH, page_hashes
 from kvcache.pool import PagePool
@@ -378,8 +378,8 @@ class Scheduler:
                 break  # in order within priority: do not let a later-ranked request jump ahead
             admitted.add(id(request))
             if self.cache is not None and request.num_preemptions == 0:
-                request.num_cached_tokens = hit
-                self.cache.record_query(len(request.prompt_ids), hit)
+                request.cached = hit
+                self.cache.record_query(len(request.prompt_ids), hit.total)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             scheduled.append(ScheduledRequest(request, num_new))
@@ -444,18 +444,20 @@ class Scheduler:
 
     # -- the prefix cache -------------------------------------------------------------------
 
-    def _reuse_prefix(self, request: Request) -> int:
-        """Take the cached pages of the request's longest cached prefix; tokens reused."""
+    def _reuse_prefix(self, request: Request) -> CachedTokens:
+        """Take the cached pages of the request's longest cached prefix; tokens reused, by the
+        tier each page was found in."""
         if self.cache is None:
-            return 0
+            return NOT_CACHED
         ps = self.cfg.page_size
         max_pages = (request.num_tokens - 1) // ps  # at least one token must be computed
         self._ensure_hashes(request, max_pages)
-        shared = self.cache.match(request.page_hashes, max_pages)
+        by_tier = [0, 0, 0]
+        shared = self.cache.match(request.page_hashes, max_pages, by_tier)
         request.page_ids = shared
         request.num_computed_tokens = len(shared) * ps
         request.num_committed_pages = len(shared)
-        return request.num_computed_tokens
+        return CachedTokens(*(n * ps for n in by_tier))
 
     def commit(self, request: Request) -> None:
         """Offer the request's newly completed pages to the cache (after each step)."""
@@ -468,6 +470,11 @@ class Scheduler:
                 request.page_hashes[:full], request.page_ids[:full], request.num_committed_pages, request.cache_salt
             )
             request.num_committed_pages = full
+
+    def prefix_hashes(self, request: Request, num_pages: int) -> list[bytes]:
+        """The hashes of the request's first `num_pages` full pages (as its cached pages get them)."""
+        self._ensure_hashes(request, num_pages)
+        return request.page_hashes[:num_pages]
 
     def _ensure_hashes(self, request: Request, num_pages: int) -> None:
         have = len(request.page_hashes)

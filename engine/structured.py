@@ -12,7 +12,10 @@ A matcher's state is a function of the request's output tokens alone, and it adv
 when a token is appended to `output_ids`, so preemption (recompute keeps the outputs) and
 prefix-cache hits (they only change where KV comes from) leave it right. The prefill/decode
 hand-off samples the first token under the mask on the prefill side; the decode side builds
-a fresh matcher and advances it by that token (Engine.add_prefilled).
+a fresh matcher and advances it by that token (Engine.add_prefilled). A request that moved
+(its decode worker was lost) arrives with the tokens it already emitted at the end of its
+prompt (Job.num_resumed): both sides advance the fresh matcher over them first
+(GrammarMatcher.resume), so the mask goes on where the lost worker's stopped.
 
 The library: llguidance (pinned llguidance==1.9.1). Measured on baton-tiny's tokenizer
 (16,384-token byte-level BPE), this machine's 2 cores, three schemas (2-property object;
@@ -150,6 +153,17 @@ class GrammarMatcher:
             logger.warning("constrained decoding failed: %s", self.ll.get_error()[:_MAX_MESSAGE])
             return FinishReason.ABORT
         return FinishReason.STOP if self.ll.is_stopped() else None
+
+    def resume(self, tokens: Sequence[int]) -> FinishReason | None:
+        """Consume output the request already has, generated elsewhere under the same grammar
+        (a migrated request's): what `advance` says of the last token, or ABORT at the first
+        one the grammar refuses. STOP leaves the matcher where only EOS can follow."""
+        reason: FinishReason | None = None
+        for token in tokens:
+            reason = self.advance(token)
+            if reason == FinishReason.ABORT:
+                break
+        return reason
 
 
 class _Compiled(NamedTuple):

@@ -6,6 +6,10 @@ Chaining makes a page's hash stand for its whole prefix, so two requests share p
 every token before it is the same too. The tenant salt keeps one tenant's pages invisible to
 another in every tier (and in the cluster index, which only ever sees hashes). Only full pages
 are hashed: a partial last page is always recomputed.
+
+A request may add a salt of its own (`cache_salt`, as vLLM's): the salt is then the tenant's
+name, SALT_SEPARATOR and the request's salt, so only the tenant's requests with the same salt
+share those pages, and purging the tenant still finds them (`is_tenants`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,23 @@ import numpy as np
 
 HASH_BYTES = 16
 ROOT_HASH = bytes(HASH_BYTES)
+# Between a tenant's name and a request's own salt. Tenant names never hold it: they are
+# whitespace-free words, and str.split() counts the unit separator as whitespace.
+SALT_SEPARATOR = "\x1f"
+
+
+def cache_salt(tenant: str, request_salt: str | None) -> str:
+    """The salt of a request's pages: its tenant's, narrowed by its own salt when it gave one."""
+    return tenant if request_salt is None else f"{tenant}{SALT_SEPARATOR}{request_salt}"
+
+
+def tenant_of(salt: str) -> str:
+    return salt.partition(SALT_SEPARATOR)[0]
+
+
+def is_tenants(salt: bytes, tenant: bytes) -> bool:
+    """Whether pages of `salt` belong to `tenant` (its own salt or one a request narrowed)."""
+    return salt == tenant or salt.startswith(tenant + SALT_SEPARATOR.encode())
 
 
 def page_hash(parent: bytes, token_ids: Sequence[int], salt: bytes, fingerprint: bytes) -> bytes:

@@ -33,6 +33,7 @@ import torch
 
 from kvcache.disk import DiskTier
 from kvcache.events import EventKind, KVEvent, Tier
+from kvcache.hashing import is_tenants
 from kvcache.host import HostTier
 from kvcache.pool import DevicePool, PagePool
 
@@ -128,9 +129,10 @@ class PrefixCache:
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def match(self, hashes: Sequence[bytes], max_pages: int) -> list[int]:
+    def match(self, hashes: Sequence[bytes], max_pages: int, by_tier: list[int] | None = None) -> list[int]:
         """Reuse the longest cached prefix (at most `max_pages` pages), promoting lower-tier
-        pages to the device. The caller gets its own reference on each returned page."""
+        pages to the device. The caller gets its own reference on each returned page.
+        `by_tier` (indexed by Tier) counts the returned pages by the tier each was found in."""
         self._clock += 1
         path: list[tuple[bytes, Node | None]] = []  # the cached prefix, in order
         expired_before = time.monotonic() - self.ttl_s if self.ttl_s is not None else None
@@ -168,6 +170,8 @@ class PrefixCache:
             self._candidate(node)
             self.pages.share([node.page_id])
             self.stats.hit_pages_by_tier[tier] += 1
+            if by_tier is not None:
+                by_tier[tier] += 1
             found.append(node.page_id)
             parent = node
         if loads:
@@ -265,11 +269,12 @@ class PrefixCache:
     def purge(self, salt: bytes) -> int:
         """Forget every page of one tenant in the tree (a request using one keeps its own
         reference until it ends). A tenant's pages form whole subtrees, since the salt is in
-        every page hash of its requests. Returns how many pages were forgotten."""
-        doomed = [n for n in self._nodes.values() if n.salt == salt]
+        every page hash of its requests; pages its requests salted further (their own
+        cache_salt) are the tenant's too. Returns how many pages were forgotten."""
+        doomed = [n for n in self._nodes.values() if is_tenants(n.salt, salt)]
         for node in doomed:
             self._forget(node)
-        on_disk = [h for h, s in self._disk_salts.items() if s == salt]
+        on_disk = [h for h, s in self._disk_salts.items() if is_tenants(s, salt)]
         for page_hash in on_disk:
             del self._disk_salts[page_hash]
             if self.disk is not None:

@@ -1,4 +1,5 @@
-"""The page codec: a chunk of KV pages <-> a `baton.v1.PageChunkHeader` + raw bytes (framed on the wire).
+"""The page codec: a chunk of KV pages <-> a `baton.kv.v1.PushRequest` (a PageChunkHeader and
+the raw payload), whose protobuf encoding `frame` and `unframe` write and read by hand.
 
 A chunk carries `n = len(dest_page_ids)` pages of one shape and dtype, stacked and laid out
 C order, little-endian (bfloat16 travels through a same-width integer view, as numpy has no
@@ -10,8 +11,7 @@ The checksum is XXH3-64 (xxhash) over the header (serialized deterministically w
 = 0) continued over the payload, so a corrupted shape, dtype, page id or token is rejected like a
 corrupted byte. Decoding trusts nothing from the wire: every count and length is bounded by
 `CodecLimits` and checked against the others before the payload is read, and the payload is
-only ever reinterpreted as an array of the header's dtype (never unpickled).
-"""
+only ever reinterpreted as an array of the header's dtype (never unpickled)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 import xxhash
 from google.protobuf.message import DecodeError
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 
 MAX_NDIM = 8
 MAX_ID_CHARS = 128
@@ -119,26 +119,78 @@ class DeviceChunk:
 
 
 MAX_HEADER_BYTES = 64 << 10  # a header is small: ids, a token, hashes and a shape
+# A frame is a PushRequest exactly as protobuf encodes it, so any protobuf reader (reflection,
+# grpcurl) decodes it, while the payload never passes through the protobuf library:
+#
+#     0x0a varint(len(header)) header | 0x12 varint(len(payload)) payload
+#     field 1 (header), length-delimited  field 2 (payload), length-delimited
+HEADER_FIELD = pb.PushRequest.DESCRIPTOR.fields_by_name["header"].number
+PAYLOAD_FIELD = pb.PushRequest.DESCRIPTOR.fields_by_name["payload"].number
+_LENGTH_DELIMITED = 2  # protobuf's wire type of messages and bytes
+_MAX_VARINT_BYTES = 10  # a 64-bit varint
+
+
+def field_prefix(number: int, size: int) -> bytes:
+    """What precedes a length-delimited field of `size` bytes: its key (field number, wire
+    type) and its length, both varints."""
+    return _varint(number << 3 | _LENGTH_DELIMITED) + _varint(size)
 
 
 def frame(chunk: WireChunk) -> bytes:
-    """[u32 LE header length][header][payload]: the one copy of the payload on the way out."""
+    """The chunk as PushRequest bytes: the one copy of the payload on the way out."""
     head = chunk.header.SerializeToString()
-    return b"".join((len(head).to_bytes(4, "little"), head, chunk.payload))
+    size = memoryview(chunk.payload).nbytes
+    return b"".join((field_prefix(HEADER_FIELD, len(head)), head,
+                     field_prefix(PAYLOAD_FIELD, size), chunk.payload))  # fmt: skip
 
 
 def unframe(data: bytes) -> WireChunk:
-    """The inverse of `frame`, without copying the payload; TransferError if malformed."""
-    if len(data) < 4:
-        raise TransferError("short frame")
-    size = int.from_bytes(data[:4], "little")
-    if size > MAX_HEADER_BYTES or size > len(data) - 4:
+    """The inverse of `frame`, without copying the payload; TransferError if malformed.
+
+    Only what `frame` writes is read: the header field, then the payload field, then nothing
+    (protobuf leaves an empty payload out: a frame may end after its header). Another field,
+    a repeated one, the two out of order or a length past the end is refused."""
+    start = _after_key(data, 0, HEADER_FIELD)
+    size, start = _read_varint(data, start)
+    if size > MAX_HEADER_BYTES or size > len(data) - start:
         raise TransferError("header length out of bounds")
+    end = start + size
     try:
-        header = pb.PageChunkHeader.FromString(data[4 : 4 + size])
+        header = pb.PageChunkHeader.FromString(data[start:end])
     except DecodeError:
         raise TransferError("malformed header") from None
-    return WireChunk(header, memoryview(data)[4 + size :])
+    if end == len(data):
+        return WireChunk(header, b"")
+    size, start = _read_varint(data, _after_key(data, end, PAYLOAD_FIELD))
+    if size != len(data) - start:
+        raise TransferError("payload length out of bounds")
+    return WireChunk(header, memoryview(data)[start:])
+
+
+def _after_key(data: bytes, pos: int, number: int) -> int:
+    """Past the key at data[pos], which must be field `number`'s (one byte: fields 1 and 2)."""
+    if pos >= len(data) or data[pos] != number << 3 | _LENGTH_DELIMITED:
+        raise TransferError("malformed frame")
+    return pos + 1
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at data[pos:] and the position after it; TransferError if it does not end."""
+    value = 0
+    for i, byte in enumerate(data[pos : pos + _MAX_VARINT_BYTES]):
+        value |= (byte & 0x7F) << (7 * i)
+        if byte < 0x80:
+            return value, pos + i + 1
+    raise TransferError("malformed frame")
 
 
 def damaged(chunk: WireChunk) -> WireChunk:

@@ -1,9 +1,10 @@
-"""The gRPC transport: `baton.v1.KVTransfer.Push` (client streaming) on grpc.aio.
+"""The gRPC transport: `baton.kv.v1.KVTransferService.Push` (client streaming) on grpc.aio.
 
 The decode worker serves Push in front of its KVReceiver; the prefill worker streams a
-transfer's chunks with the transfer's deadline as the call's timeout. When the deadline passes
-mid-stream, grpc cancels both sides: the client gets DEADLINE_EXCEEDED (a failed PushResult)
-and the server's handler is cancelled, which releases the reservation (transport.receive_push).
+transfer's chunks, each one PushRequest message (kvtransfer.codec.frame), with the transfer's
+deadline as the call's timeout. When the deadline passes mid-stream, grpc cancels both sides:
+the client gets DEADLINE_EXCEEDED (a failed PushResult) and the server's handler is cancelled,
+which releases the reservation (transport.receive_push).
 Message limits are raised to fit one multi-MiB chunk and nothing larger.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import CodecLimits, WireChunk, frame, unframe
 from kvtransfer.tls import KVTls
 from kvtransfer.transport import (
@@ -26,7 +27,8 @@ from kvtransfer.transport import (
     receive_push,
 )
 
-SERVICE = "baton.v1.KVTransfer"
+# baton.kv.v1.KVTransferService: Push here, PushShm (kvtransfer.shm), PushNccl (.nccl_link)
+SERVICE = pb.DESCRIPTOR.services_by_name["KVTransferService"].full_name
 PUSH = f"/{SERVICE}/Push"
 _HEADER_ROOM = 1 << 20  # headroom over the payload bound for the header and framing
 RECEIVE_AHEAD = 2  # chunks a push's receiver reads before it stores them (transport.read_ahead)
@@ -91,12 +93,12 @@ async def start_kv_server(
     extra_handlers: Sequence[grpc.GenericRpcHandler] = (),
     tls: KVTls | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """A started server hosting KVTransfer.Push for `receiver`, and the port it bound;
-    `extra_handlers` add methods next to it (KVTransfer.PushShm: kvtransfer.shm.shm_handler);
+    """A started server hosting KVTransferService.Push for `receiver`, and the port it bound;
+    `extra_handlers` add methods next to it (KVTransferService.PushShm: kvtransfer.shm.shm_handler);
     with `tls`, only clients holding the deployment's certificate connect (kvtransfer.tls)."""
     limits = limits or CodecLimits()
 
-    async def push(request_iterator: AsyncIterator[WireChunk], context: object) -> pb.PushAck:
+    async def push(request_iterator: AsyncIterator[WireChunk], context: object) -> pb.PushResponse:
         chunks = read_ahead(request_iterator, RECEIVE_AHEAD)  # the next chunks arrive while this one is stored
         try:
             return await receive_push(receiver, chunks, limits)
@@ -106,7 +108,7 @@ async def start_kv_server(
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {"Push": grpc.stream_unary_rpc_method_handler(
-            push, request_deserializer=_unframe_or_poison, response_serializer=pb.PushAck.SerializeToString
+            push, request_deserializer=_unframe_or_poison, response_serializer=pb.PushResponse.SerializeToString
         )},
     )  # fmt: skip
     server = grpc.aio.server(options=_message_options(limits))
@@ -135,12 +137,12 @@ class GrpcSender:
 
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
         push = self._channels.get(dest.address).stream_unary(
-            PUSH, request_serializer=None, response_deserializer=pb.PushAck.FromString
+            PUSH, request_serializer=None, response_deserializer=pb.PushResponse.FromString
         )
         # framed one chunk ahead: grpc asks for a message only once the one before is written
         call = push(read_ahead(_framed(chunks)), timeout=deadline_s)
         try:
-            ack: pb.PushAck = await call
+            ack: pb.PushResponse = await call
         except grpc.aio.AioRpcError as err:
             return failed_call(err.code())
         finally:

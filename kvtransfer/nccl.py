@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import (
     DTYPES,
     CodecLimits,

@@ -1,5 +1,6 @@
 """The nccl transport between two workers: a communicator per (prefill, decode) pair, opened
-when the pair is routed, and KVTransfer/PushNccl for the headers (docs/architecture.md, KV transfer).
+when the pair is routed, and KVTransferService/PushNccl for the headers (docs/architecture.md,
+KV transfer).
 
     rendezvous  the launcher asks the decode worker to listen (NcclEndpoint.listen): it names a
                 channel, makes a unique id (NCCL's; a gloo rendezvous between CPU pools) and
@@ -33,7 +34,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import MAX_HEADER_BYTES, CodecLimits, DeviceChunk, TransferError
 from kvtransfer.grpc_transport import SERVICE, Channels, failed_call
 from kvtransfer.nccl import (
@@ -142,29 +143,33 @@ def nccl_handler(
     limits: CodecLimits | None = None,
     stream_timeout_s: float = STREAM_TIMEOUT_S,
 ) -> grpc.GenericRpcHandler:
-    """KVTransfer.PushNccl for `receiver` over `endpoint`'s channels, for start_kv_server's
+    """KVTransferService.PushNccl for `receiver` over `endpoint`'s channels, for start_kv_server's
     extra_handlers."""
     staging = NcclReceiver(receiver, endpoint.device, limits)
 
-    async def push_nccl(requests: AsyncIterator[pb.NcclChunk | None], context: Any) -> None:
+    async def push_nccl(requests: AsyncIterator[pb.PushNcclRequest | None], context: Any) -> None:
         left = context.time_remaining()
         async with asyncio.timeout(min(left, stream_timeout_s) if left is not None else stream_timeout_s):
             ack = await _receive(staging, endpoint, requests, context)
-            await context.write(pb.NcclReply(ack=ack))
+            await context.write(pb.PushNcclResponse(ack=ack))
             # Hold the call open until the sender half-closes: once a call has ended, the
             # client's read() no longer returns a reply it had not read yet (the ack).
             async for _ in requests:
                 pass
 
     method = grpc.stream_stream_rpc_method_handler(
-        push_nccl, request_deserializer=_parse_or_none, response_serializer=pb.NcclReply.SerializeToString
+        push_nccl, request_deserializer=_parse_or_none,
+        response_serializer=pb.PushNcclResponse.SerializeToString,
     )
     return grpc.method_handlers_generic_handler(SERVICE, {"PushNccl": method})
 
 
 async def _receive(
-    staging: NcclReceiver, endpoint: NcclEndpoint, requests: AsyncIterator[pb.NcclChunk | None], context: Any
-) -> pb.PushAck:
+    staging: NcclReceiver,
+    endpoint: NcclEndpoint,
+    requests: AsyncIterator[pb.PushNcclRequest | None],
+    context: Any,
+) -> pb.PushResponse:
     receiver, state = staging.receiver, PushState()
 
     async def body() -> None:
@@ -189,7 +194,7 @@ async def _receive(
                 state.transfer_id = header.transfer_id
                 posted = link.channel.post([], [buf])  # before the sender hears go
                 try:
-                    await context.write(pb.NcclReply(go=True))
+                    await context.write(pb.PushNcclResponse(go=True))
                 except BaseException:  # the recv waits for a send that will not come
                     link.channel.abort()
                     raise
@@ -206,11 +211,11 @@ def _left(context: Any) -> float:
     return STREAM_TIMEOUT_S if left is None else max(0.0, left)
 
 
-def _parse_or_none(data: bytes) -> pb.NcclChunk | None:
+def _parse_or_none(data: bytes) -> pb.PushNcclRequest | None:
     if len(data) > MAX_HEADER_BYTES + 64:  # a header and a channel name
         return None
     try:
-        return pb.NcclChunk.FromString(data)
+        return pb.PushNcclRequest.FromString(data)
     except DecodeError:
         return None
 
@@ -240,7 +245,8 @@ class NcclSender:
             return PushResult(False, 0, "no nccl channel to that worker")
         link = self._links[dest.address]
         call = self._headers.get(dest.address).stream_stream(
-            PUSH_NCCL, request_serializer=pb.NcclChunk.SerializeToString, response_deserializer=pb.NcclReply.FromString
+            PUSH_NCCL, request_serializer=pb.PushNcclRequest.SerializeToString,
+            response_deserializer=pb.PushNcclResponse.FromString,
         )(timeout=deadline_s)
         try:
             async with asyncio.timeout(deadline_s):
@@ -259,7 +265,9 @@ class NcclSender:
             call.cancel()  # a no-op once done; ends the receiver's wait on any other exit
         return PushResult(ack.accepted, ack.pages_received, ack.error)
 
-    async def _push(self, link: _Link, call: Any, chunks: Chunks, deadline_s: float) -> pb.PushAck:
+    async def _push(
+        self, link: _Link, call: Any, chunks: Chunks, deadline_s: float
+    ) -> pb.PushResponse:
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline_s
         sent_last = False
@@ -267,10 +275,10 @@ class NcclSender:
             if not isinstance(chunk, DeviceChunk):
                 raise TransferError("an nccl push takes device chunks")
             async with link.lock:
-                await call.write(pb.NcclChunk(header=chunk.header, channel=link.name))
+                await call.write(pb.PushNcclRequest(header=chunk.header, channel=link.name))
                 reply = await _reply(call)
                 if reply.HasField("ack"):  # refused: nothing was posted for it
-                    return cast(pb.PushAck, reply.ack)
+                    return cast(pb.PushResponse, reply.ack)
                 if not reply.go:
                     raise TransferError("no go from the receiver")
                 await link.channel.exchange([chunk.block], [], max(0.0, end - loop.time()))
@@ -290,8 +298,8 @@ class NcclSender:
         self._links.clear()
 
 
-async def _reply(call: Any) -> pb.NcclReply:
+async def _reply(call: Any) -> pb.PushNcclResponse:
     reply = await call.read()
     if reply is grpc.aio.EOF:
         raise TransferError("nccl stream ended without an ack")
-    return cast(pb.NcclReply, reply)
+    return cast(pb.PushNcclResponse, reply)

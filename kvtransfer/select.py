@@ -33,7 +33,7 @@ class WorkerPlace:
     pid: int  # the worker's process on that node
     is_cuda: bool = False  # its KV pages live on a CUDA device
     has_nccl: bool = False  # CuPy with NCCL is usable there
-    has_shm: bool = False  # it serves KVTransfer.PushShm from an shm region (decode side)
+    has_shm: bool = False  # it serves KVTransferService.PushShm from an shm region (decode side)
     host: str = ""  # the node's address (Ray's node IP): what /status shows
     pod: str = ""  # the Kubernetes pod it runs in (POD_NAME, from the downward API); "" elsewhere
 

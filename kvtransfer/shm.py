@@ -4,31 +4,31 @@ The decode worker owns one staging region: a file under /dev/shm (mode 0600, unl
 close) cut into fixed slots. Its name, baton-kv-<pid namespace>-<pid>-<random>, says which
 process owns it, so a region whose owner died without closing it (SIGKILL, OOM) is unlinked by
 the next region made in the same pid namespace (`sweep_orphans`): a restarted decode worker
-removes its predecessor's. A transfer is one `/baton.v1.KVTransfer/PushShm`
+removes its predecessor's. A transfer is one `/baton.kv.v1.KVTransferService/PushShm`
 call (bidirectional streaming) on the worker's existing KV server:
 
     decode:  region = ShmRegion(num_slots, slot_bytes)
              start_kv_server(receiver, extra_handlers=[shm_handler(receiver, region)])
     prefill: ShmSender.send(dest, chunks, deadline_s)
-      sender -> ShmChunk(header)                             the open: the transfer's id,
-                                                             token, request and epoch, no
-                                                             pages (within OPEN_TIMEOUT_S)
-      server:   receiver.accept(header)                      a wrong token, epoch or request,
-                                                             or no open: ShmReply(ack=refused)
-                                                             and no slot is ever granted
-      server -> ShmReply(region, slot_bytes, free_offsets)   up to slots_per_stream slots,
-                                                             waiting while the region is full
-      sender:   payload -> a granted slot                    one memcpy from the page tensor
-      sender -> ShmChunk(header, offset, length)             the header still holds token,
-                                                             epoch and checksum
-      server:   receive_push over the slot's bytes           bounds, checksum over what is
-                                                             in shm, token, epoch, store
-      server -> ShmReply(free_offsets=[offset])              the slot may be rewritten
+      sender -> PushShmRequest(header)                             the open: the transfer's id,
+                                                                   token, request and epoch, no
+                                                                   pages (within OPEN_TIMEOUT_S)
+      server:   receiver.accept(header)                            a wrong token, epoch or request,
+                                                                   or no open: PushShmResponse(ack=
+                                                                   refused) and no slot is granted
+      server -> PushShmResponse(region, slot_bytes, free_offsets)  up to slots_per_stream slots,
+                                                                   waiting while the region is full
+      sender:   payload -> a granted slot                          one memcpy from the page tensor
+      sender -> PushShmRequest(header, offset, length)             the header still holds token,
+                                                                   epoch and checksum
+      server:   receive_push over the slot's bytes                 bounds, checksum over what is
+                                                                   in shm, token, epoch, store
+      server -> PushShmResponse(free_offsets=[offset])             the slot may be rewritten
       ...
-      server -> ShmReply(ack)                                then waits for the half-close
+      server -> PushShmResponse(ack)                               then waits for the half-close
 
-    region:  | slot 0 | slot 1 | ... | slot n-1 |            each slot_bytes long; a stream
-             0        slot_bytes                             names only slots granted to it
+    region:  | slot 0 | slot 1 | ... | slot n-1 |                  each slot_bytes long; a stream
+             0        slot_bytes                                   names only slots granted to it
 
 Every check of the gRPC path applies (transport.receive_push). Slots go only to a stream that
 proved its transfer's token first, so connections without one hold nothing. A slot referenced by a stream
@@ -52,7 +52,7 @@ from typing import Any, cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import MAX_HEADER_BYTES, CodecLimits, TransferError, WireChunk
 from kvtransfer.grpc_transport import SERVICE, Channels, failed_call
 from kvtransfer.tls import KVTls
@@ -226,22 +226,22 @@ def shm_handler(
     slots_per_stream: int = 2,
     stream_timeout_s: float = 60.0,
 ) -> grpc.GenericRpcHandler:
-    """KVTransfer.PushShm for `receiver` through `region`, for start_kv_server's
+    """KVTransferService.PushShm for `receiver` through `region`, for start_kv_server's
     extra_handlers. `stream_timeout_s` bounds a call whose client set no deadline."""
     if slots_per_stream <= 0:
         raise ValueError("a stream needs at least one slot")
     limits = limits or CodecLimits()
 
-    async def push_shm(requests: AsyncIterator[pb.ShmChunk | None], context: Any) -> None:
+    async def push_shm(requests: AsyncIterator[pb.PushShmRequest | None], context: Any) -> None:
         async with asyncio.timeout(stream_timeout_s):
             requests = aiter(requests)
             refusal = await _open(requests, receiver)
             if refusal is not None:  # no token, no slots
-                await context.write(pb.ShmReply(ack=pb.PushAck(error=refusal)))
+                await context.write(pb.PushShmResponse(ack=pb.PushResponse(error=refusal)))
                 return
             granted = await region.acquire(slots_per_stream)
             try:
-                await context.write(pb.ShmReply(
+                await context.write(pb.PushShmResponse(
                     region=region.name, region_bytes=region.size, slot_bytes=region.slot_bytes,
                     free_offsets=granted,
                 ))  # fmt: skip
@@ -250,7 +250,7 @@ def shm_handler(
                     ack = await receive_push(receiver, chunks, limits)
                 finally:
                     await chunks.aclose()
-                await context.write(pb.ShmReply(ack=ack))
+                await context.write(pb.PushShmResponse(ack=ack))
                 # Hold the call open until the sender half-closes: once a call has ended, the
                 # client's read() no longer returns a reply it had not read yet (the ack).
                 async for _ in requests:
@@ -261,12 +261,14 @@ def shm_handler(
     method = grpc.stream_stream_rpc_method_handler(
         push_shm,
         request_deserializer=_parse_or_none,
-        response_serializer=pb.ShmReply.SerializeToString,
+        response_serializer=pb.PushShmResponse.SerializeToString,
     )
     return grpc.method_handlers_generic_handler(SERVICE, {"PushShm": method})
 
 
-async def _open(requests: AsyncIterator[pb.ShmChunk | None], receiver: KVReceiver) -> str | None:
+async def _open(
+    requests: AsyncIterator[pb.PushShmRequest | None], receiver: KVReceiver
+) -> str | None:
     """Read the stream's open (its first message: a header without pages) and check its token,
     epoch and request -> None, or why the stream gets no slots."""
     try:
@@ -282,18 +284,18 @@ async def _open(requests: AsyncIterator[pb.ShmChunk | None], receiver: KVReceive
     return None
 
 
-def _parse_or_none(data: bytes) -> pb.ShmChunk | None:
+def _parse_or_none(data: bytes) -> pb.PushShmRequest | None:
     # like grpc_transport's poison chunk: a malformed message fails in receive_push, with a reason
     if len(data) > MAX_HEADER_BYTES + 64:  # a header, an offset and a length
         return None
     try:
-        return pb.ShmChunk.FromString(data)
+        return pb.PushShmRequest.FromString(data)
     except DecodeError:
         return None
 
 
 async def _from_region(
-    requests: AsyncIterator[pb.ShmChunk | None],
+    requests: AsyncIterator[pb.PushShmRequest | None],
     region: ShmRegion,
     granted: frozenset[int],
     context: Any,
@@ -306,7 +308,7 @@ async def _from_region(
         if msg.offset not in granted or msg.length != msg.header.payload_bytes:
             raise TransferError("payload outside this stream's shm slots")
         yield WireChunk(msg.header, region.view(msg.offset, msg.length))
-        await context.write(pb.ShmReply(free_offsets=[msg.offset]))
+        await context.write(pb.PushShmResponse(free_offsets=[msg.offset]))
 
 
 class ShmSender:
@@ -322,8 +324,8 @@ class ShmSender:
     async def send(self, dest: KVDestination, chunks: Chunks, deadline_s: float) -> PushResult:
         channel = self._channels.get(dest.address)
         call = channel.stream_stream(
-            PUSH_SHM, request_serializer=pb.ShmChunk.SerializeToString,
-            response_deserializer=pb.ShmReply.FromString,
+            PUSH_SHM, request_serializer=pb.PushShmRequest.SerializeToString,
+            response_deserializer=pb.PushShmResponse.FromString,
         )(timeout=deadline_s)  # fmt: skip
         try:
             async with asyncio.timeout(deadline_s):  # making the chunks counts too, not just grpc
@@ -342,15 +344,15 @@ class ShmSender:
             call.cancel()  # a no-op once done; ends the server's wait on any other exit
         return PushResult(ack.accepted, ack.pages_received, ack.error)
 
-    async def _push(self, dest: KVDestination, call: Any, chunks: Chunks) -> pb.PushAck:
+    async def _push(self, dest: KVDestination, call: Any, chunks: Chunks) -> pb.PushResponse:
         opening = pb.PageChunkHeader(req_id=dest.req_id, transfer_id=dest.transfer_id, transfer_token=dest.token,
                                      sender_epoch=dest.epoch)  # fmt: skip
-        await call.write(pb.ShmChunk(header=opening))  # the token first: slots come after it
+        await call.write(pb.PushShmRequest(header=opening))  # the token first: slots come after it
         grant = await call.read()
         if grant is grpc.aio.EOF:
             raise TransferError("no shm grant")
         if grant.HasField("ack"):  # refused at the open
-            return cast(pb.PushAck, grant.ack)
+            return cast(pb.PushResponse, grant.ack)
         address = dest.address
         target = self._attach(address, grant)
         free, sent_last = deque(grant.free_offsets), False
@@ -367,7 +369,8 @@ class ShmSender:
             if offset % grant.slot_bytes or offset + payload.nbytes > grant.region_bytes:
                 raise TransferError("shm grant outside the region")
             target[offset : offset + payload.nbytes] = payload
-            await call.write(pb.ShmChunk(header=chunk.header, offset=offset, length=payload.nbytes))
+            msg = pb.PushShmRequest(header=chunk.header, offset=offset, length=payload.nbytes)
+            await call.write(msg)
             sent_last = chunk.header.is_last
         if not sent_last:  # the receiver waits for a last chunk until the stream ends
             await call.done_writing()
@@ -375,7 +378,7 @@ class ShmSender:
             pass  # credits for the last slots
         return reply.ack
 
-    def _attach(self, address: str, grant: pb.ShmReply) -> mmap.mmap:
+    def _attach(self, address: str, grant: pb.PushShmResponse) -> mmap.mmap:
         known = self._maps.get(address)
         if known is not None and known[0] == grant.region:
             return known[1]
@@ -402,8 +405,8 @@ class ShmSender:
         self._maps.clear()
 
 
-async def _reply(call: Any) -> pb.ShmReply:
+async def _reply(call: Any) -> pb.PushShmResponse:
     reply = await call.read()
     if reply is grpc.aio.EOF:
         raise TransferError("shm stream ended without an ack")
-    return cast(pb.ShmReply, reply)
+    return cast(pb.PushShmResponse, reply)

@@ -37,7 +37,7 @@ from typing import NamedTuple, Protocol, TypeVar, cast
 
 import torch
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvcache.pool import DevicePool
 from kvcache.upload import upload
 from kvtransfer.codec import (
@@ -275,7 +275,9 @@ class PushState:
             raise TransferError("one stream carries one transfer")
 
 
-async def settle_push(receiver: KVReceiver, state: PushState, body: Awaitable[None], name: str = "push") -> pb.PushAck:
+async def settle_push(
+    receiver: KVReceiver, state: PushState, body: Awaitable[None], name: str = "push"
+) -> pb.PushResponse:
     """Run a push stream's `body` (which advances `state`) and make its ack: accepted when the
     reservation is complete; a TransferError, an early end, the sender gone or the deadline
     passed release the reservation once its token was proven."""
@@ -285,12 +287,16 @@ async def settle_push(receiver: KVReceiver, state: PushState, body: Awaitable[No
             raise TransferError("empty stream")
         if not receiver.is_complete(state.transfer_id):
             raise TransferError("stream ended before every page arrived")
-        return pb.PushAck(transfer_id=state.transfer_id, accepted=True, pages_received=state.done)
+        return pb.PushResponse(
+            transfer_id=state.transfer_id, accepted=True, pages_received=state.done
+        )
     except TransferError as err:
         if state.transfer_id:
             receiver.abort(state.transfer_id)
         logger.info("%s %s failed: %s", name, state.transfer_id or "?", err.reason)
-        return pb.PushAck(transfer_id=state.transfer_id, pages_received=state.done, error=err.reason)
+        return pb.PushResponse(
+            transfer_id=state.transfer_id, pages_received=state.done, error=err.reason
+        )
     except (asyncio.CancelledError, Exception):
         if state.transfer_id:  # the sender went away or its deadline passed mid-stream
             receiver.abort(state.transfer_id)
@@ -299,7 +305,7 @@ async def settle_push(receiver: KVReceiver, state: PushState, body: Awaitable[No
 
 async def receive_push(
     receiver: KVReceiver, chunks: AsyncIterator[WireChunk], limits: CodecLimits
-) -> pb.PushAck:
+) -> pb.PushResponse:
     """Apply one Push stream to `receiver`; the ack a transport returns to the sender."""
     state = PushState()
 

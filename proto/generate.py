@@ -4,11 +4,13 @@
     .venv/bin/python proto/generate.py --out DIR  # write DIR/batonpb/ (the freshness test)
 
 protoc runs with `-I proto`, so descriptors keep their wire-contract names
-(`baton/v1/generation.proto`, package `baton.v1`) and reflection shows those. The Python
-modules live one level deeper, in the `batonpb` package (no top-level package may be named
-`proto`, docs/architecture.md, Layers), so the generated `from baton.v1 import ...` lines are rewritten
-to `from batonpb.baton.v1 import ...`. Output depends only on the .proto files and the
-pinned grpcio-tools / mypy-protobuf versions, so a rerun is byte-identical.
+(`baton/v1/generation.proto`, package `baton.v1`; `baton/kv/v1/kvtransfer.proto`, package
+`baton.kv.v1`) and reflection shows those. The Python modules live one level deeper, in the
+`batonpb` package (no top-level package may be named `proto`, docs/architecture.md, Layers), so
+the generated `from baton.<package> import ...` lines are rewritten to
+`from batonpb.baton.<package> import ...`. Output depends only on the .proto files and the
+pinned grpcio-tools / mypy-protobuf versions, so a rerun is byte-identical. buf lints the
+.proto files (`make proto-lint`, buf.yaml).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 PROTO_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PROTO_ROOT.parent
 PACKAGE = "batonpb"
-# `from baton.v1 import x` / `import baton.v1.x`, at the start of a line of generated code.
+# `from baton.v1 import x` / `import baton.kv.v1.x`, at the start of a line of generated code.
 _IMPORT = re.compile(r"^(from|import) (baton\.)", re.MULTILINE)
 _INIT = '"""Generated protobuf / gRPC stubs (proto/generate.py); do not edit."""\n'
 

@@ -26,6 +26,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from cluster.edge.admission import Admission, AdmissionConfig, Ticket
+from cluster.edge.pins import (
+    PIN_ID,
+    PIN_WAIT_S,
+    PinBook,
+    PinRecord,
+    PinsPrefixes,
+    worker_pin_id,
+)
 from cluster.edge.tenants import Tenant, TenantLimits
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.ops.metrics import EdgeMetrics
@@ -38,9 +46,11 @@ from engine.constraint import ConstraintError
 from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import StepOutput, StepStats
+from engine.pins import pin_on, unpin_on
 from engine.sampling import SamplingParams
 from engine.structured import GrammarCompiler, StructuredConfig
 from engine.tokenizer import Tokenizer
+from kvcache.hashing import cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +128,33 @@ class Scaling(Protocol):
     async def scale(self, targets: Mapping[str, int]) -> dict[str, Any]: ...
 
 
+MAX_HINT_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHints:
+    """A request's say in how its pages are reused, on both APIs.
+
+    cache_salt: an extra salt in its page hashes (vLLM's field): only the tenant's requests
+        with the same salt share its pages, so a tenant can keep some requests out of each
+        other's reuse. Pages of an operator-shared prefix stay shared.
+    session: a conversation's key (gRPC `session_id`, HTTP `prompt_cache_key`): placement
+        prefers the worker that served the session last, where its pages are, while the cost
+        model may still move it from an overloaded one."""
+
+    cache_salt: str | None = None
+    session: str | None = None
+    field_names: tuple[str, str] = ("cache_salt", "session_id")  # as the edge calls them (errors)
+
+    def check(self) -> None:
+        for value, name in zip((self.cache_salt, self.session), self.field_names, strict=True):
+            if value is not None and not 1 <= len(value) <= MAX_HINT_CHARS:  # an edge reads "" as absent
+                raise invalid(f"{name}: at most {MAX_HINT_CHARS} characters, got {len(value)}", name)
+
+
+NO_HINTS = CacheHints()
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     job: Job  # what the engine side gets, whole: its req_id the server's, never the client's
@@ -154,6 +191,7 @@ class Frontend:
         self.scaling: Scaling | None = None  # set on Ray: `baton scale` (POST /admin/scale)
         self.started_at = time.time()
         self._compiler: GrammarCompiler | None = None  # the gateway's, when the engines are elsewhere
+        self.pins = PinBook()  # prefixes pinned through this gateway (cluster.edge.pins)
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -173,6 +211,7 @@ class Frontend:
             "gateway": {"waiting": adm.num_waiting, "inflight": adm.num_inflight,
                         "requests": self.metrics.outcomes()},
             "nodes": [n.to_json() for n in nodes],
+            "pins": [r.to_json(time.time()) for r in self.pins.records()],
             "pairs": [asdict(p) for p in self.engine.pairs.views()] if isinstance(self.engine, ReportsPairs) else [],
         }  # fmt: skip
 
@@ -201,10 +240,12 @@ class Frontend:
         tenant: Tenant,
         deadline: float | None,
         req_id: str | None = None,
+        hints: CacheHints = NO_HINTS,
     ) -> GenerateRequest:
         """Check a tokenized prompt, and its max_tokens, against the model: the request as one
         value from here on. `req_id`: the one the edge minted with its trace (else a new one;
-        never the client's)."""
+        never the client's). `hints`: the request's own cache salt and session key, if any."""
+        hints.check()
         n = len(prompt_ids)
         if n == 0:
             raise invalid("the prompt is empty", "prompt")
@@ -225,7 +266,11 @@ class Frontend:
                 f"context of {self.max_model_len} tokens",
                 "max_tokens",
             )
-        job = Job(req_id or uuid.uuid4().hex, tuple(prompt_ids), sampling, tenant.priority, cache_salt=tenant.name)
+        # Both hints are scoped to the key's tenant: a salt only narrows the tenant's own reuse,
+        # and one tenant's session key never names (or moves) another's session.
+        session = cache_salt(tenant.name, hints.session) if hints.session else ""
+        job = Job(req_id or uuid.uuid4().hex, tuple(prompt_ids), sampling, tenant.priority,
+                  cache_salt=cache_salt(tenant.name, hints.cache_salt), session=session)  # fmt: skip
         return GenerateRequest(job, tenant, deadline)
 
     async def prepare_constraint(self, sampling: SamplingParams, field: str | None) -> None:
@@ -257,6 +302,41 @@ class Frontend:
             raise EdgeError(
                 Kind.RESOURCE_EXHAUSTED, f"rate limit of tenant {req.tenant.name!r} exceeded", None, wait
             )
+
+    # -- pinned prefixes --------------------------------------------------------------------
+
+    async def pin(self, tenant: str, pin_id: str, prompt_ids: list[int], ttl_s: float, role: str = "") -> PinRecord:
+        """Keep `prompt_ids`' whole pages resident for `tenant`'s requests on every worker of
+        `role` for `ttl_s` seconds (cluster.edge.pins); pinning the same id again replaces it."""
+        self.pins.check(tenant, pin_id, len(prompt_ids), ttl_s, role)
+        if not 1 <= len(prompt_ids) < self.max_model_len:
+            raise invalid(f"the prefix must have 1 to {self.max_model_len - 1} tokens", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise invalid(f"token ids must be in [0, {self.vocab_size})", "prompt")
+        key, prompt = worker_pin_id(tenant, pin_id), tuple(prompt_ids)
+        if isinstance(self.engine, AsyncEngine):  # colocated: one engine does both roles
+            answers = [await pin_on(self.engine, _ENGINE_NODE, key, prompt, tenant, ttl_s, PIN_WAIT_S)]
+        elif isinstance(self.engine, PinsPrefixes):
+            answers = await self.engine.pin_prefix(role, key, prompt, tenant, ttl_s, PIN_WAIT_S)
+        else:
+            raise EdgeError(Kind.ABORTED, "this gateway's workers cannot pin prefixes")
+        if not answers:
+            raise EdgeError(Kind.UNAVAILABLE, f"no {role or 'serving'} worker is up to pin the prefix", None, 1.0)
+        refused = [a for _, a in answers if isinstance(a, str)]
+        if len(refused) == len(answers):
+            raise invalid(f"no worker pinned it: {refused[0]}", "prompt")
+        return self.pins.record(tenant, pin_id, role, len(prompt_ids), ttl_s, answers)
+
+    async def unpin(self, tenant: str, pin_id: str) -> bool:
+        """Release a pin on every worker; False when no worker had it."""
+        if not PIN_ID.match(pin_id):
+            raise invalid("pin_id: 1 to 64 of [A-Za-z0-9_.-]", "pin_id")
+        key, released = worker_pin_id(tenant, pin_id), 0
+        if isinstance(self.engine, AsyncEngine):
+            released = int(await unpin_on(self.engine, key))
+        elif isinstance(self.engine, PinsPrefixes):
+            released = await self.engine.unpin_prefix(key)
+        return self.pins.forget(tenant, pin_id) or released > 0
 
     # -- the stream -------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The gRPC API: `baton.v1.Generation` (proto/baton/v1/generation.proto) on grpc.aio.
+"""The gRPC API: `baton.v1.GenerationService` (proto/baton/v1/generation.proto) on grpc.aio.
 
 One call, the same internal path as the HTTP API (cluster/edge/frontend.py):
 
@@ -24,6 +24,12 @@ span before anything is checked; its parent is the `traceparent` metadata the cl
 
 Health (`grpc.health.v1`, SERVING while the step loop is live and the frontend not draining)
 and reflection are registered on the same server and need no key.
+
+The service's name before issue 24, `baton.v1.Generation`, is still served by the same handlers
+for the clients built on it (LEGACY_SERVICE_NAME: deprecated, not in reflection, no health
+status). Its Complete sent a GenerateRequest, and the new one a CompleteRequest: the two are
+wire-identical (the proto keeps their fields the same), so Complete parses either as a
+GenerateRequest and one handler serves Generate and Complete alike.
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ from engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "baton.v1.Generation"
+_SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"]
+SERVICE_NAME = _SERVICE.full_name  # "baton.v1.GenerationService"
+LEGACY_SERVICE_NAME = f"{pb.DESCRIPTOR.package}.Generation"  # deprecated: the module docstring
 MAX_MODEL_NAME_CHARS = 256
 MAX_PROMPT_CHARS = 4_000_000  # as the HTTP API; the message size limit bounds it first
 MAX_MESSAGES = 2048
@@ -104,7 +112,8 @@ class GrpcConfig:
 
 
 def create_grpc_server(frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> grpc.aio.Server:
-    """A server with Generation, health and reflection bound to cfg's address (not started)."""
+    """A server with GenerationService (and its legacy name), health and reflection bound to
+    cfg's address (not started)."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
         ("grpc.max_send_message_length", cfg.max_send_message_bytes),
@@ -112,7 +121,7 @@ def create_grpc_server(frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> gr
         # take half the connections instead of failing to start.
         ("grpc.so_reuseport", 0),
     ])
-    _add_generation(GenerationService(frontend, keys, cfg), server)
+    _add_generation(frontend, keys, cfg, server)
     health_pb2_grpc.add_HealthServicer_to_server(LiveHealth(frontend, ("", SERVICE_NAME)), server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME)
@@ -145,8 +154,22 @@ def _tolerant(message: Any) -> Callable[[bytes], Any]:
     return parse
 
 
-def _add_generation(service: GenerationService, server: grpc.aio.Server) -> None:
-    """The generated add_GenerationServicer_to_server, with tolerant request parsing."""
+def _add_generation(
+    frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig, server: grpc.aio.Server
+) -> None:
+    """The generated add_GenerationServiceServicer_to_server, with tolerant request parsing,
+    and the same methods under LEGACY_SERVICE_NAME (a trace names the path that was called)."""
+    current = _handlers(GenerationService(frontend, keys, cfg, SERVICE_NAME))
+    legacy = _handlers(GenerationService(frontend, keys, cfg, LEGACY_SERVICE_NAME))
+    server.add_generic_rpc_handlers((
+        grpc.method_handlers_generic_handler(SERVICE_NAME, current),
+        grpc.method_handlers_generic_handler(LEGACY_SERVICE_NAME, legacy),
+    ))  # fmt: skip
+    server.add_registered_method_handlers(SERVICE_NAME, current)
+
+
+def _handlers(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:
+    # Complete's CompleteRequest is parsed as the GenerateRequest it is identical to on the wire
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             service.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
@@ -158,9 +181,8 @@ def _add_generation(service: GenerationService, server: grpc.aio.Server) -> None
             service.Tokenize, request_deserializer=_tolerant(pb.TokenizeRequest),
             response_serializer=pb.TokenizeResponse.SerializeToString),
     }  # fmt: skip
-    assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    assert set(handlers) == set(_SERVICE.methods_by_name)
+    return handlers
 
 
 def _check_parsed(request: object) -> None:
@@ -168,11 +190,14 @@ def _check_parsed(request: object) -> None:
         raise invalid("the request is not a valid protobuf message of this method's type", None)
 
 
-class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> None:
+class GenerationService(pb_grpc.GenerationServiceServicer):
+    def __init__(
+        self, frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig, name: str = SERVICE_NAME
+    ) -> None:
         self.frontend = frontend
         self.keys = keys
         self.cfg = cfg
+        self.name = name  # the service name it is served under (a trace's route)
 
     # grpc.aio accepts a coroutine that writes with context.write for a streaming method; the
     # generated stub types only the iterator form (see the module docstring for why).
@@ -182,7 +207,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         with self._trace("Generate", context) as trace:
             await _guarded(context, self._generate(request, context, trace), trace)
 
-    async def Complete(
+    async def Complete(  # type: ignore[override]  # its CompleteRequest, parsed as a GenerateRequest
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> pb.CompleteResponse:
         with self._trace("Complete", context) as trace:
@@ -251,7 +276,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         tracing = self.frontend.tracing
         if not tracing.is_enabled:  # off: the metadata is not even read
             return NO_TRACE
-        return tracing.request("grpc", f"/{SERVICE_NAME}/{method}", context.invocation_metadata() or ())
+        return tracing.request("grpc", f"/{self.name}/{method}", context.invocation_metadata() or ())
 
     async def _open(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace

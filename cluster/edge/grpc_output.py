@@ -29,6 +29,7 @@ from engine.constraint import Constraint
 MAX_ID_CHARS = 256
 _NAME = re.compile(NAME_PATTERN)
 _CHOICES = {
+    pb.TOOL_CHOICE_UNSPECIFIED: ToolChoice.AUTO,  # unset: also the auto of clients before issue 24
     pb.TOOL_CHOICE_AUTO: ToolChoice.AUTO,
     pb.TOOL_CHOICE_NONE: ToolChoice.NONE,
     pb.TOOL_CHOICE_REQUIRED: ToolChoice.REQUIRED,

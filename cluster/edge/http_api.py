@@ -36,7 +36,7 @@ from starlette.requests import ClientDisconnect
 from cluster.edge.admin import add_admin_routes
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
-from cluster.edge.frontend import Frontend, GenerateRequest
+from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest
 from cluster.edge.guard import EdgeGuard
 from cluster.edge.openai_output import output_spec, template_messages
 from cluster.edge.openai_render import ChoiceState, Renderer, error_body, sse
@@ -388,6 +388,7 @@ def _requests(
         max_tokens = body.max_completion_tokens
     if cfg.allow_priority_field and body.priority is not None:
         tenant = replace(tenant, priority=body.priority)
+    hints = CacheHints(body.cache_salt or None, body.prompt_cache_key or None, ("cache_salt", "prompt_cache_key"))
     reqs: list[GenerateRequest] = []
     for prompt in prompts:
         if max_tokens is not None:
@@ -400,7 +401,7 @@ def _requests(
         for i in range(body.n):
             params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
             req_id = None if reqs else first_req_id  # the trace's, for the call's first request
-            reqs.append(frontend.prepare(prompt, params, tenant, deadline, req_id))
+            reqs.append(frontend.prepare(prompt, params, tenant, deadline, req_id, hints))
     return reqs
 
 

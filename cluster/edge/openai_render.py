@@ -16,6 +16,7 @@ from typing import Any
 from cluster.edge.tool_calls import Parsed, ToolCallParser, ToolUse, finish_reason
 from cluster.errors import EdgeError
 from engine.outputs import StepOutput
+from engine.request import NOT_CACHED, CachedTokens
 from engine.sampler import TokenLogprobs
 
 TokenText = Callable[[int], str]
@@ -46,7 +47,7 @@ class ChoiceState:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached: CachedTokens = NOT_CACHED
     completion_tokens: int = 0
 
     def add(self, out: StepOutput) -> None:
@@ -54,7 +55,7 @@ class ChoiceState:
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         self.prompt_tokens = out.num_prompt_tokens
-        self.cached_tokens = out.num_cached_tokens
+        self.cached = out.cached
         self.completion_tokens = out.num_output_tokens
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.openai_name
@@ -64,13 +65,20 @@ def usage(choices: Sequence[ChoiceState], prompts: int) -> dict[str, Any]:
     # Each prompt counts once even when n > 1 fans it out (as OpenAI reports it).
     per_prompt = len(choices) // max(prompts, 1)
     prompt_tokens = sum(c.prompt_tokens for c in choices[::per_prompt]) if choices else 0
-    cached = sum(c.cached_tokens for c in choices[::per_prompt]) if choices else 0
+    cached = [sum(tokens) for tokens in zip(*(c.cached for c in choices[::per_prompt]), strict=True)]
+    device, host, disk, remote = cached or NOT_CACHED
     completion = sum(c.completion_tokens for c in choices)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        # OpenAI's cached_tokens, then baton's: the tier each cached page was found in, and how
+        # many of those tokens another worker's cache held (a prefill worker's, shipped here).
+        "prompt_tokens_details": {
+            "cached_tokens": device + host + disk,
+            "cached_tokens_by_tier": {"device": device, "host": host, "disk": disk},
+            "cached_tokens_remote": remote,
+        },
     }
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.edge.frontend import MAX_HINT_CHARS
 from engine.sampling import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
@@ -127,6 +128,12 @@ class _Sampling(BaseModel):
     user: str | None = Field(default=None, max_length=256)
     priority: int | None = Field(default=None, ge=-100, le=100, description="operator-enabled extension")
     return_token_ids: bool = Field(default=False, description="add each choice's token ids (vLLM's extension)")
+    cache_salt: str | None = Field(default=None, max_length=MAX_HINT_CHARS,
+                                   description="vLLM's extension: only requests with the same salt (and tenant) "
+                                               "share this request's cached pages")
+    prompt_cache_key: str | None = Field(default=None, max_length=MAX_HINT_CHARS,
+                                         description="the conversation's key: placement keeps its requests on the "
+                                                     "worker holding its pages (gRPC's session_id)")
     response_format: ResponseFormat | None = None
     regex: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS,
                               description="extension: the output matches this regex in full")

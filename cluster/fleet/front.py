@@ -21,7 +21,8 @@ draining -- are the Fleet's (cluster.fleet.fleet).
     decode-local prefill. A re-run's first token is the one already sent (greedy, or seeded:
     an unseeded sampled request gets a seed here, so a re-run draws the same stream), so it is
     not sent twice. Cancellation aborts the request on every worker it touched. A decode worker
-    lost mid-stream: the request moves to another pair with the tokens it emitted (generate).
+    lost mid-stream: the request moves to another pair with the tokens it emitted, a
+    constraint's grammar resumed after them (generate).
 
 `ray` is imported after cluster.fleet.ray_runtime (which sets Ray's environment first).
 """
@@ -52,6 +53,7 @@ from cluster.placement.pair_health import PairHealth, PairRoute
 from cluster.placement.policy import Placement, PlacementConfig, PlacementKind, Placer
 from engine.job import Job
 from engine.outputs import StepOutput, StepStats
+from engine.pins import PinAnswer
 from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
 from kvtransfer.jobs import TransferReport
@@ -60,6 +62,8 @@ from kvtransfer.transport import KVDestination
 import ray  # isort: skip
 
 logger = logging.getLogger(__name__)
+
+PIN_CALL_S = 10.0  # a worker's answer to a pin call, past the wait for its pages it was given
 
 
 class RayFront:
@@ -114,12 +118,46 @@ class RayFront:
     async def stop(self) -> None:
         await self.fleet.stop()
 
+    # -- pinned prefixes (cluster.edge.pins) ----------------------------------------------------
+
+    async def pin_prefix(
+        self, role: str, pin_id: str, prompt_ids: tuple[int, ...], cache_salt: str, ttl_s: float, wait_s: float
+    ) -> list[PinAnswer]:
+        """Pin on every live worker of `role` ("": the prefill workers, or the decode workers
+        when there are none): each one's answer (a worker that fails to answer says why)."""
+        prefills: list[PrefillHandle | DecodeHandle] = [p for p in self.fleet.prefills if p.is_alive]
+        use_decode = role == "decode" or (role == "" and not prefills)
+        targets = [d for d in self.fleet.decodes if d.is_alive] if use_decode else prefills
+
+        async def one(handle: PrefillHandle | DecodeHandle) -> PinAnswer:
+            try:
+                call = handle.actor.pin_prefix.remote(pin_id, prompt_ids, cache_salt, ttl_s, wait_s)
+                return handle.name, await asyncio.wait_for(ray_await(call), wait_s + PIN_CALL_S)
+            except Exception as exc:  # noqa: BLE001 -- one worker's failure is its answer, not the call's
+                return handle.name, f"the worker did not answer: {type(exc).__name__}"
+
+        return list(await asyncio.gather(*(one(h) for h in targets)))
+
+    async def unpin_prefix(self, pin_id: str) -> int:
+        """Release a pin on every live worker (of both roles); how many had it."""
+        handles: list[PrefillHandle | DecodeHandle] = [*self.fleet.prefills, *self.fleet.decodes]
+
+        async def one(handle: PrefillHandle | DecodeHandle) -> bool:
+            try:
+                return bool(await asyncio.wait_for(ray_await(handle.actor.unpin_prefix.remote(pin_id)), PIN_CALL_S))
+            except Exception:  # noqa: BLE001 -- a dead worker holds nothing; the TTL ends it anyway
+                return False
+
+        return sum(await asyncio.gather(*(one(h) for h in handles if h.is_alive)))
+
     # -- one request ----------------------------------------------------------------------------
 
     async def generate(self, job: Job) -> AsyncIterator[StepOutput]:
         """The request's outputs. When its decode worker is lost mid-stream, the request moves:
         prompt + the tokens already emitted go to a healthy pair as a new attempt (at most
-        cfg.max_migrations times), and the stream goes on with no gap and no repeat. With no
+        cfg.max_migrations times), and the stream goes on with no gap and no repeat. A
+        constrained request's new workers advance its grammar over those tokens first
+        (Job.num_resumed), so its mask goes on where the lost worker's stopped. With no
         capacity left, the WorkerLost (or the placement's refusal) reaches the client."""
         job = replayable(job)  # a re-run (another path, a migration) replays the stream
         req_id, sampling = job.req_id, job.sampling
@@ -127,7 +165,7 @@ class RayFront:
         prompt, emitted = job.prompt_ids, 0
         for attempt in range(self.cfg.max_migrations + 1):
             this = replace(job, req_id=req_id if attempt == 0 else f"{req_id}@{attempt}", prompt_ids=prompt,
-                           sampling=_continued(sampling, emitted))  # fmt: skip
+                           sampling=_continued(sampling, emitted), num_resumed=job.num_resumed + emitted)  # fmt: skip
             base = emitted
             try:
                 async for out in self._attempt(this, trace):
@@ -139,9 +177,7 @@ class RayFront:
                     yield out
                 return
             except WorkerLost as exc:
-                # A constrained request's grammar state lives on the lost worker: a new one
-                # would start the grammar over mid-output, so it fails rather than moves.
-                if attempt == self.cfg.max_migrations or (emitted and sampling.constraint is not None):
+                if attempt == self.cfg.max_migrations:
                     raise
                 self.metrics.migrations.inc()
                 logger.warning("%s: %s; moving it with %d tokens emitted (attempt %d)", req_id, exc, emitted,
@@ -191,7 +227,7 @@ class RayFront:
         ps = self.page_size
         num_pages = (len(job.prompt_ids) - 1) // ps  # at least one token is always computed
         hashes = page_hashes(job.prompt_ids[: num_pages * ps], ps, job.cache_salt.encode(), self.fingerprint)
-        p = self.placer.place(job.req_id, hashes, len(job.prompt_ids), job.cache_salt)
+        p = self.placer.place(job.req_id, hashes, len(job.prompt_ids), job.tenant, job.session)
         if p.kind == PlacementKind.SATURATED:
             self.metrics.saturated.inc()
             raise EdgeError(Kind.RESOURCE_EXHAUSTED, "server overloaded: no decode worker has room; retry later",

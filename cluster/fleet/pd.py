@@ -35,6 +35,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import ExportedKV, StepOutput, StepStats
+from engine.pins import PinAnswer, pin_on, unpin_on
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, WireChunk, chunk_pages, damaged
 from kvtransfer.local import receive_all
@@ -94,6 +95,17 @@ class PDFront:
     async def stop(self) -> None:
         await self.prefill.stop()
         await self.decode.stop()
+
+    async def pin_prefix(
+        self, role: str, pin_id: str, prompt_ids: tuple[int, ...], cache_salt: str, ttl_s: float, wait_s: float
+    ) -> list[PinAnswer]:
+        """cluster.edge.pins: on the prefill engine (where prompts are computed) unless `role`
+        names decode."""
+        name, engine = (DECODE_NODE, self.decode) if role == "decode" else (PREFILL_NODE, self.prefill)
+        return [await pin_on(engine, name, pin_id, prompt_ids, cache_salt, ttl_s, wait_s)]
+
+    async def unpin_prefix(self, pin_id: str) -> int:
+        return sum([await unpin_on(self.prefill, pin_id), await unpin_on(self.decode, pin_id)])
 
     async def prepare(self, sampling: SamplingParams) -> None:
         """Compile the request's constraint on both sides (the prefill side samples the first
@@ -224,7 +236,7 @@ class _LocalDecode:
         exported = started.ticket
         assert isinstance(exported, ExportedKV)
         return self.engine.stream(job.req_id, lambda _: self.worker.start_prefilled(
-            job, dest, exported.first_token, started.first.num_cached_tokens))  # fmt: skip
+            job, dest, exported.first_token, started.first.cached))  # fmt: skip
 
     def cancel(self, dest: KVDestination) -> None:
         self._fire(lambda: self.worker.cancel(dest))

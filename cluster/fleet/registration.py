@@ -243,10 +243,11 @@ class WorkerActor:
 
         ray.actor.exit_actor()
 
-    async def inject_fault(self, point: str, times: int = 1) -> None:
-        """Drills and the fault suite only: the engine's `point` fails its next `times` passes
-        (engine.faults; refused unless the worker's environment allows injection)."""
-        self.faults.arm(point, times)
+    async def inject_fault(self, point: str, times: int = 1, after: int = 0) -> None:
+        """Drills and the fault suite only: the engine's `point` fails its next `times` passes,
+        once `after` passes have gone through (engine.faults; refused unless the worker's
+        environment allows injection)."""
+        self.faults.arm(point, times, after)
 
     async def clear_faults(self) -> None:
         self.faults.clear()

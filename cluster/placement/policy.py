@@ -2,8 +2,9 @@
 One request, step 2), by one cost model over measured numbers. Pure: no Ray, no I/O, so the
 gateway and the simulator (`baton sim`) run the same code.
 
-    place(req_id, hashes, num_tokens, tenant)
+    place(req_id, hashes, num_tokens, tenant, session)
       hits        index.match(hashes): per worker, the prompt's leading pages it holds, by tier
+                  (the session's decode worker credited with the pages it took there: Sessions)
       candidates  per role: k sampled healthy workers + the m holding the longest prefix
                   (power-of-k choices: a decision costs O(k + m) candidates and O(m) holders,
                   whatever the fleet's size or how many workers hold the prefix; among
@@ -42,6 +43,13 @@ there) and W's queue stays open to the tenants whose prefixes it also holds.
 
 Locality given up: every decision records the hit it chose and the best hit any healthy
 worker held (the `locality given up` metric is their difference).
+
+Sessions: a request may name its conversation (`session`). The placer remembers, per session
+(LRU, at most max_sessions), the decode worker it last went to and the prompt pages it took
+there, and credits that worker with them (device tier) wherever they still lead the new
+prompt, even before the index hears of them from the worker's KV events. The session's worker
+is then a candidate whose local prefill is costed warm, and wins ties; the cost model stays
+free to move the session when that worker is queued, full or gone (its record then follows).
 """
 
 from __future__ import annotations
@@ -106,6 +114,7 @@ class PlacementConfig:
     tenant_share: float = 0.5  # fairness: a tenant's share of a worker's in-flight prefills
     fairness_min_inflight: int = 2  # ... below which affinity is never withheld
     retry_after_s: float = 1.0  # told to clients when saturated
+    max_sessions: int = 1 << 16  # sessions remembered (least recently placed forgotten first)
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_bytes < 0 or self.num_sampled < 1 or self.num_prefix_candidates < 0:
@@ -145,6 +154,8 @@ class PlacerStats:
     best_hit_pages: int = 0
     given_up_pages: int = 0  # locality given up, summed
     num_affinity_withheld: int = 0  # candidates costed cold by the fairness rule
+    num_session_kept: int = 0  # requests of a known session placed on its worker
+    num_session_moved: int = 0  # ... placed elsewhere (the cost model moved it)
 
 
 class _Option(NamedTuple):
@@ -171,6 +182,27 @@ class _Booking:
     decode_id: str
     num_tokens: int  # tokens it computes: the queue it adds there
     is_prefilling: bool = True
+
+
+@dataclass(slots=True)
+class _Session:
+    decode_id: str  # where its last request went
+    num_pages: int  # that request's full prompt pages, now held there
+    last_hash: bytes  # the hash of the last of them (chained: it stands for all of them)
+
+
+class _SessionHits:
+    """The index's answer, with what the placer itself knows of a session: its decode worker
+    holds the pages the session's last request took there (the index may not know yet)."""
+
+    def __init__(self, hits: PrefixMatch, worker_id: str, held: PrefixHit) -> None:
+        self._hits = hits
+        self.worker_id = worker_id
+        self.held = held
+
+    def hit(self, worker_id: str) -> PrefixHit:
+        found = self._hits.hit(worker_id)
+        return self.held if worker_id == self.worker_id and self.held.num_pages > found.num_pages else found
 
 
 class _Pool:
@@ -227,6 +259,7 @@ class Placer:
         self._decodes: defaultdict[str, int] = defaultdict(int)  # worker -> booked requests
         self._masks: dict[Role, int] = {}
         self._masks_version: tuple[int, int, int] | None = None
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     # -- the fleet ----------------------------------------------------------------------------
 
@@ -251,12 +284,23 @@ class Placer:
 
     # -- one decision -------------------------------------------------------------------------
 
-    def place(self, req_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str = "") -> Placement:
-        """Where `req_id` (its prompt's full-page hashes, its length in tokens) goes. At least
-        one token is always computed, so at most (num_tokens - 1) // page_size pages are hits."""
+    def place(
+        self, req_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str = "", session: str = ""
+    ) -> Placement:
+        """Where `req_id` (its prompt's full-page hashes, its length in tokens, its session if
+        it names one) goes. At least one token is always computed, so at most
+        (num_tokens - 1) // page_size pages are hits."""
         cfg = self.cfg
-        hits = self.index.match(hashes, max(0, (num_tokens - 1) // cfg.page_size))
-        best_id, best_pages, holders = self._holders(hits)
+        max_pages = max(0, (num_tokens - 1) // cfg.page_size)
+        index_hits = self.index.match(hashes, max_pages)
+        best_id, best_pages, holders = self._holders(index_hits)
+        hits: PrefixMatch | _SessionHits = index_hits
+        kept = self._session_hits(session, hashes, max_pages, index_hits)
+        if kept is not None:
+            hits = kept
+            holders[Role.DECODE] = [kept.worker_id, *(w for w in holders[Role.DECODE] if w != kept.worker_id)]
+            if kept.held.num_pages > best_pages:
+                best_id, best_pages = kept.worker_id, kept.held.num_pages
         prefills = self._candidates(Role.PREFILL, holders[Role.PREFILL])
         decodes = self._candidates(Role.DECODE, holders[Role.DECODE])
         remote = sorted(
@@ -265,7 +309,7 @@ class Placer:
         )
         num_pages = -(-num_tokens // cfg.page_size)
         best: _Best | None = None
-        best_key: tuple[float, bool, int] | None = None
+        best_key: tuple[float, bool, bool, int] | None = None
         for d in decodes:
             if d.num_free_pages < num_pages or d.num_waiting > d.max_running:
                 continue  # no room: reserving would fail or queue behind a whole batch
@@ -275,18 +319,44 @@ class Placer:
                 continue
             total = self._decode_cost(d) + path.cost_s
             far = not is_local and not self.links.is_same_host(path.worker_id, d.worker_id)
-            if best_key is None or (total, far, -d.num_free_pages) < best_key:
-                best, best_key = _Best(total, d, path, is_local), (total, far, -d.num_free_pages)
+            key = (total, kept is not None and d.worker_id != kept.worker_id, far, -d.num_free_pages)
+            if best_key is None or key < best_key:
+                best, best_key = _Best(total, d, path, is_local), key
         num_examined = len(prefills) + len(decodes)
         if best is None:
             self.stats.num_saturated += 1
             return Placement(PlacementKind.SATURATED, None, None, NO_HIT, None, 0, num_tokens, best_pages, best_id,
                              float("inf"), num_examined, retry_after_s=cfg.retry_after_s)
+        if session:
+            self._remember(session, best.decode.worker_id, hashes[:max_pages], kept)
         return self._record(req_id, tenant, best, remote, best_pages, best_id, num_examined)
 
+    def _session_hits(
+        self, session: str, hashes: Sequence[bytes], max_pages: int, hits: PrefixMatch
+    ) -> _SessionHits | None:
+        """The index's answer with the session's worker credited, when the session is known,
+        its worker healthy, and the pages it took there still lead this prompt."""
+        known = self._sessions.get(session) if session else None
+        if known is None or known.decode_id not in self._pools[Role.DECODE]:
+            return None
+        n = known.num_pages
+        leads = 0 < n <= min(max_pages, len(hashes)) and hashes[n - 1] == known.last_hash
+        return _SessionHits(hits, known.decode_id, PrefixHit(num_device=n) if leads else NO_HIT)
+
+    def _remember(self, session: str, decode_id: str, hashes: Sequence[bytes], kept: _SessionHits | None) -> None:
+        if kept is not None:
+            if decode_id == kept.worker_id:
+                self.stats.num_session_kept += 1
+            else:
+                self.stats.num_session_moved += 1
+        self._sessions[session] = _Session(decode_id, len(hashes), hashes[-1] if hashes else b"")
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self.cfg.max_sessions:
+            self._sessions.popitem(last=False)
+
     def _path(
-        self, d: WorkerStats, remote: list[_Option], has_prefill: bool, num_bytes: int, hits: PrefixMatch,
-        num_tokens: int, tenant: str, best_id: str | None, best_pages: int,
+        self, d: WorkerStats, remote: list[_Option], has_prefill: bool, num_bytes: int,
+        hits: PrefixMatch | _SessionHits, num_tokens: int, tenant: str, best_id: str | None, best_pages: int,
     ) -> tuple[_Option | None, bool]:
         """Local prefill on `d`, or the cheapest remote one with its push of `num_bytes` over
         its link to `d`: (the option, is it local).
@@ -308,7 +378,7 @@ class Placer:
         return cheapest, False
 
     def _option(
-        self, w: WorkerStats, hits: PrefixMatch, num_tokens: int, tenant: str,
+        self, w: WorkerStats, hits: PrefixMatch | _SessionHits, num_tokens: int, tenant: str,
         best_id: str | None, best_pages: int,
     ) -> _Option | None:
         """Prefill of the prompt on `w`: None when its queue is past the bound."""

@@ -16,6 +16,7 @@ from cluster.fleet.dispatch import Handed, PrefillSide, Redispatch, Started, dis
 from cluster.ops.tracing import NO_TRACE, RequestTrace, Span
 from engine.job import Job
 from engine.outputs import StepOutput
+from engine.request import NOT_CACHED
 from engine.sampling import SamplingParams
 from kvtransfer.transport import KVDestination
 
@@ -23,7 +24,7 @@ JOB = Job("r", (1, 2, 3, 4), SamplingParams(max_tokens=3, temperature=0.0))
 
 
 def _out(tokens: tuple[int, ...], n: int, finish: str | None = None) -> StepOutput:
-    return StepOutput("r", tokens, "", (), finish, 4, n, 0)  # type: ignore[arg-type]
+    return StepOutput("r", tokens, "", (), finish, 4, n, NOT_CACHED)  # type: ignore[arg-type]
 
 
 FIRST = _out((7,), 1)

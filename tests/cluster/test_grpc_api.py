@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, cast
 
 import grpc
 import pytest
+from google.protobuf.descriptor import Descriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -25,7 +26,10 @@ from cluster.client import AsyncBatonClient, BatonClient, BatonClientError, Mess
 from cluster.edge.admission import AdmissionConfig
 from cluster.edge.frontend import Frontend
 from cluster.edge.grpc_api import GrpcConfig, create_grpc_server
+from cluster.edge.grpc_output import output_spec
 from cluster.edge.tenants import ApiKeys, Tenant
+from cluster.edge.tool_calls import ToolChoice
+from cluster.errors import EdgeError
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -92,13 +96,13 @@ async def served(front: AsyncEngine) -> AsyncIterator[Served]:
 
 
 @contextlib.asynccontextmanager
-async def _stub(target: str) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
+async def _stub(target: str) -> AsyncIterator[pb_grpc.GenerationServiceAsyncStub]:
     async with grpc.aio.insecure_channel(target) as channel:
-        yield cast("pb_grpc.GenerationAsyncStub", pb_grpc.GenerationStub(channel))
+        yield cast("pb_grpc.GenerationServiceAsyncStub", pb_grpc.GenerationServiceStub(channel))
 
 
 @pytest.fixture
-async def stub(served: Served) -> AsyncIterator[pb_grpc.GenerationAsyncStub]:
+async def stub(served: Served) -> AsyncIterator[pb_grpc.GenerationServiceAsyncStub]:
     async with _stub(served.target) as s:
         yield s
 
@@ -223,7 +227,7 @@ async def test_tokenize(served: Served, reference: Engine) -> None:
 
 
 async def test_call_deadline_aborts_the_request_and_frees_its_pages(
-    served: Served, front: AsyncEngine, engine: Engine, stub: pb_grpc.GenerationAsyncStub
+    served: Served, front: AsyncEngine, engine: Engine, stub: pb_grpc.GenerationServiceAsyncStub
 ) -> None:
     before = _outcomes(served.frontend, "deadline") + _outcomes(served.frontend, "cancelled")
     request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG)
@@ -263,7 +267,7 @@ async def test_server_timeout_is_deadline_exceeded(front: AsyncEngine, engine: E
 
 
 async def test_client_cancellation_mid_stream_frees_pages(
-    served: Served, engine: Engine, stub: pb_grpc.GenerationAsyncStub
+    served: Served, engine: Engine, stub: pb_grpc.GenerationServiceAsyncStub
 ) -> None:
     call = stub.Generate(pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG), metadata=AUTH)
     received = 0
@@ -278,7 +282,7 @@ async def test_client_cancellation_mid_stream_frees_pages(
 
 
 async def test_many_streams_cancelled_at_different_points_free_every_page(
-    served: Served, engine: Engine, stub: pb_grpc.GenerationAsyncStub
+    served: Served, engine: Engine, stub: pb_grpc.GenerationServiceAsyncStub
 ) -> None:
     async def cancel_after(messages: int) -> int:
         request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=LONG)
@@ -332,14 +336,18 @@ def _sampled(**fields: Any) -> pb.GenerateRequest:
     ],
 )
 async def test_bad_fields_are_invalid_argument_naming_the_field(
-    served: Served, stub: pb_grpc.GenerationAsyncStub, request_: pb.GenerateRequest, field: str
+    served: Served, stub: pb_grpc.GenerationServiceAsyncStub, request_: pb.GenerateRequest, field: str
 ) -> None:
-    for call in (stub.Complete, stub.Generate):
+    for call, request in ((stub.Complete, _as_complete(request_)), (stub.Generate, request_)):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await _finish(call(request_, metadata=AUTH))
+            await _finish(call(request, metadata=AUTH))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (caught.value.details() or "").startswith(f"{field}:"), caught.value.details()
     assert served.frontend.admission.num_inflight == 0
+
+
+def _as_complete(request: pb.GenerateRequest) -> pb.CompleteRequest:
+    return pb.CompleteRequest.FromString(request.SerializeToString())  # wire-identical
 
 
 async def _finish(call: Any) -> None:
@@ -366,7 +374,7 @@ async def test_overload_is_resource_exhausted_with_retry_metadata(
         holder = stub.Generate(request, metadata=AUTH)
         await holder.read()  # admitted and generating: the one in-flight slot is taken
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.Complete(pb.GenerateRequest(model=MODEL, text="hi"), metadata=AUTH)
+            await stub.Complete(pb.CompleteRequest(model=MODEL, text="hi"), metadata=AUTH)
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailing = dict(caught.value.trailing_metadata() or ())
         assert trailing["grpc-retry-pushback-ms"] == "2500" and trailing["retry-after"] == "3"
@@ -402,12 +410,13 @@ async def test_health_is_open_and_follows_drain(served: Served) -> None:
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     async with grpc.aio.insecure_channel(served.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "baton.v1.Generation"):
+        for service in ("", "baton.v1.GenerationService"):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))  # no key
             assert reply.status == serving_
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await health.Check(health_pb2.HealthCheckRequest(service="nope"))
-        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        for unknown in ("nope", "baton.v1.Generation"):  # the legacy name has no status of its own
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await health.Check(health_pb2.HealthCheckRequest(service=unknown))
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         served.frontend.draining = True
         try:
             assert (await health.Check(health_pb2.HealthCheckRequest())).status == not_serving
@@ -427,7 +436,81 @@ async def test_reflection_lists_the_service_without_a_key(served: Served) -> Non
         call = refl.ServerReflectionInfo(iter([ask]))
         replies = [r async for r in call]
     names = {s.name for s in replies[0].list_services_response.service}
-    assert {"baton.v1.Generation", "grpc.health.v1.Health"} <= names
+    assert {"baton.v1.GenerationService", "grpc.health.v1.Health"} <= names
+    assert "baton.v1.Generation" not in names  # the deprecated name is served, not advertised
+
+
+# -- the contract: names and wire compatibility (issue 24) -------------------------------------
+
+
+def _fields(message: Descriptor) -> list[tuple[object, ...]]:
+    return [
+        (f.name, f.number, f.type, f.is_repeated, f.has_presence,
+         f.containing_oneof.name if f.containing_oneof else None,
+         f.message_type.full_name if f.message_type else None,
+         f.enum_type.full_name if f.enum_type else None)
+        for f in message.fields
+    ]  # fmt: skip
+
+
+def test_complete_request_has_exactly_generate_requests_fields() -> None:
+    """The server parses Complete's CompleteRequest as a GenerateRequest: a field added to one
+    must be added to the other, with the same name, number, type and oneof."""
+    assert _fields(pb.CompleteRequest.DESCRIPTOR) == _fields(pb.GenerateRequest.DESCRIPTOR)
+    full = pb.GenerateRequest(
+        model=MODEL, chat=True, messages=[_message("user")], priority=-3, tools=[pb.Tool(name="f")],
+        tool_choice=pb.TOOL_CHOICE_FUNCTION, tool_function="f", parallel_tool_calls=False,
+        sampling=pb.Sampling(max_tokens=3, regex="a+", logit_bias={5: 1.0}),
+    )  # fmt: skip
+    as_complete = pb.CompleteRequest.FromString(full.SerializeToString())
+    assert pb.GenerateRequest.FromString(as_complete.SerializeToString()) == full
+
+
+def test_unset_and_explicit_auto_tool_choice_mean_auto() -> None:
+    """TOOL_CHOICE_UNSPECIFIED (0: what clients from before issue 24 send for their AUTO) and
+    TOOL_CHOICE_AUTO (4) are both auto; a value the enum does not have is refused."""
+
+    def choice(value: int) -> ToolChoice:
+        request = pb.GenerateRequest(model=MODEL, chat=True, messages=[_message("user")],
+                                     tools=[pb.Tool(name="f")], tool_choice=value)  # fmt: skip
+        spec = output_spec(request)
+        assert spec.tools is not None
+        return spec.tools.choice
+
+    assert pb.TOOL_CHOICE_UNSPECIFIED == 0 and pb.TOOL_CHOICE_AUTO == 4
+    assert choice(pb.TOOL_CHOICE_UNSPECIFIED) == choice(pb.TOOL_CHOICE_AUTO) == ToolChoice.AUTO
+    assert choice(pb.TOOL_CHOICE_REQUIRED) == ToolChoice.REQUIRED
+    with pytest.raises(EdgeError, match="tool_choice"):
+        choice(5)
+
+
+async def test_the_legacy_service_name_serves_clients_built_on_it(
+    served: Served, reference: Engine
+) -> None:
+    """A client of `baton.v1.Generation` (before issue 24) keeps working: the same three
+    methods and checks, its Complete sending a GenerateRequest, the same tokens."""
+    sampling = pb.Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)  # GREEDY's
+    request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=sampling)
+    path = "/baton.v1.Generation/"
+    async with grpc.aio.insecure_channel(served.target) as channel:
+        generate = channel.unary_stream(
+            path + "Generate", pb.GenerateRequest.SerializeToString, pb.GenerateResponse.FromString
+        )
+        complete = channel.unary_unary(
+            path + "Complete", pb.GenerateRequest.SerializeToString, pb.CompleteResponse.FromString
+        )
+        tokenize = channel.unary_unary(
+            path + "Tokenize", pb.TokenizeRequest.SerializeToString, pb.TokenizeResponse.FromString
+        )
+        streamed = [t async for msg in generate(request, metadata=AUTH) for t in msg.token_ids]
+        done = await complete(request, metadata=AUTH)
+        ids = await tokenize(pb.TokenizeRequest(model=MODEL, text=PROMPT), metadata=AUTH)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await complete(request)  # no key
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    expected = _expected(reference, reference.tokenizer.encode(PROMPT))
+    assert streamed == list(done.token_ids) == expected
+    assert list(ids.token_ids) == reference.tokenizer.encode(PROMPT)
 
 
 def _sync_session(target: str) -> tuple[list[int], list[int], str, list[int]]:

@@ -304,7 +304,12 @@ def test_cached_tokens_are_real_and_per_tenant(make_server: Any, tmp_path: Any) 
     def cached(key: str) -> int:
         with srv.client(headers={"Authorization": "Bearer " + key * 24}) as client:
             reply = client.post("/v1/completions", json=body).json()
-        return int(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        details = reply["usage"]["prompt_tokens_details"]
+        # one engine, no lower tiers: every cached page was on the device, none from another worker
+        hit = details["cached_tokens"]
+        assert details["cached_tokens_by_tier"] == {"device": hit, "host": 0, "disk": 0}
+        assert details["cached_tokens_remote"] == 0
+        return int(hit)
 
     # 40 prompt tokens = 2 full pages + 8: the second alpha request reuses 32 tokens; beta's
     # first request, with the same prompt, reuses nothing of alpha's.
@@ -312,3 +317,21 @@ def test_cached_tokens_are_real_and_per_tenant(make_server: Any, tmp_path: Any) 
     with srv.client(headers={"x-api-key": "o" * 24}) as client:
         metrics = client.get("/metrics").text
     assert 'baton_tenant_tokens_total{kind="cached",tenant="alpha"} 32.0' in metrics
+
+
+def test_cache_salt_keeps_requests_of_one_tenant_apart(server: ServerHandle) -> None:
+    body = {"model": MODEL, "prompt": list(range(400, 440)), "max_tokens": 2, "temperature": 0}
+
+    def cached(**extra: str) -> int:
+        reply = _post(server, "/v1/completions", {**body, **extra})
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    # 40 tokens = 2 full pages + 8. One salt's pages are reused only under that salt; without
+    # a salt, or with another, the prompt is computed again.
+    assert [cached(cache_salt="x"), cached(cache_salt="x"), cached(cache_salt="y"), cached()] == [0, 32, 0, 0]
+    assert cached() == 32 and cached(cache_salt="y") == 32
+    # A session key routes; it does not change what is reused.
+    assert cached(prompt_cache_key="conv-1") == 32
+    reply = _post(server, "/v1/completions", {**body, "cache_salt": "s" * 257})
+    assert reply.status_code == 400 and "cache_salt" in reply.json()["error"]["message"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cluster.edge.openai_render import Renderer, sse
 from engine.outputs import StepOutput
-from engine.request import FinishReason
+from engine.request import NOT_CACHED, FinishReason
 from engine.sampler import TokenLogprobs
 
 
@@ -22,7 +22,7 @@ def _renderer(chat: bool, want_token_ids: bool, call_id: str = "cmpl-1", model: 
 
 def _out(text: str, ids: tuple[int, ...], finish: FinishReason | None = None,
          logprobs: tuple[TokenLogprobs, ...] = ()) -> StepOutput:
-    return StepOutput("r", ids, text, logprobs, finish, 7, 3, 0)
+    return StepOutput("r", ids, text, logprobs, finish, 7, 3, NOT_CACHED)
 
 
 texts = st.text(st.characters(codec="utf-8"), max_size=24)  # quotes, backslashes, controls, non-ASCII

@@ -354,3 +354,57 @@ def test_links_skip_pushes_too_small_to_measure_and_follow_a_changed_link() -> N
     assert links.bytes_per_s("p", "d") < 5e7
     links.forget("d")
     assert links.bytes_per_s("p", "d") == 1e9
+
+
+def test_a_session_stays_on_its_decode_worker_before_the_index_hears_of_its_pages() -> None:
+    """Turn 1 of a conversation went to some decode worker; the index has not heard of its
+    pages yet (empty). Turn 2 names the session: its worker is credited with turn 1's prompt
+    pages, so the short new part is prefilled there. Without the session, the same prompt
+    looks cold everywhere and goes to a prefill worker, on whichever decode worker."""
+    turn1 = _pages("conv", 20)
+    turn2 = turn1 + _pages("more", 2)  # turn 1's prompt, its answer and a new question
+    for seed in range(10):
+        placer = _fleet([_prefill("p0"), _decode("d0"), _decode("d1")], seed=seed)
+        first = placer.place("r1", turn1, 20 * PS + 5, session="s")
+        placer.finish("r1")
+        home = first.decode_id
+        got = placer.place("r2", turn2, 22 * PS + 5, session="s")
+        assert (got.kind, got.decode_id, got.hit) == (PlacementKind.LOCAL, home, PrefixHit(20, 0, 0))
+        assert got.num_recompute_tokens == 2 * PS + 5
+        assert placer.stats.num_session_kept == 1 and placer.stats.num_session_moved == 0
+        placer.finish("r2")
+        cold = placer.place("r3", turn2, 22 * PS + 5)
+        assert (cold.kind, cold.hit) == (PlacementKind.DISAGGREGATED, PrefixHit())
+
+
+def test_the_cost_model_moves_a_session_off_a_full_worker_and_the_session_follows() -> None:
+    turn1, turn2 = _pages("conv", 20), _pages("conv", 22)
+    workers = [_prefill("p0"), _decode("d0"), _decode("d1")]
+    placer = _fleet(workers)
+    home = placer.place("r1", turn1, 20 * PS + 5, session="s").decode_id
+    placer.finish("r1")
+    other = "d1" if home == "d0" else "d0"
+    placer.update_worker(_decode(home, num_free_pages=0))  # no room on the session's worker
+    moved = placer.place("r2", turn2, 22 * PS + 5, session="s")
+    assert moved.decode_id == other and placer.stats.num_session_moved == 1
+    placer.finish("r2")
+    placer.update_worker(_decode(home))  # room again: the session stays where it moved
+    again = placer.place("r3", _pages("conv", 23), 23 * PS + 5, session="s")
+    assert (again.decode_id, again.kind, again.hit) == (other, PlacementKind.LOCAL, PrefixHit(22, 0, 0))
+
+
+def test_a_session_whose_pages_no_longer_lead_the_prompt_is_credited_nothing() -> None:
+    placer = _fleet([_prefill("p0"), _decode("d0"), _decode("d1")])
+    home = placer.place("r1", _pages("conv", 20), 20 * PS + 5, session="s").decode_id
+    placer.finish("r1")
+    got = placer.place("r2", _pages("other", 22), 22 * PS + 5, session="s")  # another prompt, same key
+    assert got.hit == PrefixHit() and got.kind == PlacementKind.DISAGGREGATED
+    assert got.decode_id == home  # still preferred on a tie
+
+
+def test_sessions_are_bounded() -> None:
+    placer = _fleet([_prefill("p0"), _decode("d0")], cfg=replace(CFG, max_sessions=2))
+    for i in range(5):
+        placer.place(f"r{i}", _pages(f"c{i}", 4), 4 * PS + 1, session=f"s{i}")
+        placer.finish(f"r{i}")
+    assert list(placer._sessions) == ["s3", "s4"]

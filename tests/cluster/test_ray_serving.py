@@ -136,6 +136,7 @@ def test_a_mostly_cached_prompt_is_prefilled_on_the_decode_side(pd: PD, server: 
     when it served it, so the same prompt again (only a partial page uncached) stays there."""
     client = openai.OpenAI(base_url=pd.url + "/v1", api_key="x", timeout=60)
     prompt = LONG + "# again"
+    remote_before = metric(pd, "baton_placements_total", route="disaggregated")
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
     remote, local = (metric(pd, "baton_placements_total", route=r) for r in ("disaggregated", "local"))
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
@@ -144,6 +145,15 @@ def test_a_mostly_cached_prompt_is_prefilled_on_the_decode_side(pd: PD, server: 
     assert again.choices[0].text == first.choices[0].text
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens >= 160  # served from decode's cache
+    # Usage says where: the decode worker's own device pages the second time; the first time,
+    # if it went to a prefill worker (as it does unless an earlier test left LONG's pages on
+    # the decode worker), whatever that worker reused came from another worker's cache.
+    details = again.usage.prompt_tokens_details.model_dump()
+    assert details["cached_tokens_by_tier"]["device"] == details["cached_tokens"]
+    assert details["cached_tokens_remote"] == 0
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    before = first.usage.prompt_tokens_details.model_dump()
+    assert before["cached_tokens_remote"] == (before["cached_tokens"] if remote > remote_before else 0)
     want = openai.OpenAI(base_url=server.url + "/v1", api_key="x").completions.create(
         model=MODEL, prompt=prompt, max_tokens=8, temperature=0
     )

@@ -36,6 +36,7 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
 
 
 def test_stubs_import_as_the_batonpb_package() -> None:
+    from batonpb.baton.kv.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
     from batonpb.baton.v1 import generation_pb2, generation_pb2_grpc
 
     assert generation_pb2.DESCRIPTOR.package == "baton.v1"
@@ -43,3 +44,7 @@ def test_stubs_import_as_the_batonpb_package() -> None:
     # the service stubs use this very module (the rewritten import), not a second copy
     imported = generation_pb2_grpc.baton_dot_v1_dot_generation__pb2  # type: ignore[attr-defined]
     assert imported is generation_pb2
+    # the workers' internal package, one level deeper
+    assert kvtransfer_pb2.DESCRIPTOR.package == "baton.kv.v1"
+    assert kvtransfer_pb2.DESCRIPTOR.name == "baton/kv/v1/kvtransfer.proto"
+    assert kvtransfer_pb2_grpc.baton_dot_kv_dot_v1_dot_kvtransfer__pb2 is kvtransfer_pb2  # type: ignore[attr-defined]

@@ -103,7 +103,7 @@ def test_http_and_grpc_calls_are_traced(traced: Traced, receiver: Receiver) -> N
     unauthenticated = traced.client().post("/v1/completions", json={"model": MODEL, "prompt": PROMPT})
     assert unauthenticated.status_code == 401
     with grpc.insecure_channel(f"127.0.0.1:{traced.grpc_port}") as channel:
-        stub = pb_grpc.GenerationStub(channel)
+        stub = pb_grpc.GenerationServiceStub(channel)
         request = pb.GenerateRequest(model=MODEL, text=PROMPT,
                                      sampling=pb.Sampling(max_tokens=5, temperature=0.0, ignore_eos=True))
         metadata = (("authorization", f"Bearer {KEY}"), ("traceparent", f"00-{GRPC_TRACE}-{GRPC_SPAN}-01"))
@@ -151,7 +151,7 @@ def test_http_and_grpc_calls_are_traced(traced: Traced, receiver: Receiver) -> N
     # gRPC: the req_id on the span is the request_id the caller got back.
     [rpc] = [s for s in roots if s.trace_id == GRPC_TRACE]
     assert rpc.parent_id == GRPC_SPAN and rpc.attributes["baton.req_id"] == request_id
-    assert (rpc.attributes["baton.api"], rpc.attributes["baton.route"]) == ("grpc", "/baton.v1.Generation/Generate")
+    assert (rpc.attributes["baton.api"], rpc.attributes["baton.route"]) == ("grpc", "/baton.v1.GenerationService/Generate")
     assert rpc.attributes["baton.output_tokens"] == 5 and rpc.attributes["baton.outcome"] == "ok"
     assert sorted(children(spans, rpc)) == ["baton.decode", "baton.prefill"]
 
@@ -159,12 +159,14 @@ def test_http_and_grpc_calls_are_traced(traced: Traced, receiver: Receiver) -> N
 
 
 def test_a_failed_grpc_call_has_error_status(traced: Traced, receiver: Receiver) -> None:
+    """Called by the deprecated service name (a client from before issue 24): the route says so."""
     before = len(receiver.snapshot())
     with grpc.insecure_channel(f"127.0.0.1:{traced.grpc_port}") as channel:
-        stub = pb_grpc.GenerationStub(channel)
+        complete = channel.unary_unary("/baton.v1.Generation/Complete", pb.GenerateRequest.SerializeToString,
+                                       pb.CompleteResponse.FromString)  # fmt: skip
         request = pb.GenerateRequest(model=MODEL, text=PROMPT, sampling=pb.Sampling(max_tokens=100_000))
         with pytest.raises(grpc.RpcError) as err:
-            stub.Complete(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=30)
+            complete(request, metadata=(("authorization", f"Bearer {KEY}"),), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     [root] = _new_spans(receiver, traced, before, num_roots=1)
     assert root.is_error and root.attributes["baton.error.kind"] == "INVALID_ARGUMENT"

@@ -14,6 +14,7 @@ import pytest
 
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.request import CachedTokens
 from engine.sampling import SamplingParams
 from kvcache.events import Tier
 from kvcache.tiers import TierConfig
@@ -32,6 +33,11 @@ def _engine(model_dir: Path, cache: bool = True, **kw: object) -> Engine:
 
 
 def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    tokens, hits = _run_tiers(engine, prompts)
+    return tokens, [hit.total for hit in hits]
+
+
+def _run_tiers(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[CachedTokens]]:
     tokens, hits = [], []
     for i, prompt in enumerate(prompts):
         engine.add_request(f"t{i}", prompt, GREEDY)
@@ -39,7 +45,7 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], lis
         while engine.has_unfinished():
             for step in engine.step():
                 out.extend(step.token_ids)
-                hit = step.num_cached_tokens
+                hit = step.cached
             engine.check_integrity()
         engine.flush_cache()
         tokens.append(out)
@@ -62,13 +68,17 @@ def test_hits_from_device_host_and_disk_match_cache_off(
     tiers = TierConfig(host_pages=8, disk_pages=64, disk_dir=str(tmp_path / "kv"))
     engine = _engine(tiny_model_dir, num_pages=12, tiers=tiers)
     prompts = _prompts(6)
-    outs, hits = _run(engine, prompts + prompts[::-1])
+    outs, hits = _run_tiers(engine, prompts + prompts[::-1])
     assert outs == [reference[tuple(p)] for p in prompts + prompts[::-1]]
     cache = engine.prefix_cache
     assert cache is not None
     by_tier = cache.stats.hit_pages_by_tier
     assert by_tier[Tier.DEVICE] > 0 and by_tier[Tier.HOST] > 0 and by_tier[Tier.DISK] > 0, by_tier
-    assert hits[6:] == [64] * 6  # every second-round prompt reused its 4 full pages
+    assert [hit.total for hit in hits[6:]] == [64] * 6  # every second-round prompt reused its 4 full pages
+    # Each request's usage says where its pages were found: summed, the cache's own counts.
+    page = engine.cfg.page_size
+    assert [sum(hit[tier] for hit in hits) for tier in Tier] == [n * page for n in by_tier]
+    assert all(hit.remote == 0 for hit in hits)  # one engine: nothing came from another worker
     assert cache.stats.demoted_pages > 0 and cache.stats.promoted_pages > 0
 
 

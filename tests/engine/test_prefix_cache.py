@@ -11,6 +11,7 @@ import pytest
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
+from kvcache.hashing import cache_salt, tenant_of
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -99,6 +100,19 @@ def test_purge_forgets_one_tenant_only(tiny_model_dir: Path, prompts: list[list[
     engine.check_integrity()
     _, hits = _run(engine, [prompts[0], prompts[0]], salts=["acme", "globex"])
     assert hits == [0, 96]
+
+
+def test_a_request_salt_narrows_reuse_within_a_tenant_and_purges_with_it(
+    tiny_model_dir: Path, prompts: list[list[int]]
+) -> None:
+    engine = _engine(tiny_model_dir, cache=True)
+    acme, acme_x, acme_y = "acme", cache_salt("acme", "x"), cache_salt("acme", "y")
+    assert tenant_of(acme_x) == "acme" and acme_x != acme_y
+    _, hits = _run(engine, [prompts[0]] * 5, salts=[acme, acme_x, acme_y, acme_x, acme])
+    assert hits == [0, 0, 0, 96, 96]  # only the same tenant *and* salt share pages
+    # Purging the tenant forgets its salted pages too: 3 salts x 7 full pages.
+    assert engine.purge_tenant("acme") == 21
+    engine.check_integrity()
 
 
 def test_concurrent_requests_wait_for_a_prefix_being_computed(tiny_model_dir: Path, prompts: list[list[int]]) -> None:

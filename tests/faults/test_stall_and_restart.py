@@ -1,4 +1,4 @@
-"""Faults 6 and 9 of issue 8 on a real local Ray.
+"""Faults 6 and 9 of issue 8 on a real local Ray, and issue 24's constrained migration.
 
 6. A decode worker stopped (SIGSTOP) for longer than the watchdog: its streams move to the
    other decode worker and complete with the no-fault tokens; it is marked stalled and gets
@@ -6,21 +6,29 @@
 9. An exception injected in a worker's forward pass (engine.faults): the actor exits on
    purpose, its requests move (decode) or are re-dispatched (prefill) and complete, Ray
    restarts it, and it rejoins membership under a new epoch and serves again.
+24. A JSON-schema request whose decode worker fails after a fixed number of its steps moves
+   with the tokens it emitted; its grammar resumes after them on the new workers, and the
+   output parses and equals the no-fault one.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jsonschema
+import openai
 import pytest
 
 from cluster.fleet.worker_msgs import DecodeStats
 from cluster.fleet.workers import DecodeHandle
 from tests.cluster.conftest import ServerHandle
 from tests.faults.conftest import (
+    MODEL,
     WATCHDOG_S,
     Streams,
     counter,
@@ -170,5 +178,56 @@ def test_a_prefill_worker_killed_before_the_handoff_is_restarted(recovering: Ser
     assert streams.errors == [] and streams.got == want
     wait_for(lambda: counter(front, "restarts", "prefill") == restarts + 1, "Ray restarted it and it rejoined", 90)
     assert prefill.is_routable and ray.get(prefill.actor.ping.remote(), timeout=30) != pid
+    for d in front.fleet.decodes:
+        wait_for(lambda d=d: _at_baseline(d), f"{d.name}'s pages back at baseline", 15)
+
+
+SETTINGS = {
+    "type": "object",
+    "properties": {
+        "level": {"enum": ["low", "mid", "high"]},
+        "name": {"type": "string", "pattern": "^[a-z]{6,10}$"},
+        "tags": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 2, "maxItems": 3},
+    },
+    "required": ["level", "name", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_a_constrained_request_moves_and_its_output_still_parses(recovering: ServerHandle, server: ServerHandle) -> None:
+    """Issue 24: the request is held at its prefill (the `stall` drill) until its decode worker
+    is known; that worker is armed to fail on its (n+1)-th step, so the request loses it after
+    exactly n decode steps, mid-JSON. It moves with the tokens it emitted, the new prefill and
+    decode workers advance the grammar over them, and it completes with the no-fault output."""
+    front = front_of(recovering)
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "settings", "schema": SETTINGS}}
+    messages: Any = [{"role": "user", "content": prompts(1, "constrained-move", scale=4)[0]}]  # long: disaggregated
+
+    def ask(url: str) -> Any:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=90, max_retries=0)
+        return client.chat.completions.create(model=MODEL, messages=messages, response_format=fmt, max_tokens=120,
+                                              temperature=0)  # fmt: skip
+
+    reference = ask(server.url)
+    want = reference.choices[0]
+    assert want.finish_reason == "stop" and reference.usage is not None
+    steps = reference.usage.completion_tokens // 2  # the victim's steps: it emits that many after the first token
+    assert steps >= 3
+    prefill = front.fleet.prefills[0]
+    restarts, moved = counter(front, "restarts", "decode"), front.metrics.migrations._value.get()  # noqa: SLF001
+    ray.get(prefill.actor.stall.remote(30), timeout=30)
+    with ThreadPoolExecutor(1) as pool:
+        call = pool.submit(ask, recovering.url)
+        wait_for(lambda: ray.get(prefill.actor.stats.remote(), timeout=30).num_running == 1, "held at its prefill")
+        [victim] = [d for d in front.fleet.decodes if _stats(d).num_open_reservations == 1]  # its pages go there
+        pid = _pid(victim)
+        ray.get(victim.actor.inject_fault.remote("forward", 1, steps), timeout=30)
+        ray.get(prefill.actor.stall.remote(0), timeout=30)
+        wait_for(lambda: not _alive(pid), "the decode worker failed mid-stream and exited", 30)  # the fault happened
+        got = call.result(90).choices[0]
+    assert front.metrics.migrations._value.get() > moved  # noqa: SLF001  (it moved, not failed)
+    assert got.finish_reason == "stop" and got.message.content == want.message.content
+    jsonschema.validate(json.loads(got.message.content or ""), SETTINGS)
+    wait_for(lambda: counter(front, "restarts", "decode") == restarts + 1, "Ray restarted it and it rejoined", 90)
     for d in front.fleet.decodes:
         wait_for(lambda d=d: _at_baseline(d), f"{d.name}'s pages back at baseline", 15)

@@ -9,8 +9,12 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import (
     CHUNK_TARGET_BYTES,
+    HEADER_FIELD,
+    MAX_HEADER_BYTES,
+    PAYLOAD_FIELD,
     ChunkMeta,
     CodecLimits,
     TransferError,
@@ -18,6 +22,7 @@ from kvtransfer.codec import (
     chunk_pages,
     decode_chunk,
     encode_chunk,
+    field_prefix,
     frame,
     unframe,
 )
@@ -152,12 +157,50 @@ def test_lengths_from_the_wire_are_bounded_before_the_payload_is_read() -> None:
         decode_chunk(chunk, CodecLimits(max_chunk_bytes=chunk.header.payload_bytes - 1))
 
 
-def test_malformed_frames_are_refused() -> None:
+def test_a_frame_is_a_push_request_as_protobuf_encodes_it() -> None:
+    """frame/unframe write and read PushRequest's encoding by hand (the payload never passes
+    through protobuf): the library reads what they write, and they read what it writes."""
     chunk = encode_chunk(_meta(3), _pages(3, torch.float32))
     wire = frame(chunk)
-    for bad in (b"", b"\x01\x00", (10**6).to_bytes(4, "little") + wire[4:], wire[:4] + b"\xff" * 20):
-        with pytest.raises(TransferError):
-            decode_chunk(unframe(bad), LIMITS)
+    assert wire == pb.PushRequest(header=chunk.header, payload=bytes(chunk.payload)).SerializeToString()
+    parsed = pb.PushRequest.FromString(wire)
+    assert parsed.header == chunk.header and parsed.payload == bytes(chunk.payload)
+    message = pb.PushRequest(header=chunk.header, payload=bytes(chunk.payload)).SerializeToString()
+    back = unframe(message)
+    assert back.header == chunk.header and bytes(back.payload) == bytes(chunk.payload)
+    assert isinstance(back.payload, memoryview) and back.payload.obj is message  # a view, not a copy
+    assert torch.equal(decode_chunk(back, LIMITS), decode_chunk(chunk, LIMITS))
+
+
+def test_malformed_frames_are_refused() -> None:
+    chunk = encode_chunk(_meta(3), _pages(3, torch.float32))
+    head, payload = chunk.header.SerializeToString(), bytes(chunk.payload)
+    header_field = field_prefix(HEADER_FIELD, len(head)) + head
+    payload_field = field_prefix(PAYLOAD_FIELD, len(payload)) + payload
+    assert frame(chunk) == header_field + payload_field
+    bad = {
+        "empty": b"",
+        "a truncated key": header_field[:1],
+        "a length that does not end": b"\x0a" + b"\xff" * 12,
+        "payload first": payload_field + header_field,
+        "no header": payload_field,
+        "two headers": header_field + header_field + payload_field,
+        "another field": header_field + payload_field + field_prefix(3, 1) + b"x",
+        "another field between": header_field + field_prefix(3, 1) + b"x" + payload_field,
+        "header past the end": field_prefix(HEADER_FIELD, len(head) + 1) + head,
+        "header over the bound": field_prefix(HEADER_FIELD, MAX_HEADER_BYTES + 1) + b"\0" * (MAX_HEADER_BYTES + 1),
+        "payload past the end": header_field + field_prefix(PAYLOAD_FIELD, len(payload) + 1) + payload,
+        "bytes after the payload": header_field + payload_field + b"\0",
+        "garbage header": field_prefix(HEADER_FIELD, 20) + b"\xff" * 20 + payload_field,
+        "no payload": header_field,  # protobuf's empty payload: unframed, then refused by its length
+    }
+    refused = []
+    for name, data in bad.items():
+        try:
+            decode_chunk(unframe(data), LIMITS)
+        except TransferError:
+            refused.append(name)
+    assert refused == list(bad)
 
 
 def test_chunk_pages_fit_the_target_and_the_receivers_bounds() -> None:

@@ -1,5 +1,5 @@
 """The nccl transport between two workers (kvtransfer/nccl_link.py): a real KV gRPC server with
-KVTransfer/PushNccl, NcclSender and NcclEndpoint, the pages over a real two-rank gloo
+KVTransferService/PushNccl, NcclSender and NcclEndpoint, the pages over a real two-rank gloo
 communicator (what CPU pools use) or, for the failure drills, the in-memory LoopbackFabric
 (which can stall a peer or flip a byte on cue). Only CuPy's NCCL calls are not here:
 bench/gpu_check.py runs them on a GPU.

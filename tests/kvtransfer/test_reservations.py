@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.transport import KVDestination, Reservation, ReservationBook
 
 

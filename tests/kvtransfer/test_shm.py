@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import start_kv_server
 from kvtransfer.shm import PUSH_SHM, REGION_DIR, ShmRegion, ShmSender, shm_handler
@@ -132,22 +132,22 @@ class RawStream:
     def __init__(self, address: str) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.call = self.channel.stream_stream(PUSH_SHM, request_serializer=bytes,
-                                               response_deserializer=pb.ShmReply.FromString)(timeout=10)  # fmt: skip
+                                               response_deserializer=pb.PushShmResponse.FromString)(timeout=10)  # fmt: skip
 
-    async def grant(self, dest: KVDestination) -> pb.ShmReply:
+    async def grant(self, dest: KVDestination) -> pb.PushShmResponse:
         """Open the stream with dest's token (as ShmSender does), then read the slots granted."""
         opening = pb.PageChunkHeader(req_id=dest.req_id, transfer_id=dest.transfer_id, transfer_token=dest.token,
                                      sender_epoch=dest.epoch)  # fmt: skip
-        await self.call.write(pb.ShmChunk(header=opening).SerializeToString())
-        grant: pb.ShmReply = await self.call.read()
+        await self.call.write(pb.PushShmRequest(header=opening).SerializeToString())
+        grant: pb.PushShmResponse = await self.call.read()
         assert list(grant.free_offsets) and grant.slot_bytes == SLOT_BYTES
         return grant
 
-    async def ack(self) -> pb.PushAck:
+    async def ack(self) -> pb.PushResponse:
         while not (reply := await self.call.read()).HasField("ack"):
             pass
         await self.channel.close()
-        ack: pb.PushAck = reply.ack
+        ack: pb.PushResponse = reply.ack
         return ack
 
 
@@ -163,7 +163,7 @@ async def test_bytes_corrupted_in_shm_fail_the_checksum_and_release(side: Side) 
         if chunk is chunks[1]:  # the sender's header (and its checksum) describe other bytes
             slot[100] ^= 0x10
         slot.release()
-        msg = pb.ShmChunk(header=chunk.header, offset=offset, length=len(chunk.payload))
+        msg = pb.PushShmRequest(header=chunk.header, offset=offset, length=len(chunk.payload))
         await raw.call.write(msg.SerializeToString())
     ack = await raw.ack()
     assert (ack.accepted, ack.pages_received, ack.error) == (False, 5, "checksum mismatch")
@@ -199,7 +199,7 @@ async def test_offsets_and_lengths_outside_the_grant_are_refused_before_any_read
     bad = {"past the region": (region.size, length), "inside a slot": (offset + 64, length),
            "slot not granted": (2 * SLOT_BYTES, length), "longer than a slot": (offset, length),
            "length not the header's": (offset, length - 4), "malformed message": (offset, length)}[where]  # fmt: skip
-    msg = pb.ShmChunk(header=chunk.header, offset=bad[0], length=bad[1]).SerializeToString()
+    msg = pb.PushShmRequest(header=chunk.header, offset=bad[0], length=bad[1]).SerializeToString()
     await raw.call.write(b"\x0a\x7f" if where == "malformed message" else msg)  # truncated field 1
     ack = await raw.ack()
     expected = {"longer than a slot": "payload outside the shm region's slots",

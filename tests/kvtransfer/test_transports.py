@@ -9,11 +9,13 @@ import grpc
 import pytest
 import torch
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvcache.pool import DevicePool, KVLayout
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import PUSH, GrpcSender, start_kv_server
 from kvtransfer.local import LocalSender
+from kvtransfer.nccl_link import PUSH_NCCL
+from kvtransfer.shm import PUSH_SHM
 from kvtransfer.transport import (
     KVDestination,
     KVSender,
@@ -100,6 +102,35 @@ async def test_grpc_transport_lands_pages_in_the_reserved_ids(
     _assert_landed(decode, dest, pages)
 
 
+def test_the_kv_server_hosts_the_declared_service() -> None:
+    """KVTransferService (proto/baton/kv/v1/kvtransfer.proto) declares every method the KV
+    server hosts, with the messages each one really carries."""
+    service = pb.DESCRIPTOR.services_by_name["KVTransferService"]
+    assert service.full_name == "baton.kv.v1.KVTransferService"
+    declared = {f"/{service.full_name}/{m.name}": (m.input_type.name, m.output_type.name, m.client_streaming,
+                                                   m.server_streaming) for m in service.methods}  # fmt: skip
+    assert declared == {
+        PUSH: ("PushRequest", "PushResponse", True, False),
+        PUSH_SHM: ("PushShmRequest", "PushShmResponse", True, True),
+        PUSH_NCCL: ("PushNcclRequest", "PushNcclResponse", True, True),
+    }
+
+
+async def test_a_push_of_protobuf_encoded_push_requests_lands(grpc_decode: tuple[Decode, str]) -> None:
+    """Push's messages are PushRequests: any protobuf client that writes them (not only
+    kvtransfer.codec.frame) pushes pages."""
+    decode, address = grpc_decode
+    pages = _prefill_pages(6)
+    dest = decode.reserve(address, 6)
+    requests = [pb.PushRequest(header=c.header, payload=bytes(c.payload))
+                for c in build_chunks(dest, pages, EPOCH, pages_per_chunk=4)]  # fmt: skip
+    async with grpc.aio.insecure_channel(address) as channel:
+        push = channel.stream_unary(PUSH, pb.PushRequest.SerializeToString, pb.PushResponse.FromString)
+        ack = await push(iter(requests), timeout=10)
+    assert (ack.accepted, ack.pages_received, ack.error) == (True, 6, "")
+    _assert_landed(decode, dest, pages)
+
+
 async def test_grpc_wrong_token_is_refused_and_the_reservation_untouched(
     grpc_decode: tuple[Decode, str], grpc_sender: GrpcSender
 ) -> None:
@@ -159,7 +190,7 @@ async def test_deadline_passing_mid_stream_fails_and_releases_the_reservation(
 async def test_grpc_refuses_a_chunk_over_the_message_limit(grpc_decode: tuple[Decode, str]) -> None:
     _, address = grpc_decode
     async with grpc.aio.insecure_channel(address) as channel:
-        push = channel.stream_unary(PUSH, request_serializer=bytes, response_deserializer=pb.PushAck.FromString)
+        push = channel.stream_unary(PUSH, request_serializer=bytes, response_deserializer=pb.PushResponse.FromString)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await push(iter([b"\0" * (40 << 20)]), timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

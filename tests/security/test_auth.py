@@ -195,16 +195,19 @@ def test_a_websocket_upgrade_gets_nothing(guarded: Guarded) -> None:
 
 
 def _generation_methods() -> list[tuple[str, str, bytes]]:
-    """(path, kind, a valid request) for every method of baton.v1.Generation."""
+    """(path, kind, a valid request) for every method of baton.v1.GenerationService, under its
+    name and under the deprecated one it is also served by (baton.v1.Generation)."""
     good = {
         "GenerateRequest": gen_pb.GenerateRequest(model=MODEL, text="hi", sampling=gen_pb.Sampling(max_tokens=1)),
+        "CompleteRequest": gen_pb.CompleteRequest(model=MODEL, text="hi", sampling=gen_pb.Sampling(max_tokens=1)),
         "TokenizeRequest": gen_pb.TokenizeRequest(model=MODEL, text="hi"),
     }
     out = []
-    for m in gen_pb.DESCRIPTOR.services_by_name["Generation"].methods:
-        kind = "unary_stream" if m.server_streaming else "unary_unary"
-        out.append((f"/baton.v1.Generation/{m.name}", kind, good[m.input_type.name].SerializeToString()))
-    assert len(out) == 3
+    for name in ("baton.v1.GenerationService", "baton.v1.Generation"):
+        for m in gen_pb.DESCRIPTOR.services_by_name["GenerationService"].methods:
+            kind = "unary_stream" if m.server_streaming else "unary_unary"
+            out.append((f"/{name}/{m.name}", kind, good[m.input_type.name].SerializeToString()))
+    assert len(out) == 6
     return out
 
 
@@ -322,7 +325,7 @@ def test_grpc_error_details_leak_no_internals(guarded: Guarded) -> None:
     ]
     with grpc.insecure_channel(guarded.grpc_target) as channel:
         for request in bad:
-            code, details = raw_call(channel, "/baton.v1.Generation/Complete", "unary_unary",
+            code, details = raw_call(channel, "/baton.v1.GenerationService/Complete", "unary_unary",
                                      request.SerializeToString(), auth)  # fmt: skip
             assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (request, code)
             assert details and not leaks(details), details

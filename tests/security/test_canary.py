@@ -6,7 +6,8 @@ must refuse it clearly (a status, a codec error, a counter), never create the fi
 serve a good request afterwards:
 
     HTTP             every route, as a JSON, octet-stream and pickle body, with and without a key
-    gRPC             every method of the gateway (Generation, health, reflection), as raw bytes
+    gRPC             every method of the gateway (GenerationService, under its deprecated name
+                     too, health, reflection), as raw bytes
     KV transfer      Push and PushShm of a real decode worker's KV server, raw and framed
     membership       a WorkerInfo value in etcd under the cluster prefix (and a deeply nested
                      one): counted as bad values, the watch goes on
@@ -31,8 +32,8 @@ from fastapi.routing import APIRoute
 from grpc_health.v1 import health_pb2
 from starlette.routing import Route
 
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from batonpb.baton.v1 import generation_pb2 as gen_pb
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from cluster.membership.etcd import EtcdConfig, EtcdMembership
 from cluster.membership.protocol import Role, WorkerInfo
 from decode.worker import DecodeWorker
@@ -44,7 +45,14 @@ from engine.job import Job
 from engine.loader import load_state_dict
 from kvcache.disk import DiskTier
 from kvcache.disk_record import encode_record
-from kvtransfer.codec import ChunkMeta, encode_chunk, frame
+from kvtransfer.codec import (
+    HEADER_FIELD,
+    PAYLOAD_FIELD,
+    ChunkMeta,
+    encode_chunk,
+    field_prefix,
+    frame,
+)
 from kvtransfer.grpc_transport import PUSH, GrpcSender, start_kv_server
 from kvtransfer.shm import PUSH_SHM, ShmRegion, shm_handler
 from kvtransfer.transport import KVDestination, build_chunks
@@ -104,11 +112,15 @@ def test_http_refuses_the_canary_on_every_route(guarded: Guarded, canary: Canary
 def grpc_methods() -> list[tuple[str, str]]:
     """(path, kind) of every method the gateway's gRPC server hosts."""
     out = []
-    for service in (gen_pb.DESCRIPTOR.services_by_name["Generation"], health_pb2.DESCRIPTOR.services_by_name["Health"]):
+    generation = gen_pb.DESCRIPTOR.services_by_name["GenerationService"]
+    services = ((generation.full_name, generation), ("baton.v1.Generation", generation),  # deprecated name
+                ("grpc.health.v1.Health", health_pb2.DESCRIPTOR.services_by_name["Health"]))  # fmt: skip
+    for name, service in services:
         for m in service.methods:
             kind = ("stream" if m.client_streaming else "unary") + "_" + ("stream" if m.server_streaming else "unary")
-            out.append((f"/{service.full_name}/{m.name}", kind))
+            out.append((f"/{name}/{m.name}", kind))
     out.append(("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream_stream"))
+    assert ("/baton.v1.GenerationService/Generate", "unary_stream") in out
     assert ("/baton.v1.Generation/Generate", "unary_stream") in out
     return out
 
@@ -142,10 +154,10 @@ def test_grpc_refuses_the_canary_on_every_method(guarded: Guarded, canary: Canar
                                 grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED), (path, code)  # fmt: skip
                 assert "Traceback" not in details and str(ROOT) not in details
         generate = channel.unary_unary(
-            "/baton.v1.Generation/Complete", request_serializer=gen_pb.GenerateRequest.SerializeToString,
+            "/baton.v1.GenerationService/Complete", request_serializer=gen_pb.CompleteRequest.SerializeToString,
             response_deserializer=gen_pb.CompleteResponse.FromString,
         )  # fmt: skip
-        good = gen_pb.GenerateRequest(model=MODEL, text="hello", sampling=gen_pb.Sampling(max_tokens=2, temperature=0))
+        good = gen_pb.CompleteRequest(model=MODEL, text="hello", sampling=gen_pb.Sampling(max_tokens=2, temperature=0))
         reply = generate(good, metadata=(("x-api-key", ALPHA_KEY),), timeout=30)
     assert len(reply.token_ids) == 2
     assert not canary.fired
@@ -189,10 +201,10 @@ def _kv_pages(worker: DecodeWorker, n: int, data: bytes = b"") -> torch.Tensor:
     return torch.frombuffer(raw, dtype=torch.float32).reshape(shape).clone()
 
 
-async def _push_raw(address: str, messages: list[bytes]) -> pb.PushAck:
+async def _push_raw(address: str, messages: list[bytes]) -> pb.PushResponse:
     async with grpc.aio.insecure_channel(address) as channel:
-        push = channel.stream_unary(PUSH, request_serializer=None, response_deserializer=pb.PushAck.FromString)
-        ack: pb.PushAck = await push(iter(messages), timeout=10)
+        push = channel.stream_unary(PUSH, request_serializer=None, response_deserializer=pb.PushResponse.FromString)
+        ack: pb.PushResponse = await push(iter(messages), timeout=10)
         return ack
 
 
@@ -202,11 +214,14 @@ async def test_kv_push_refuses_the_canary_raw_and_framed(kv_server: tuple[Decode
     assert dest is not None
     forged = encode_chunk(ChunkMeta(dest.req_id, dest.transfer_id, b"\x00" * 16, 3, dest.dest_page_ids),
                           _kv_pages(worker, 5, canary.payload))  # fmt: skip
+    head = forged.header.SerializeToString()
     attempts = {
         "raw": [canary.payload],
-        "as header": [len(canary.payload).to_bytes(4, "little") + canary.payload],
+        "as header": [field_prefix(HEADER_FIELD, len(canary.payload)) + canary.payload],
         "as payload, wrong token": [frame(forged)],
-        "after a header": [frame(forged)[: 4 + int.from_bytes(frame(forged)[:4], "little")] + canary.payload],
+        "after a header": [field_prefix(HEADER_FIELD, len(head)) + head + canary.payload],
+        "as the payload field": [field_prefix(HEADER_FIELD, len(head)) + head
+                                 + field_prefix(PAYLOAD_FIELD, len(canary.payload)) + canary.payload],
     }
     for name, messages in attempts.items():
         ack = await _push_raw(address, messages)
@@ -228,7 +243,7 @@ async def test_kv_push_shm_refuses_the_canary(kv_server: tuple[DecodeWorker, str
     dest = worker.reserve(Job("canary-shm", PROMPT, _sampling()), sender_epoch=3)
     assert dest is not None
     async with grpc.aio.insecure_channel(address) as channel:
-        call = channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.ShmReply.FromString)(timeout=10)
+        call = channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.PushShmResponse.FromString)(timeout=10)
         await call.write(canary.payload)  # as the stream's open: refused before any slot is granted
         await call.done_writing()
         replies = []

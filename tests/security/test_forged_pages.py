@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -224,14 +224,14 @@ async def test_tokenless_shm_streams_cannot_hold_every_slot(engine: Engine) -> N
     channels = [grpc.aio.insecure_channel(worker.address) for _ in range(4)]
     sender = ShmSender()
     try:
-        calls = [channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.ShmReply.FromString)()
+        calls = [channel.stream_stream(PUSH_SHM, request_serializer=None, response_deserializer=pb.PushShmResponse.FromString)()
                  for channel in channels]  # fmt: skip
         victim = worker.reserve(Job("victim", PROMPT[:32], GREEDY), EPOCH)
         assert victim is not None
         guessed = pb.PageChunkHeader(req_id="victim", transfer_id=victim.transfer_id, transfer_token=b"\x00" * 16,
                                      sender_epoch=EPOCH)  # fmt: skip
         for call in calls[2:]:  # two open with a guessed token: refused, no grant
-            await call.write(pb.ShmChunk(header=guessed).SerializeToString())
+            await call.write(pb.PushShmRequest(header=guessed).SerializeToString())
             reply = await call.read()
             assert reply.HasField("ack") and reply.ack.error == "refused" and not reply.free_offsets
         # two more say nothing at all; meanwhile every slot is still free

@@ -27,8 +27,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
+from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from batonpb.baton.v1 import generation_pb2 as gen_pb
-from batonpb.baton.v1 import kvtransfer_pb2 as pb
 from cluster.edge.grpc_api import _check_prompt, build_sampling
 from cluster.errors import EdgeError
 from cluster.membership.protocol import Role, WorkerInfo
@@ -44,12 +44,15 @@ from kvcache.disk_record import (
 )
 from kvcache.pool import DevicePool, KVLayout
 from kvtransfer.codec import (
+    HEADER_FIELD,
+    PAYLOAD_FIELD,
     ChunkMeta,
     CodecLimits,
     TransferError,
     WireChunk,
     decode_chunk,
     encode_chunk,
+    field_prefix,
     frame,
     unframe,
 )
@@ -105,7 +108,8 @@ def test_any_bytes_as_a_kv_frame_fail_only_with_transfer_error(data: bytes) -> N
 @given(header=st.binary(max_size=256), payload=st.binary(max_size=256))
 def test_a_well_framed_garbage_header_fails_only_with_transfer_error(header: bytes, payload: bytes) -> None:
     with pytest.raises(TransferError):
-        decode_chunk(unframe(len(header).to_bytes(4, "little") + header + payload), LIMITS)
+        fields = (field_prefix(HEADER_FIELD, len(header)), header, field_prefix(PAYLOAD_FIELD, len(payload)), payload)
+        decode_chunk(unframe(b"".join(fields)), LIMITS)
 
 
 @FUZZ
@@ -205,7 +209,7 @@ def test_forged_chunks_never_touch_pages_outside_their_reservation(
 @given(data=st.binary(max_size=400))
 def test_shm_chunk_messages_parse_or_are_none(data: bytes) -> None:
     msg = _parse_or_none(data)
-    assert msg is None or isinstance(msg, pb.ShmChunk)
+    assert msg is None or isinstance(msg, pb.PushShmRequest)
 
 
 def test_shm_slot_references_stay_inside_one_slot() -> None:
@@ -232,7 +236,7 @@ def test_a_hostile_shm_grant_is_refused_before_anything_is_opened(
     tmp_path_factory: pytest.TempPathFactory, region: str, region_bytes: int, slot_bytes: int
 ) -> None:
     sender = ShmSender(directory=str(tmp_path_factory.getbasetemp() / "no-shm-here"))
-    grant = pb.ShmReply(region=region, region_bytes=region_bytes, slot_bytes=slot_bytes)
+    grant = pb.PushShmResponse(region=region, region_bytes=region_bytes, slot_bytes=slot_bytes)
     with pytest.raises(TransferError):
         sender._attach("decode-0", grant)
     assert not sender._maps

@@ -2,14 +2,19 @@
 (docs/architecture.md: One request, Rules).
 
 Everything that decides where a request runs and which cached pages it may use is the
-request id, the prompt, the sampling, the priority and the cache salt, as the edge hands them
-to its engine side (EngineFront.generate: AsyncEngine colocated, PDFront in-process, RayFront
-whose Placer places on them). The tests record what crosses that boundary while clients send
+request id, the prompt, the sampling, the priority, the cache salt and the session key, as the
+edge hands them to its engine side (EngineFront.generate: AsyncEngine colocated, PDFront
+in-process, RayFront whose Placer places on them). Two of them take a client's word, scoped
+to the key's tenant: `cache_salt` only narrows the tenant's own reuse (the salt is the
+tenant's name and then the client's), and a session key (`prompt_cache_key`, gRPC
+`session_id`) is the tenant's name and then the client's, so it prefers the worker that
+tenant's session used and can never name a worker or another tenant's session. The tests record what crosses that boundary while clients send
 every hint they could think of (request-id and worker headers, tenant claims, `user`,
 `priority` without permission, vLLM-style transfer parameters), and check that:
 
 - the request id is the server's, fresh per request, whatever the client called it;
-- priority and salt are the API key's tenant's, whatever the body or headers claim;
+- priority is the API key's tenant's, and the salt starts with its name, whatever the body or
+  headers claim;
 - tenants with the same prompt never share cached tokens (usage.cached_tokens stays 0);
 - a client reusing another in-flight request's id (and then hanging up) leaves it running.
 """
@@ -36,6 +41,7 @@ from cluster.placement.policy import Placer
 from engine.async_engine import AsyncEngine
 from engine.job import Job
 from engine.sampling import SamplingParams
+from kvcache.hashing import cache_salt, tenant_of
 from tests.security.conftest import ALPHA_KEY, BETA_KEY, MODEL, OPS_KEY, Guarded, bearer
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,6 +67,7 @@ class Call(NamedTuple):
     sampling: SamplingParams
     priority: int
     cache_salt: str
+    session: str
 
 
 @pytest.fixture
@@ -72,7 +79,7 @@ def recorded(guarded: Guarded, monkeypatch: pytest.MonkeyPatch) -> Iterator[list
     calls: list[Call] = []
 
     def generate(job: Job) -> Any:
-        calls.append(Call(job.req_id, tuple(job.prompt_ids), job.sampling, job.priority, job.cache_salt))
+        calls.append(Call(job.req_id, tuple(job.prompt_ids), job.sampling, job.priority, job.cache_salt, job.session))
         return original(job)
 
     monkeypatch.setattr(front, "generate", generate)
@@ -93,12 +100,16 @@ def test_hints_never_reach_the_engine_side(guarded: Guarded, recorded: list[Call
     body = {"model": MODEL, "prompt": _prompt(1, 20), "max_tokens": 2, "temperature": 0}
     plain = _complete(guarded, ALPHA_KEY, body)
     hinted = _complete(guarded, ALPHA_KEY, {**body, **HINT_FIELDS}, HINT_HEADERS)
-    again = _complete(guarded, ALPHA_KEY, {**body, **HINT_FIELDS}, HINT_HEADERS)
+    again = _complete(guarded, ALPHA_KEY, {**body, **HINT_FIELDS, "prompt_cache_key": "beta"}, HINT_HEADERS)
     assert len(recorded) == 3
     first, second, third = recorded
-    # the same request, whatever the hints: prompt, sampling, priority and salt are equal
-    assert first._replace(req_id="") == second._replace(req_id="") == third._replace(req_id="")
-    assert (first.priority, first.cache_salt) == (0, "alpha")  # the key's tenant, not "beta"
+    # the same request, whatever the hints: prompt, sampling and priority are equal; the salt
+    # is the key's tenant's, narrowed (never widened) by the client's cache_salt
+    assert first._replace(req_id="") == second._replace(req_id="", cache_salt="alpha", session="")
+    assert second._replace(req_id="") == third._replace(req_id="", session="")
+    assert (first.priority, first.cache_salt, first.session) == (0, "alpha", "")  # the key's tenant, not "beta"
+    assert second.cache_salt == cache_salt("alpha", "beta") and tenant_of(second.cache_salt) == "alpha"
+    assert second.session == "" and third.session == cache_salt("alpha", "beta")  # alpha's session "beta"
     # ids are the server's: fresh, unique, never the client's
     ids = {c.req_id for c in recorded}
     assert len(ids) == 3 and all(HEX_ID.fullmatch(i) for i in ids)
@@ -108,12 +119,12 @@ def test_hints_never_reach_the_engine_side(guarded: Guarded, recorded: list[Call
 
 
 def test_grpc_hints_never_reach_the_engine_side(guarded: Guarded, recorded: list[Call]) -> None:
-    request = gen_pb.GenerateRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=_prompt(2, 20)),
+    request = gen_pb.CompleteRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=_prompt(2, 20)),
                                      sampling=gen_pb.Sampling(max_tokens=2, temperature=0.0), priority=-100)  # fmt: skip
     metadata = [(k, v) for k, v in HINT_HEADERS.items()] + [("x-api-key", BETA_KEY)]
     with grpc.insecure_channel(guarded.grpc_target) as channel:
-        complete = channel.unary_unary("/baton.v1.Generation/Complete",
-                                       request_serializer=gen_pb.GenerateRequest.SerializeToString,
+        complete = channel.unary_unary("/baton.v1.GenerationService/Complete",
+                                       request_serializer=gen_pb.CompleteRequest.SerializeToString,
                                        response_deserializer=gen_pb.CompleteResponse.FromString)  # fmt: skip
         replies = [complete(request, metadata=metadata, timeout=30) for _ in range(2)]
     # the tenant of the key (beta, priority 3), not the request's priority field (not allowed here)
@@ -130,7 +141,8 @@ def test_tenants_never_share_cached_pages_whatever_the_client_claims(guarded: Gu
         usage = _complete(guarded, key, {**body, **(extra or {})}, headers)["usage"]
         return int(usage["prompt_tokens_details"]["cached_tokens"])
 
-    claims = {**HINT_FIELDS, "user": "alpha", "tenant": "alpha", "cache_salt": "alpha"}
+    claims = {**HINT_FIELDS, "user": "alpha", "tenant": "alpha", "prompt_cache_key": "alpha"}
+    del claims["cache_salt"]
     claim_headers = {**HINT_HEADERS, "x-baton-tenant": "alpha", "openai-organization": "alpha"}
     assert cached(ALPHA_KEY) == 0
     assert cached(ALPHA_KEY) == 32  # real reuse: the measurement can see a hit
@@ -138,12 +150,15 @@ def test_tenants_never_share_cached_pages_whatever_the_client_claims(guarded: Gu
     assert cached(BETA_KEY, {"user": "beta"}) == 32  # beta's own pages, now cached
     # alpha claiming to be beta does not see beta's pages either (it sees its own)
     assert cached(ALPHA_KEY, {**claims, "user": "beta", "tenant": "beta"}) == 32
+    # a salt only narrows: beta naming alpha's "salt" is still beta's, and apart from both
+    assert cached(BETA_KEY, {"cache_salt": "alpha"}) == 0
+    assert cached(BETA_KEY, {"cache_salt": "alpha"}) == 32
     # and over gRPC the same: the key decides
-    request = gen_pb.GenerateRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=_prompt(4)),
+    request = gen_pb.CompleteRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=_prompt(4)),
                                      sampling=gen_pb.Sampling(max_tokens=2, temperature=0.0))  # fmt: skip
     with grpc.insecure_channel(guarded.grpc_target) as channel:
-        complete = channel.unary_unary("/baton.v1.Generation/Complete",
-                                       request_serializer=gen_pb.GenerateRequest.SerializeToString,
+        complete = channel.unary_unary("/baton.v1.GenerationService/Complete",
+                                       request_serializer=gen_pb.CompleteRequest.SerializeToString,
                                        response_deserializer=gen_pb.CompleteResponse.FromString)  # fmt: skip
         hits = [complete(request, metadata=[("x-api-key", key), ("x-baton-tenant", "alpha")], timeout=30).usage.cached_tokens
                 for key in (ALPHA_KEY, BETA_KEY, BETA_KEY)]  # fmt: skip
@@ -204,7 +219,9 @@ def _cancelled(guarded: Guarded, expected: float | None = None) -> float:
         time.sleep(0.05)
 
 
-ALLOWED_FIELDS = ["req_id", "prompt_ids", "sampling", "priority", "cache_salt"]
+# session: the tenant-scoped session key; num_resumed: set by the gateway when a request
+# moves off a lost decode worker (cluster.fleet.front), never from a client's field
+ALLOWED_FIELDS = ["req_id", "prompt_ids", "sampling", "priority", "cache_salt", "session", "num_resumed"]
 
 
 def test_the_engine_side_and_the_placer_take_no_hint() -> None:
@@ -217,4 +234,5 @@ def test_the_engine_side_and_the_placer_take_no_hint() -> None:
     for front in (EngineFront, AsyncEngine, PDFront, RayFront):
         params = inspect.signature(front.generate).parameters
         assert [(name, p.annotation) for name, p in params.items()] == [("self", inspect.Parameter.empty), ("job", "Job")], front
-    assert list(inspect.signature(Placer.place).parameters) == ["self", "req_id", "hashes", "num_tokens", "tenant"]
+    assert list(inspect.signature(Placer.place).parameters) == [
+        "self", "req_id", "hashes", "num_tokens", "tenant", "session"]

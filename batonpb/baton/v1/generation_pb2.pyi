@@ -39,25 +39,33 @@ class _ToolChoice:
 
 class _ToolChoiceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoice.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
-    TOOL_CHOICE_AUTO: _ToolChoice.ValueType  # 0
-    """text, or calls (enforced once "<tool_call>" starts one)"""
+    TOOL_CHOICE_UNSPECIFIED: _ToolChoice.ValueType  # 0
+    """auto: text, or calls (enforced once "<tool_call>" starts one)"""
     TOOL_CHOICE_NONE: _ToolChoice.ValueType  # 1
     """text only (the tools are still in the prompt)"""
     TOOL_CHOICE_REQUIRED: _ToolChoice.ValueType  # 2
     """one or more calls, nothing else"""
     TOOL_CHOICE_FUNCTION: _ToolChoice.ValueType  # 3
     """exactly one call of GenerateRequest.tool_function"""
+    TOOL_CHOICE_AUTO: _ToolChoice.ValueType  # 4
+    """as TOOL_CHOICE_UNSPECIFIED"""
 
-class ToolChoice(_ToolChoice, metaclass=_ToolChoiceEnumTypeWrapper): ...
+class ToolChoice(_ToolChoice, metaclass=_ToolChoiceEnumTypeWrapper):
+    """Unset means auto. Before issue 24 auto was value 0, named TOOL_CHOICE_AUTO: what a client
+    built on those stubs sends is still auto. TOOL_CHOICE_AUTO = 4 says it explicitly (a server
+    from before refuses 4: leave the field unset for auto where that matters).
+    """
 
-TOOL_CHOICE_AUTO: ToolChoice.ValueType  # 0
-"""text, or calls (enforced once "<tool_call>" starts one)"""
+TOOL_CHOICE_UNSPECIFIED: ToolChoice.ValueType  # 0
+"""auto: text, or calls (enforced once "<tool_call>" starts one)"""
 TOOL_CHOICE_NONE: ToolChoice.ValueType  # 1
 """text only (the tools are still in the prompt)"""
 TOOL_CHOICE_REQUIRED: ToolChoice.ValueType  # 2
 """one or more calls, nothing else"""
 TOOL_CHOICE_FUNCTION: ToolChoice.ValueType  # 3
 """exactly one call of GenerateRequest.tool_function"""
+TOOL_CHOICE_AUTO: ToolChoice.ValueType  # 4
+"""as TOOL_CHOICE_UNSPECIFIED"""
 Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
 
 class _FinishReason:
@@ -404,6 +412,8 @@ Global___Sampling: _TypeAlias = Sampling  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
+    """Generate's request. CompleteRequest has exactly these fields: keep the two identical."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_FIELD_NUMBER: _builtins.int
@@ -483,6 +493,94 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class CompleteRequest(_message.Message):
+    """Complete's request: GenerateRequest's fields exactly (names, numbers, types, the oneof), so
+    the two are wire-identical and either message's bytes parse as the other. A field added to
+    one is added to the other in the same change (tests/cluster/test_grpc_api.py compares the
+    descriptors).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    CHAT_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    TOOL_FUNCTION_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The served model's name; any other name is NOT_FOUND. Up to 256 characters."""
+    text: _builtins.str
+    """Up to 4,000,000 characters, tokenized with the model's special tokens (BOS)."""
+    chat: _builtins.bool
+    """When true, `messages` is the prompt (rendered with the chat template, generation prompt
+    added) and `prompt` must be unset.
+    """
+    priority: _builtins.int
+    """Scheduling class, in [-100, 100], lower first. Honoured only when the server allows it;
+    otherwise the API key's tenant decides.
+    """
+    tool_choice: Global___ToolChoice.ValueType
+    tool_function: _builtins.str
+    """The function to call, with TOOL_CHOICE_FUNCTION (and only then)."""
+    parallel_tool_calls: _builtins.bool
+    """Absent: true. False: at most one call."""
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds: ...
+    @_builtins.property
+    def sampling(self) -> Global___Sampling:
+        """Absent: every default (max_tokens = rest of the context)."""
+
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """1 to 2048 messages when `chat` is true; empty otherwise."""
+
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Functions the model may call (chat only, up to 128, distinct names), rendered by the chat
+        template. With tools, the response's `text` is the content and tool calls come apart.
+        """
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        text: _builtins.str = ...,
+        token_ids: Global___TokenIds | None = ...,
+        sampling: Global___Sampling | None = ...,
+        chat: _builtins.bool = ...,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        priority: _builtins.int | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice.ValueType = ...,
+        tool_function: _builtins.str = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "chat", b"chat", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
+
+Global___CompleteRequest: _TypeAlias = CompleteRequest  # noqa: Y015
 
 @_typing.final
 class TopLogprob(_message.Message):

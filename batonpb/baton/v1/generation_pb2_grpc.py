@@ -25,8 +25,13 @@ if _version_not_supported:
     )
 
 
-class GenerationStub:
-    """Missing associated documentation comment in .proto file."""
+class GenerationServiceStub:
+    """Named `baton.v1.Generation` before issue 24, when Complete took a GenerateRequest. The
+    server still answers the old paths, `/baton.v1.Generation/<method>`, with the same handlers
+    (DEPRECATED: not listed by reflection, no health status of its own; it will be removed). A
+    client moves in one step: the GenerationService stub (`/baton.v1.GenerationService/<method>`)
+    and a CompleteRequest for Complete (GenerateRequest's fields exactly: the same bytes).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -35,24 +40,29 @@ class GenerationStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/baton.v1.Generation/Generate',
+                '/baton.v1.GenerationService/Generate',
                 request_serializer=baton_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Complete = channel.unary_unary(
-                '/baton.v1.Generation/Complete',
-                request_serializer=baton_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                '/baton.v1.GenerationService/Complete',
+                request_serializer=baton_dot_v1_dot_generation__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generation__pb2.CompleteResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
-                '/baton.v1.Generation/Tokenize',
+                '/baton.v1.GenerationService/Tokenize',
                 request_serializer=baton_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
 
 
-class GenerationServicer:
-    """Missing associated documentation comment in .proto file."""
+class GenerationServiceServicer:
+    """Named `baton.v1.Generation` before issue 24, when Complete took a GenerateRequest. The
+    server still answers the old paths, `/baton.v1.Generation/<method>`, with the same handlers
+    (DEPRECATED: not listed by reflection, no health status of its own; it will be removed). A
+    client moves in one step: the GenerationService stub (`/baton.v1.GenerationService/<method>`)
+    and a CompleteRequest for Complete (GenerateRequest's fields exactly: the same bytes).
+    """
 
     def Generate(self, request, context):
         """Streams the sequence step by step: each message carries the tokens of one engine step
@@ -77,7 +87,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_GenerationServicer_to_server(servicer, server):
+def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -86,7 +96,7 @@ def add_GenerationServicer_to_server(servicer, server):
             ),
             'Complete': grpc.unary_unary_rpc_method_handler(
                     servicer.Complete,
-                    request_deserializer=baton_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.CompleteRequest.FromString,
                     response_serializer=baton_dot_v1_dot_generation__pb2.CompleteResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
@@ -96,14 +106,19 @@ def add_GenerationServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'baton.v1.Generation', rpc_method_handlers)
+            'baton.v1.GenerationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('baton.v1.Generation', rpc_method_handlers)
+    server.add_registered_method_handlers('baton.v1.GenerationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Generation:
-    """Missing associated documentation comment in .proto file."""
+class GenerationService:
+    """Named `baton.v1.Generation` before issue 24, when Complete took a GenerateRequest. The
+    server still answers the old paths, `/baton.v1.Generation/<method>`, with the same handlers
+    (DEPRECATED: not listed by reflection, no health status of its own; it will be removed). A
+    client moves in one step: the GenerationService stub (`/baton.v1.GenerationService/<method>`)
+    and a CompleteRequest for Complete (GenerateRequest's fields exactly: the same bytes).
+    """
 
     @staticmethod
     def Generate(request,
@@ -119,7 +134,7 @@ class Generation:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/baton.v1.Generation/Generate',
+            '/baton.v1.GenerationService/Generate',
             baton_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             baton_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
@@ -146,8 +161,8 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Generation/Complete',
-            baton_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            '/baton.v1.GenerationService/Complete',
+            baton_dot_v1_dot_generation__pb2.CompleteRequest.SerializeToString,
             baton_dot_v1_dot_generation__pb2.CompleteResponse.FromString,
             options,
             channel_credentials,
@@ -173,7 +188,7 @@ class Generation:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/baton.v1.Generation/Tokenize',
+            '/baton.v1.GenerationService/Tokenize',
             baton_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             baton_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,

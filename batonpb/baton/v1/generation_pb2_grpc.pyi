@@ -40,33 +40,54 @@ class _ServicerContext(_grpc.ServicerContext, _aio.ServicerContext):  # type: ig
 GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
-class GenerationStub:
+class GenerationServiceStub:
+    """Named `baton.v1.Generation` before issue 24, when Complete took a GenerateRequest. The
+    server still answers the old paths, `/baton.v1.Generation/<method>`, with the same handlers
+    (DEPRECATED: not listed by reflection, no health status of its own; it will be removed). A
+    client moves in one step: the GenerationService stub (`/baton.v1.GenerationService/<method>`)
+    and a CompleteRequest for Complete (GenerateRequest's fields exactly: the same bytes).
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
-    def __new__(cls, channel: _aio.Channel) -> GenerationAsyncStub: ...
+    def __new__(cls, channel: _aio.Channel) -> GenerationServiceAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]
     """Streams the sequence step by step: each message carries the tokens of one engine step
     (usually one), the last one carries finish_reason and usage.
     """
-    Complete: _grpc.UnaryUnaryMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.CompleteResponse]
+    Complete: _grpc.UnaryUnaryMultiCallable[_generation_pb2.CompleteRequest, _generation_pb2.CompleteResponse]
     """The whole sequence in one reply (the same request, collected server-side)."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]
     """The token ids a text prompt becomes, without generating."""
 
 @_typing.type_check_only
-class GenerationAsyncStub(GenerationStub):
+class GenerationServiceAsyncStub(GenerationServiceStub):
+    """Named `baton.v1.Generation` before issue 24, when Complete took a GenerateRequest. The
+    server still answers the old paths, `/baton.v1.Generation/<method>`, with the same handlers
+    (DEPRECATED: not listed by reflection, no health status of its own; it will be removed). A
+    client moves in one step: the GenerationService stub (`/baton.v1.GenerationService/<method>`)
+    and a CompleteRequest for Complete (GenerateRequest's fields exactly: the same bytes).
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """Streams the sequence step by step: each message carries the tokens of one engine step
     (usually one), the last one carries finish_reason and usage.
     """
-    Complete: _aio.UnaryUnaryMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.CompleteResponse]  # type: ignore[assignment]
+    Complete: _aio.UnaryUnaryMultiCallable[_generation_pb2.CompleteRequest, _generation_pb2.CompleteResponse]  # type: ignore[assignment]
     """The whole sequence in one reply (the same request, collected server-side)."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]  # type: ignore[assignment]
     """The token ids a text prompt becomes, without generating."""
 
-class GenerationServicer(metaclass=_abc_1.ABCMeta):
+class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
+    """Named `baton.v1.Generation` before issue 24, when Complete took a GenerateRequest. The
+    server still answers the old paths, `/baton.v1.Generation/<method>`, with the same handlers
+    (DEPRECATED: not listed by reflection, no health status of its own; it will be removed). A
+    client moves in one step: the GenerationService stub (`/baton.v1.GenerationService/<method>`)
+    and a CompleteRequest for Complete (GenerateRequest's fields exactly: the same bytes).
+    """
+
     @_abc_1.abstractmethod
     def Generate(
         self,
@@ -80,7 +101,7 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Complete(
         self,
-        request: _generation_pb2.GenerateRequest,
+        request: _generation_pb2.CompleteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.CompleteResponse, _abc.Awaitable[_generation_pb2.CompleteResponse]]:
         """The whole sequence in one reply (the same request, collected server-side)."""
@@ -93,4 +114,4 @@ class GenerationServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_generation_pb2.TokenizeResponse, _abc.Awaitable[_generation_pb2.TokenizeResponse]]:
         """The token ids a text prompt becomes, without generating."""
 
-def add_GenerationServicer_to_server(servicer: GenerationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+def add_GenerationServiceServicer_to_server(servicer: GenerationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,1 @@
+"""Generated protobuf / gRPC stubs (proto/generate.py); do not edit."""
