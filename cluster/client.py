@@ -15,6 +15,13 @@ Structured output and tool calls:
                     tools=Tools((Tool("get_weather", parameters=json.dumps(params)),), choice="required"))
         -> Completion(text=content, tool_calls=(ToolCall(id, "get_weather", '{"city": ...}'),), ...)
 
+Serving options (several samples, a session key that keeps a conversation where its pages
+are, a cache salt, an SLO class) and prefix pins (operator keys):
+
+    client.complete(prompt, sampling=..., options=Options(n=4, session_id="conv-17"))
+        -> Completion(..., choices=(Choice(0, ...), ..., Choice(3, ...)))
+    client.pin_prefix(system_prompt, pin_id="sys", ttl_s=3600, tenant="acme")
+
 Values are frozen dataclasses, not protobuf messages, so callers do not depend on the
 generated stubs. Every failure is a BatonClientError carrying the gRPC status code, the
 server's message and, when the server is overloaded, how long to wait before retrying.
@@ -45,6 +52,8 @@ _TOOL_CHOICES = {
     "function": pb.TOOL_CHOICE_FUNCTION,
 }
 _CONSTRAINTS = ("json_schema", "regex", "grammar")
+_SLO_CLASSES = {"standard": pb.SLO_CLASS_UNSPECIFIED, "latency": pb.SLO_CLASS_LATENCY, "batch": pb.SLO_CLASS_BATCH}
+_ROLES = {"": pb.WORKER_ROLE_UNSPECIFIED, "prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
 # Generate's request or Complete's: the same fields (proto/baton/v1/generation.proto)
 Request = TypeVar("Request", pb.GenerateRequest, pb.CompleteRequest)
 
@@ -75,6 +84,16 @@ class Sampling:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """How the request is served (the server bounds them; see the .proto)."""
+
+    n: int = 1  # independent samples of the prompt (sharing its cached pages), up to 16
+    session_id: str = ""  # a conversation's key: its requests prefer the worker holding its pages
+    cache_salt: str = ""  # only this tenant's requests with the same salt share cached pages
+    slo_class: str = "standard"  # "latency" (when the server allows callers to set it) or "batch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +148,21 @@ class Logprob:
 
 
 @dataclass(frozen=True, slots=True)
+class CachedTokens:
+    """Where the cached prompt tokens were found; `remote` of them in another worker's cache."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    remote: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached: CachedTokens = CachedTokens()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +176,19 @@ class Delta:
     finish_reason: str | None  # "stop", "length", "abort" or "tool_calls"
     usage: Usage | None
     tool_calls: tuple[ToolCallDelta, ...] = ()  # with tools (their text is not in `text`)
+    index: int = 0  # which sample (Options.n); each sample ends with its own finish_reason
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One sample of a Completion with Options.n > 1."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[Logprob, ...]
+    finish_reason: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +198,20 @@ class Completion:
     text: str
     logprobs: tuple[Logprob, ...]
     finish_reason: str | None
-    usage: Usage | None
+    usage: Usage | None  # the prompt once, completion tokens of every sample
     tool_calls: tuple[ToolCall, ...] = ()  # with tools: `text` is the content
+    choices: tuple[Choice, ...] = ()  # with Options.n > 1: every sample (the fields above are the first's)
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A pinned prefix (operator keys): what each worker said ("held", "computing" or why not)."""
+
+    pin_id: str
+    tenant: str
+    num_tokens: int
+    num_pages: int
+    workers: dict[str, str]
 
 
 class BatonClientError(Exception):
@@ -175,11 +230,16 @@ class BatonClientError(Exception):
 def build_request(
     kind: type[Request], model: str, prompt: str | Sequence[int] | None,
     messages: Sequence[Message] | None, sampling: Sampling | None, tools: Tools | None = None,
+    options: Options | None = None,
 ) -> Request:
     """The request message of `kind` (GenerateRequest or CompleteRequest); a value protobuf
     cannot hold (a negative count) is INVALID_ARGUMENT."""
     try:
-        request = kind(model=model, sampling=_sampling(sampling or Sampling()))
+        opts = options or Options()
+        if opts.slo_class not in _SLO_CLASSES:
+            raise ValueError(f"slo_class must be one of {', '.join(_SLO_CLASSES)}, got {opts.slo_class!r}")
+        request = kind(model=model, sampling=_sampling(sampling or Sampling()), n=opts.n, session_id=opts.session_id,
+                       cache_salt=opts.cache_salt, slo_class=_SLO_CLASSES[opts.slo_class])  # fmt: skip
         if messages is not None:
             request.chat = True
             request.messages.extend(_message(m) for m in messages)
@@ -239,24 +299,50 @@ def _logprobs(items: Sequence[pb.TokenLogprob]) -> tuple[Logprob, ...]:
 def _usage(msg: pb.GenerateResponse | pb.CompleteResponse) -> Usage | None:
     if not msg.HasField("usage"):
         return None
-    u = msg.usage
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    u, c = msg.usage, msg.usage.cached
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, CachedTokens(c.device, c.host, c.disk, c.remote))
 
 
 def to_delta(msg: pb.GenerateResponse) -> Delta:
     return Delta(
         msg.request_id, tuple(msg.token_ids), msg.text, _logprobs(msg.logprobs),
         _FINISH_NAMES.get(msg.finish_reason), _usage(msg),
-        tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in msg.tool_calls),
+        tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in msg.tool_calls), msg.index,
     )
+
+
+def _calls(msg: pb.CompleteResponse | pb.CompleteChoice) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls)
 
 
 def to_completion(msg: pb.CompleteResponse) -> Completion:
+    choices = tuple(Choice(c.index, tuple(c.token_ids), c.text, _logprobs(c.logprobs),
+                           _FINISH_NAMES.get(c.finish_reason), _calls(c)) for c in msg.choices)  # fmt: skip
     return Completion(
         msg.request_id, tuple(msg.token_ids), msg.text, _logprobs(msg.logprobs),
-        _FINISH_NAMES.get(msg.finish_reason), _usage(msg),
-        tuple(ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls),
+        _FINISH_NAMES.get(msg.finish_reason), _usage(msg), _calls(msg), choices,
     )
+
+
+def pin_request(
+    model: str, prefix: str | Sequence[int], pin_id: str, ttl_s: float, tenant: str, role: str
+) -> pb.PinPrefixRequest:
+    try:
+        if role not in _ROLES:
+            raise ValueError(f"role must be one of prefill, decode or '', got {role!r}")
+        request = pb.PinPrefixRequest(model=model, pin_id=pin_id, tenant=tenant, ttl_seconds=round(ttl_s),
+                                      role=_ROLES[role])  # fmt: skip
+        if isinstance(prefix, str):
+            request.text = prefix
+        else:
+            request.token_ids.ids.extend(prefix)
+    except (TypeError, ValueError) as exc:
+        raise BatonClientError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+    return request
+
+
+def to_pin(msg: pb.PinPrefixResponse) -> Pin:
+    return Pin(msg.pin_id, msg.tenant, msg.num_tokens, msg.num_pages, {w.worker: w.state for w in msg.workers})
 
 
 def client_error(exc: grpc.RpcError) -> BatonClientError:
@@ -325,8 +411,9 @@ class BatonClient:
     def generate(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
+        options: Options | None = None,
     ) -> Generator[Delta, None, None]:
-        request = build_request(pb.GenerateRequest, self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.GenerateRequest, self.model, prompt, messages, sampling, tools, options)
         call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             for msg in call:
@@ -339,10 +426,31 @@ class BatonClient:
     def complete(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
+        options: Options | None = None,
     ) -> Completion:
-        request = build_request(pb.CompleteRequest, self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.CompleteRequest, self.model, prompt, messages, sampling, tools, options)
         try:
             return to_completion(self._stub.Complete(request, **self._call(timeout_s)))
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+
+    def pin_prefix(
+        self, prefix: str | Sequence[int], *, pin_id: str, ttl_s: float, tenant: str = "", role: str = "",
+        timeout_s: float | None = None,
+    ) -> Pin:
+        """Keep a prefix's pages resident for `tenant` (an operator key's call); returns once
+        the workers hold them."""
+        request = pin_request(self.model, prefix, pin_id, ttl_s, tenant, role)
+        try:
+            return to_pin(self._stub.PinPrefix(request, **self._call(timeout_s)))
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+
+    def unpin_prefix(self, pin_id: str, *, tenant: str = "", timeout_s: float | None = None) -> bool:
+        """Release a pin; False when there was none."""
+        request = pb.UnpinPrefixRequest(model=self.model, pin_id=pin_id, tenant=tenant)
+        try:
+            return bool(self._stub.UnpinPrefix(request, **self._call(timeout_s)).released)
         except grpc.RpcError as exc:
             raise client_error(exc) from None
 
@@ -391,9 +499,10 @@ class AsyncBatonClient:
     async def generate(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
+        options: Options | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Stream deltas. Close it (contextlib.aclosing) to cancel the call when leaving early."""
-        request = build_request(pb.GenerateRequest, self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.GenerateRequest, self.model, prompt, messages, sampling, tools, options)
         call = self._stub.Generate(request, **self._call(timeout_s))
         try:
             async for msg in call:
@@ -406,10 +515,31 @@ class AsyncBatonClient:
     async def complete(
         self, prompt: Prompt = None, *, messages: Sequence[Message] | None = None,
         sampling: Sampling | None = None, timeout_s: float | None = None, tools: Tools | None = None,
+        options: Options | None = None,
     ) -> Completion:
-        request = build_request(pb.CompleteRequest, self.model, prompt, messages, sampling, tools)
+        request = build_request(pb.CompleteRequest, self.model, prompt, messages, sampling, tools, options)
         try:
             return to_completion(await self._stub.Complete(request, **self._call(timeout_s)))
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+
+    async def pin_prefix(
+        self, prefix: str | Sequence[int], *, pin_id: str, ttl_s: float, tenant: str = "", role: str = "",
+        timeout_s: float | None = None,
+    ) -> Pin:
+        """Keep a prefix's pages resident for `tenant` (an operator key's call); returns once
+        the workers hold them."""
+        request = pin_request(self.model, prefix, pin_id, ttl_s, tenant, role)
+        try:
+            return to_pin(await self._stub.PinPrefix(request, **self._call(timeout_s)))
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+
+    async def unpin_prefix(self, pin_id: str, *, tenant: str = "", timeout_s: float | None = None) -> bool:
+        """Release a pin; False when there was none."""
+        request = pb.UnpinPrefixRequest(model=self.model, pin_id=pin_id, tenant=tenant)
+        try:
+            return bool((await self._stub.UnpinPrefix(request, **self._call(timeout_s))).released)
         except grpc.RpcError as exc:
             raise client_error(exc) from None
 

@@ -27,7 +27,8 @@ value of the wrong type or out of its range. An example with every key is exampl
                 max_total, out_samples, in_samples, cooldown_s   (cluster.ops.planner)
     api:        host, port, grpc_port (0: off), api_keys_file, tls_cert, tls_key,
                 allow_priority_field, request_timeout_s, max_body_bytes
-    admission:  max_waiting_requests, max_waiting_tokens, max_inflight_requests
+    admission:  max_waiting_requests, max_waiting_tokens, max_inflight_requests, batch_share (of the
+                request bounds, what batch-class requests may fill)
     tracing:    otlp_endpoint (null: $OTEL_EXPORTER_OTLP_ENDPOINT, else off), service_name,
                 sample_ratio, insecure                                 (cluster.ops.tracing)
 
@@ -190,6 +191,7 @@ class AdmissionSection(_Section):
     max_waiting_requests: int = Field(default=256, ge=1)
     max_waiting_tokens: int = Field(default=1 << 19, ge=1)
     max_inflight_requests: int = Field(default=1024, ge=1)
+    batch_share: float = Field(default=0.5, gt=0, le=1)
 
 
 class TracingSection(_Section):
@@ -314,7 +316,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
                         allow_priority_field=a.allow_priority_field, tls_certfile=a.tls_cert, tls_keyfile=a.tls_key,
                         enable_admin=a.enable_admin),
         admission=AdmissionConfig(f.admission.max_waiting_requests, f.admission.max_waiting_tokens,
-                                  f.admission.max_inflight_requests),
+                                  f.admission.max_inflight_requests, batch_share=f.admission.batch_share),
         grpc_port=a.grpc_port or None,
         api_keys_file=Path(a.api_keys_file) if a.api_keys_file else None,
         request_timeout_s=a.request_timeout_s,

@@ -27,7 +27,7 @@ from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import StepOutput
-from engine.request import NOT_CACHED, CachedTokens
+from engine.request import NOT_CACHED, CachedTokens, SloClass
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import TransferError
 from kvtransfer.jobs import AbortedIds
@@ -106,7 +106,11 @@ class DecodeWorker:
         return n * ps
 
     def prefers_local(self, job: Job) -> bool:
-        """The uncached part of the prompt is short: cheaper to prefill here than to move."""
+        """The uncached part of the prompt is short: cheaper to prefill here than to move.
+        Never for a BATCH job while requests run here: its prefill would stall them for
+        throughput work (cluster.placement.policy, Classes); a push costs it nothing it needs."""
+        if job.slo == SloClass.BATCH and self.engine.scheduler.running:
+            return False
         return len(job.prompt_ids) - self.cached_tokens(job) <= self.local_prefill_tokens
 
     # -- reservations -------------------------------------------------------------------------

@@ -157,7 +157,7 @@ class Engine:
         self._validate(job.req_id, job.prompt_ids, job.sampling)
         if not 0 <= job.num_resumed < len(job.prompt_ids):
             raise RequestError("num_resumed", f"must be in [0, {len(job.prompt_ids)}), got {job.num_resumed}")
-        request = Request(job.req_id, list(job.prompt_ids), job.sampling, job.priority, self._arrivals)
+        request = Request(job.req_id, list(job.prompt_ids), job.sampling, job.priority, self._arrivals, job.slo)
         request.matcher = self._new_matcher(job, first_token)
         self._arrivals += 1
         request.cache_salt = job.cache_salt.encode()
@@ -254,6 +254,7 @@ class Engine:
     def _step(self, prev: InFlight | None) -> list[StepOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.num_preempted_total += len(sched.preempted)
         if not sched.scheduled:
             return self._resolve(prev) if prev is not None else []
         self._fence()  # promoted pages are in, evicted ones out
@@ -267,7 +268,6 @@ class Engine:
             outputs = self._update(sched.scheduled, result)
         self.scheduler.observe(sched, result.forward_s)  # the ITL target's cost model, when set
         pages = self.pool.pages
-        self.num_preempted_total += len(sched.preempted)
         self.last_stats = StepStats(
             step_s=time.perf_counter() - start,
             forward_s=result.forward_s,

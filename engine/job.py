@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.request import SloClass
 from engine.sampling import SamplingParams
 from kvcache.hashing import tenant_of
 
@@ -24,6 +25,9 @@ class Job:
     # A request that moved (its decode worker was lost): the prompt's last num_resumed tokens
     # are output it already emitted, and its constraint's grammar resumes after them.
     num_resumed: int = 0
+    # Its service class (engine.request.SloClass): scheduling order and preemption on every
+    # worker, a share of admission at the edge, whether a busy decode worker prefills it.
+    slo: SloClass = SloClass.STANDARD
 
     @property
     def tenant(self) -> str:

@@ -28,6 +28,21 @@ class RequestStatus(enum.IntEnum):
     FINISHED = 3
 
 
+class SloClass(enum.IntEnum):
+    """A request's service class, lowest most urgent: the scheduler orders by class, then
+    priority, then arrival; a LATENCY request that cannot be admitted preempts running BATCH
+    ones (engine.scheduler); admission keeps room for the first two (cluster.edge.admission)."""
+
+    LATENCY = 0  # interactive: first token as soon as possible
+    STANDARD = 1
+    BATCH = 2  # throughput work: yields its seat and pages to a LATENCY request
+
+
+# Classes apart in one sort key: wider than any priority's range ([-100, 100] at the edges),
+# so the class always decides before the priority does.
+SLO_BAND = 1_000_000
+
+
 class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id or a stop string
     LENGTH = 1  # max_tokens or the model's context
@@ -67,6 +82,7 @@ class Request:
     sampling: SamplingParams
     priority: int  # lower runs first; FCFS inside a class
     arrival: int  # admission order, the FCFS tie-break
+    slo: SloClass = SloClass.STANDARD  # ranks before the priority (class_priority)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
@@ -101,8 +117,14 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def class_priority(self) -> int:
+        """The class and the priority as one number, lowest first: the class decides, the
+        priority orders within it."""
+        return self.priority + (self.slo - SloClass.STANDARD) * SLO_BAND
+
+    @property
     def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival)
+        return (self.class_priority, self.arrival)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         n_prompt = len(self.prompt_ids)

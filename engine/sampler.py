@@ -112,11 +112,11 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 
 def deferrable(row: SamplingRow) -> bool:
     """A row whose token the host need not see before the next step is launched: nothing about
-    it depends on earlier tokens on the host (penalties, blocked ids, a grammar's mask), nothing
-    is reported beside it (logprobs) and its logits are the raw ones (no logit_bias: the
-    deferred path samples the raw logits)."""
+    it depends on earlier tokens on the host (penalties, blocked ids, a grammar's mask) and
+    nothing is reported beside it (logprobs). A logit_bias does not need the host: its ids and
+    values go to the device without a sync, and the deferred path adds them there."""
     p = row.params
-    return p.logprobs is None and not _has_penalties(p) and not row.blocked_ids and not p.logit_bias
+    return p.logprobs is None and not _has_penalties(p) and not row.blocked_ids
 
 
 def _splitmix64(x: int) -> int:
@@ -380,6 +380,10 @@ class Sampler:
         if not all(deferrable(r) for r in rows):
             raise ValueError("a row needs its tokens on the host (mask, logprobs, penalties or blocked ids)")
         logits = logits[:, : self.vocab_size]
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        if biased:  # as _processed does it, so the tokens are __call__'s
+            logits = logits.clone(memory_format=torch.contiguous_format)
+            _apply_bias(logits, rows, biased)
         if all(r.params.is_greedy for r in rows):
             return logits.argmax(dim=-1)
         return self._choose(logits.float(), rows)

@@ -9,10 +9,21 @@ Continuous batching with a per-step token budget (vLLM v1's shape, in miniature)
    cannot hold their new pages, the lowest-priority, most recent running request is
    preempted: its pages are freed and it goes back to the waiting queue to be recomputed
    later (preemption by recompute).
-2. Then, if nothing was preempted this step, waiting requests are admitted while the budget,
-   `max_num_seqs` and free pages allow.
+2. Then, if no running request had to preempt anything, waiting requests are admitted while
+   the budget, `max_num_seqs` and free pages allow.
 
-Within a priority class, prompt work goes to the prompts with the least uncached work first
+Service classes (engine.request.SloClass) order both queues before the priority does: LATENCY,
+then STANDARD, then BATCH. Before anything is scheduled, a LATENCY request at the head of the
+waiting queue that could not be admitted now -- no seat left under `max_num_seqs`, or not
+enough pages for its first piece even after evicting cached ones -- preempts running BATCH
+requests, the lowest-ranked (most recent) first, until it fits or none is left. It is then
+admitted first in the same step (its class ranks it first); the requests it preempted are not
+readmitted before the next step (async scheduling may still have their last token in flight),
+and a request whose last token is in flight (`finishing`) is never preempted. Room counts the
+pages this step's decode rows take. STANDARD requests never preempt by class: their only
+preemptions are the page-pressure ones of step 1, which take BATCH requests first too.
+
+Within a class and priority, prompt work goes to the prompts with the least uncached work first
 (`policy="least-uncached"`, the default; SGLang's longest-prefix-match order does the same
 for its waiting queue): a request whose prompt is mostly in the prefix cache gets its first
 token at once instead of queueing behind a cold 4k-token prompt, and a step's prompt chunks
@@ -56,7 +67,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.request import NOT_CACHED, CachedTokens, Request, RequestStatus
+from engine.request import NOT_CACHED, CachedTokens, Request, RequestStatus, SloClass
 from engine.step_cost import StepCostModel, StepShape, StepWorth
 from kvcache.hashing import ROOT_HASH, page_hashes
 from kvcache.pool import PagePool
@@ -69,7 +80,7 @@ POLICIES = ("least-uncached", "fcfs")
 # least-uncached: a waiting request's rank improves by this many tokens per prompt token the
 # engine computes after its arrival (1.0: it waits behind at most its own work's worth of others')
 AGING = 1.0
-RANK_WINDOW = 64  # waiting requests ranked per step: the oldest (by priority, then arrival)
+RANK_WINDOW = 64  # waiting requests ranked per step: the oldest (by class and priority, then arrival)
 # least-uncached: a step takes prompt chunks, in rank order, until they are worth this many times
 # a step without prompt work: the extra steps cost at most 1/STEP_WORTH of the prompt work
 STEP_WORTH = 2.0
@@ -102,7 +113,7 @@ class SchedulerConfig:
 class Rank(NamedTuple):
     """A waiting request's place in the least-uncached order, for one step."""
 
-    rank: tuple[int, float, int]  # (priority, uncached tokens + aging, arrival): lowest first
+    rank: tuple[int, float, int]  # (class priority, uncached tokens + aging, arrival): lowest first
     need: int  # prompt tokens it would compute if admitted now
     context: int  # tokens before them (cached, or being computed by a running request)
 
@@ -141,8 +152,8 @@ class Scheduler:
         self.pages = pages
         self.cache = cache
         self.fingerprint = fingerprint
-        self.running: list[Request] = []  # sorted by (priority, arrival)
-        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on (priority, arrival)
+        self.running: list[Request] = []  # sorted by sort_key: (class priority, arrival)
+        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap on sort_key
         self._by_id: dict[str, Request] = {}
         self.costs = StepCostModel()  # learns from every step when there is a target (observe)
         self.worth = StepWorth()  # least-uncached's burst rule (the engine sets the model's key weight)
@@ -211,6 +222,9 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        preempted: list[Request] = []
+        self._make_room_for_latency(preempted)
+        made_room = set(map(id, preempted))  # wait a step: their last token may be in flight
         budget = self.cfg.max_num_batched_tokens
         prefill = self._prefill_budget()  # tokens of prompt chunks this step (the ITL target)
         in_flight = self._pages_in_flight()
@@ -225,7 +239,6 @@ class Scheduler:
         chunk = self.cfg.max_prefill_chunk if decoding or self.cfg.stream_chunks else budget
         chunks, prefill = self._chunks(min(prefill, budget - decoding), prefill, ranks, chunk)
         scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
         held: list[Request] = []  # running prompts that waiting requests ranked ahead of
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -246,15 +259,15 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             idx += 1
-        if not preempted and prefill > 0:
-            left = self._admit(min(budget, prefill), scheduled, window, ranks, in_flight, chunk)
+        if len(preempted) == len(made_room) and prefill > 0:  # no running request had to preempt
+            left = self._admit(min(budget, prefill), scheduled, window, ranks, in_flight, chunk, made_room)
             prefill -= min(budget, prefill) - left
             budget = left
             # What the waiting requests were ranked for but did not take (no pages, a prefix
             # still being computed) goes to the held prompts: no step idles prompt work.
             for request in held:
                 num_new = min(request.num_pending, budget, prefill, chunk)
-                # still running: a step that preempted anything admits nothing and never gets here
+                # still running: a step whose running requests preempted any never gets here
                 if num_new > 1 and self._take_pages(request, self._pages_needed(request, num_new)):
                     scheduled.append(ScheduledRequest(request, num_new))
                     budget -= num_new
@@ -313,7 +326,7 @@ class Scheduler:
         return chunks, min(prefill, handed) if full else prefill
 
     def _rank(self, request: Request, uncached: int) -> tuple[int, float, int]:
-        return (request.priority, uncached + AGING * request.work_mark, request.arrival)
+        return (request.class_priority, uncached + AGING * request.work_mark, request.arrival)
 
     def observe(self, out: SchedulerOutput, forward_s: float) -> None:
         """The step `out` scheduled took `forward_s`: the ITL target's cost model and
@@ -355,17 +368,20 @@ class Scheduler:
 
     def _admit(
         self, budget: int, scheduled: list[ScheduledRequest], window: list[tuple[tuple[int, int], Request]],
-        ranks: dict[str, Rank], in_flight: set[bytes], chunk: int,
+        ranks: dict[str, Rank], in_flight: set[bytes], chunk: int, barred: set[int],
     ) -> int:  # fmt: skip
         """Admit waiting requests while `budget` (the step's tokens left, or its prefill budget
         when that is less) lasts, each with a first piece of at most `chunk` tokens: in rank
         order under least-uncached (`ranks`; the rest after them by priority and arrival), else
         by priority and arrival. `in_flight`: the pages
-        running requests are computing (grows with each admission)."""
+        running requests are computing (grows with each admission). `barred`: ids of requests
+        preempted this step, passed over."""
         admitted: set[int] = set()
         for request in self._admission_order(window, ranks):
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
+            if id(request) in barred:
+                continue
             hit = self._reuse_prefix(request)
             if self._would_duplicate(request, in_flight):
                 # A running request is computing this request's next page right now: wait a
@@ -389,6 +405,42 @@ class Scheduler:
             self._waiting = [item for item in self._waiting if id(item[1]) not in admitted]
             heapq.heapify(self._waiting)
         return budget
+
+    def _make_room_for_latency(self, preempted: list[Request]) -> None:
+        """The most urgent waiting request, when it is LATENCY and could not be admitted now
+        (no seat, or no pages for its first piece), preempts running BATCH requests, from the
+        back of `running` (the lowest-ranked, most recent first), until it could or none is
+        left. A request whose last token is in flight (`finishing`) is left alone."""
+        if not self._waiting or self._waiting[0][1].slo != SloClass.LATENCY:
+            return
+        head = self._waiting[0][1]
+        while not self._can_admit(head):
+            victim = next((r for r in reversed(self.running) if r.slo == SloClass.BATCH and not r.finishing), None)
+            if victim is None:
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
+
+    def _can_admit(self, request: Request) -> bool:
+        """A seat, and pages for the first piece of a waiting request beside the pages the
+        decode rows take this step, now. Enough free pages for the piece without its cached
+        prefix settle it; else its prefix is reused and the rest allocated (evicting cached
+        pages, as admission would), then all of it given back at once."""
+        cfg = self.cfg
+        if len(self.running) >= cfg.max_num_seqs:
+            return False
+        decoding = [r for r in self.running if r.num_pending == 1 and not r.finishing]
+        growth = sum(self._pages_needed(r, 1) for r in decoding)
+        chunk = cfg.max_prefill_chunk if decoding or cfg.stream_chunks else cfg.max_num_batched_tokens
+        piece = min(request.num_pending, cfg.max_num_batched_tokens, chunk)
+        if (self.pages.num_free - growth) * cfg.page_size >= piece:  # a cached prefix only needs fewer
+            return True
+        self._reuse_prefix(request)
+        num_new = min(request.num_pending, cfg.max_num_batched_tokens, chunk)
+        fits = self._take_pages(request, growth + self._pages_needed(request, num_new))
+        self._release(request)
+        return fits
 
     def _admission_order(
         self, window: list[tuple[tuple[int, int], Request]], ranks: dict[str, Rank]

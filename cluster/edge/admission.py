@@ -3,11 +3,15 @@
 A request is *waiting* from admission until its first token, and *in flight* until it ends.
 Two checks, both O(1):
 
-    enter()                 before tokenization: waiting and in-flight request counts
+    enter(slo)              before tokenization: waiting and in-flight request counts
     ticket.reserve(tokens)  after tokenization:  waiting prompt tokens
 
 Beyond either bound the caller gets Overloaded (HTTP 429 + Retry-After, gRPC
 RESOURCE_EXHAUSTED) before any work is done for it.
+
+A BATCH request (engine.request.SloClass) has only `batch_share` of the two request bounds: it
+is refused once the waiting or in-flight requests reach that share of theirs, so a queue full
+of batch work still leaves the rest for LATENCY and STANDARD requests, which have all of it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.errors import EdgeError, Kind
+from engine.request import SloClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,11 @@ class AdmissionConfig:
     max_waiting_tokens: int = 1 << 19  # prompt tokens of waiting requests
     max_inflight_requests: int = 1024  # admitted and not finished
     retry_after_s: float = 1.0
+    batch_share: float = 0.5  # of both request bounds, what BATCH requests may fill
+
+    def __post_init__(self) -> None:
+        if not 0 < self.batch_share <= 1:
+            raise ValueError(f"admission.batch_share must be in (0, 1], got {self.batch_share}")
 
 
 def overloaded(what: str, retry_after_s: float) -> EdgeError:
@@ -37,11 +47,13 @@ class Admission:
         self.waiting_tokens = 0
         self.num_rejected = 0
 
-    def enter(self) -> Ticket:
+    def enter(self, slo: SloClass = SloClass.STANDARD) -> Ticket:
         cfg = self.cfg
-        if self.num_waiting >= cfg.max_waiting_requests or self.num_inflight >= cfg.max_inflight_requests:
+        share = cfg.batch_share if slo == SloClass.BATCH else 1.0
+        if self.num_waiting >= share * cfg.max_waiting_requests or self.num_inflight >= share * cfg.max_inflight_requests:
             self.num_rejected += 1
-            raise overloaded("too many queued requests", cfg.retry_after_s)
+            what = "too many queued batch requests" if share < 1 else "too many queued requests"
+            raise overloaded(what, cfg.retry_after_s)
         self.num_waiting += 1
         self.num_inflight += 1
         return Ticket(self)

@@ -47,6 +47,7 @@ from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import StepOutput, StepStats
 from engine.pins import pin_on, unpin_on
+from engine.request import SloClass
 from engine.sampling import SamplingParams
 from engine.structured import GrammarCompiler, StructuredConfig
 from engine.tokenizer import Tokenizer
@@ -217,10 +218,16 @@ class Frontend:
 
     # -- before the engine ------------------------------------------------------------------
 
-    def admit(self) -> Ticket:
+    def admit(self, slo: SloClass = SloClass.STANDARD) -> Ticket:
+        """A place in the queue for one request of class `slo` (BATCH requests get a share of
+        it: cluster.edge.admission); RESOURCE_EXHAUSTED with retry-after when there is none."""
         if self.draining or not self.engine.is_alive:
             raise EdgeError(Kind.UNAVAILABLE, "the server is not accepting requests", None, 1.0)
-        return self.admission.enter()
+        try:
+            return self.admission.enter(slo)
+        except EdgeError:
+            self.metrics.admission_rejected.labels(slo.name.lower()).inc()
+            raise
 
     def deadline(self, timeout_s: float | None) -> float:
         """Absolute deadline from a client's timeout, capped by the server's."""
@@ -241,10 +248,13 @@ class Frontend:
         deadline: float | None,
         req_id: str | None = None,
         hints: CacheHints = NO_HINTS,
+        slo: SloClass = SloClass.STANDARD,
     ) -> GenerateRequest:
         """Check a tokenized prompt, and its max_tokens, against the model: the request as one
         value from here on. `req_id`: the one the edge minted with its trace (else a new one;
-        never the client's). `hints`: the request's own cache salt and session key, if any."""
+        never the client's). `hints`: the request's own cache salt and session key, if any.
+        `slo`: its service class, as the edge allowed it (the API's caller may not set LATENCY
+        unless the operator lets callers set scheduling)."""
         hints.check()
         n = len(prompt_ids)
         if n == 0:
@@ -270,7 +280,7 @@ class Frontend:
         # and one tenant's session key never names (or moves) another's session.
         session = cache_salt(tenant.name, hints.session) if hints.session else ""
         job = Job(req_id or uuid.uuid4().hex, tuple(prompt_ids), sampling, tenant.priority,
-                  cache_salt=cache_salt(tenant.name, hints.cache_salt), session=session)  # fmt: skip
+                  cache_salt=cache_salt(tenant.name, hints.cache_salt), session=session, slo=slo)  # fmt: skip
         return GenerateRequest(job, tenant, deadline)
 
     async def prepare_constraint(self, sampling: SamplingParams, field: str | None) -> None:
@@ -336,7 +346,8 @@ class Frontend:
             released = int(await unpin_on(self.engine, key))
         elif isinstance(self.engine, PinsPrefixes):
             released = await self.engine.unpin_prefix(key)
-        return self.pins.forget(tenant, pin_id) or released > 0
+        self.pins.forget(tenant, pin_id)
+        return released > 0  # the workers say: a pin past its TTL is gone there already
 
     # -- the stream -------------------------------------------------------------------------
 
@@ -490,3 +501,43 @@ class _Deadline:
     def cancel(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
+
+
+async def merge_streams(
+    streams: Sequence[AsyncIterator[StepOutput]],
+) -> AsyncGenerator[tuple[int, StepOutput], None]:
+    """Interleave the samples' streams of one call as (index, output), in arrival order.
+    Leaving early (or a failure in any one) closes every stream at once, so each aborts its
+    engine request: one stream is read in place under `aclosing`; several each in a task of
+    their own that closes its stream when cancelled."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(cast(AsyncGenerator[StepOutput, None], streams[0])) as only:
+            async for out in only:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StepOutput]) -> None:
+        try:
+            async with contextlib.aclosing(cast(AsyncGenerator[StepOutput, None], stream)) as outs:
+                async for out in outs:
+                    queue.put_nowait((index, out))
+            queue.put_nowait((index, None))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -52,7 +52,7 @@ from batonpb.baton.v1 import generation_pb2 as pb
 from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
-from cluster.edge.frontend import Frontend, GenerateRequest
+from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, merge_streams
 from cluster.edge.grpc_output import (
     ended_in_calls,
     output_spec,
@@ -65,7 +65,7 @@ from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.ops.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
 from engine.errors import ConfigError
 from engine.outputs import StepOutput
-from engine.request import FinishReason
+from engine.request import FinishReason, SloClass
 from engine.sampler import TokenLogprobs
 from engine.sampling import SamplingParams
 
@@ -79,6 +79,10 @@ MAX_PROMPT_CHARS = 4_000_000  # as the HTTP API; the message size limit bounds i
 MAX_MESSAGES = 2048
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_PRIORITY = 100
+MAX_SAMPLES = 16  # n, as the HTTP API's
+_ROLES = {pb.WORKER_ROLE_UNSPECIFIED: "", pb.WORKER_ROLE_PREFILL: "prefill", pb.WORKER_ROLE_DECODE: "decode"}
+_SLO_CLASSES = {pb.SLO_CLASS_UNSPECIFIED: SloClass.STANDARD, pb.SLO_CLASS_STANDARD: SloClass.STANDARD,
+                pb.SLO_CLASS_LATENCY: SloClass.LATENCY, pb.SLO_CLASS_BATCH: SloClass.BATCH}
 _BIG_TEXT_CHARS = 20_000  # tokenized off the event loop beyond this
 
 T = TypeVar("T")
@@ -180,6 +184,12 @@ def _handlers(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:
         "Tokenize": grpc.unary_unary_rpc_method_handler(
             service.Tokenize, request_deserializer=_tolerant(pb.TokenizeRequest),
             response_serializer=pb.TokenizeResponse.SerializeToString),
+        "PinPrefix": grpc.unary_unary_rpc_method_handler(
+            service.PinPrefix, request_deserializer=_tolerant(pb.PinPrefixRequest),
+            response_serializer=pb.PinPrefixResponse.SerializeToString),
+        "UnpinPrefix": grpc.unary_unary_rpc_method_handler(
+            service.UnpinPrefix, request_deserializer=_tolerant(pb.UnpinPrefixRequest),
+            response_serializer=pb.UnpinPrefixResponse.SerializeToString),
     }  # fmt: skip
     assert set(handlers) == set(_SERVICE.methods_by_name)
     return handlers
@@ -218,44 +228,74 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     ) -> pb.TokenizeResponse:
         return await _guarded(context, self._tokenize(request, context))
 
-    # -- the three calls --------------------------------------------------------------------
+    async def PinPrefix(
+        self, request: pb.PinPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PinPrefixResponse:
+        return await _guarded(context, self._pin(request, context))
+
+    async def UnpinPrefix(
+        self, request: pb.UnpinPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnpinPrefixResponse:
+        return await _guarded(context, self._unpin(request, context))
+
+    # -- the calls --------------------------------------------------------------------------
 
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> None:
-        req, ticket, spec = await self._open(request, context, trace)
-        parser = spec.tools.parser() if spec.tools is not None and spec.tools.is_parsed else None
+        reqs, tickets, spec = await self._open(request, context, trace)
+        parsers = [spec.tools.parser() if spec.tools is not None and spec.tools.is_parsed else None for _ in reqs]
+        streams = [_stream(self.frontend, req, ticket, trace) for req, ticket in zip(reqs, tickets, strict=True)]
         try:
-            async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
-                request_id = req.job.req_id
-                async for out in outs:
-                    await context.write(_delta(out, request_id, parser))
+            async with contextlib.aclosing(merge_streams(streams)) as outs:
+                request_id = reqs[0].job.req_id
+                async for index, out in outs:
+                    message = _delta(out, request_id, parsers[index])
+                    message.index = index
+                    await context.write(message)
                     request_id = ""  # only the first message carries it
         finally:
-            ticket.release()
+            for ticket in tickets:
+                ticket.release()
 
     async def _complete(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> pb.CompleteResponse:
-        req, ticket, spec = await self._open(request, context, trace)
-        reply = pb.CompleteResponse(request_id=req.job.req_id)
-        texts: list[str] = []
+        reqs, tickets, spec = await self._open(request, context, trace)
+        choices = [pb.CompleteChoice(index=i) for i in range(len(reqs))]
+        texts: list[list[str]] = [[] for _ in reqs]
+        last: list[StepOutput | None] = [None] * len(reqs)
+        streams = [_stream(self.frontend, req, ticket, trace) for req, ticket in zip(reqs, tickets, strict=True)]
         try:
-            async with contextlib.aclosing(_stream(self.frontend, req, ticket, trace)) as outs:
-                async for out in outs:
-                    reply.token_ids.extend(out.token_ids)
-                    reply.logprobs.extend(_logprob(lp) for lp in out.logprobs)
-                    texts.append(out.text)
+            async with contextlib.aclosing(merge_streams(streams)) as outs:
+                async for index, out in outs:
+                    choice = choices[index]
+                    choice.token_ids.extend(out.token_ids)
+                    choice.logprobs.extend(_logprob(lp) for lp in out.logprobs)
+                    texts[index].append(out.text)
                     if out.finish_reason is not None:
-                        reply.finish_reason = _FINISH[out.finish_reason]
-                        reply.usage.CopyFrom(_usage(out))
+                        choice.finish_reason = _FINISH[out.finish_reason]
+                        last[index] = out
         finally:
-            ticket.release()
-        reply.text = "".join(texts)
-        if spec.tools is not None and spec.tools.is_parsed:
-            parser = spec.tools.parser()
-            split_tool_calls(reply, parser, True)
-            ended_in_calls(reply, parser)
+            for ticket in tickets:
+                ticket.release()
+        for choice, text in zip(choices, texts, strict=True):
+            choice.text = "".join(text)
+            if spec.tools is not None and spec.tools.is_parsed:
+                parser = spec.tools.parser()
+                split_tool_calls(choice, parser, True)
+                ended_in_calls(choice, parser)
+        first = choices[0]
+        reply = pb.CompleteResponse(
+            request_id=reqs[0].job.req_id, token_ids=first.token_ids, text=first.text, logprobs=first.logprobs,
+            finish_reason=first.finish_reason, tool_calls=first.tool_calls,
+            choices=choices if len(choices) > 1 else (),
+        )  # fmt: skip
+        ended = [out for out in last if out is not None]
+        if len(ended) == len(last):
+            usage = _usage(ended[0])  # the prompt (and its reuse) once
+            usage.completion_tokens = sum(out.num_output_tokens for out in ended)
+            reply.usage.CopyFrom(usage)
         return reply
 
     async def _tokenize(
@@ -278,11 +318,53 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             return NO_TRACE
         return tracing.request("grpc", f"/{self.name}/{method}", context.invocation_metadata() or ())
 
+    async def _pin(self, request: pb.PinPrefixRequest, context: grpc.aio.ServicerContext) -> pb.PinPrefixResponse:
+        _check_parsed(request)
+        tenant = self._operator(context, request.tenant)
+        self._check_model(request.model)
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise invalid("prompt: set text or token_ids", "prompt")
+        if kind == "text":
+            if not 1 <= len(request.text) <= MAX_PROMPT_CHARS:
+                raise invalid(f"text: 1 to {MAX_PROMPT_CHARS} characters", "text")
+            ids = await self._encode(request.text, True)
+        else:
+            ids = list(request.token_ids.ids)
+        role = _ROLES.get(request.role)
+        if role is None:
+            raise invalid("role: WORKER_ROLE_PREFILL, WORKER_ROLE_DECODE or unset", "role")
+        record = await self.frontend.pin(tenant, request.pin_id, ids, float(request.ttl_seconds), role)
+        return pb.PinPrefixResponse(
+            pin_id=record.pin_id, tenant=record.tenant, num_tokens=record.num_tokens, num_pages=record.num_pages,
+            ttl_seconds=request.ttl_seconds,
+            workers=[pb.PinnedWorker(worker=w, state=state) for w, state in record.workers.items()],
+        )  # fmt: skip
+
+    async def _unpin(
+        self, request: pb.UnpinPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnpinPrefixResponse:
+        _check_parsed(request)
+        tenant = self._operator(context, request.tenant)
+        self._check_model(request.model)
+        return pb.UnpinPrefixResponse(released=await self.frontend.unpin(tenant, request.pin_id))
+
+    def _operator(self, context: grpc.aio.ServicerContext, tenant: str) -> str:
+        """The tenant a pin call acts for: pins change what the workers keep, so with API keys
+        only an operator key may make them (for any tenant); without keys, the one tenant."""
+        caller = self._authenticate(context)
+        if self.keys.enabled and not caller.is_operator:
+            raise EdgeError(Kind.PERMISSION_DENIED, "pinning prefixes needs an operator key (role=operator)")
+        if len(tenant) > MAX_MODEL_NAME_CHARS:
+            raise invalid(f"tenant: at most {MAX_MODEL_NAME_CHARS} characters", "tenant")
+        return tenant or caller.name
+
     async def _open(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
-    ) -> tuple[GenerateRequest, Ticket, OutputSpec]:
-        """Authenticate, bound, admit, tokenize and prepare: the frozen request and its ticket.
-        A refusal here counts as outcome "rejected" (nothing reached an engine)."""
+    ) -> tuple[list[GenerateRequest], list[Ticket], OutputSpec]:
+        """Authenticate, bound, admit, tokenize and prepare: the frozen requests (one per
+        sample) and their tickets. A refusal here counts as outcome "rejected" (nothing
+        reached an engine)."""
         try:
             _check_parsed(request)
             return await self._admit(request, context, trace)
@@ -292,28 +374,41 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
 
     async def _admit(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
-    ) -> tuple[GenerateRequest, Ticket, OutputSpec]:
+    ) -> tuple[list[GenerateRequest], list[Ticket], OutputSpec]:
         tenant = self._authenticate(context)
         trace.set(tenant=tenant.name)
         self._check_model(request.model)
         trace.set(model=self.frontend.model_name)
         _check_prompt(request, self.frontend.max_model_len)
         build_sampling(request.sampling, self.frontend.max_model_len - 1)  # every field bounded before admission
+        num = _num_samples(request)
+        hints = CacheHints(request.cache_salt or None, request.session_id or None)
+        hints.check()
+        slo = self._slo_class(request)
         spec = output_spec(request)
         tenant = self._priority(request, tenant)
         deadline = self.frontend.deadline(context.time_remaining())
-        ticket = self.frontend.admit()
+        tickets: list[Ticket] = []
         try:
+            for _ in range(num):  # one O(1) ticket per sample, before any tokenizing
+                tickets.append(self.frontend.admit(slo))
             prompt_ids = await self._prompt_ids(request, spec)
             sampling = build_sampling(request.sampling, self.frontend.default_max_tokens(prompt_ids))
             sampling = replace(sampling, constraint=spec.constraint)
-            req = self.frontend.prepare(prompt_ids, sampling, tenant, deadline, trace.req_id)
-            self.frontend.check_tenant(ticket, req)
-            await self.frontend.prepare_constraint(req.job.sampling, spec.param)
+            reqs = []
+            for i, ticket in enumerate(tickets):
+                params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+                req = self.frontend.prepare(prompt_ids, params, tenant, deadline, None if i else trace.req_id, hints,
+                                            slo=slo)  # fmt: skip
+                self.frontend.check_tenant(ticket, req)
+                reqs.append(req)
+            trace.set(choices=num)
+            await self.frontend.prepare_constraint(reqs[0].job.sampling, spec.param)
         except BaseException:
-            ticket.release()
+            for ticket in tickets:
+                ticket.release()
             raise
-        return req, ticket, spec
+        return reqs, tickets, spec
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
         tenant = self.keys.lookup(api_key(context.invocation_metadata() or ()))
@@ -330,6 +425,18 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise invalid(f"model: at most {MAX_MODEL_NAME_CHARS} characters", "model")
         if model != self.frontend.model_name:
             raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
+
+    def _slo_class(self, request: pb.GenerateRequest) -> SloClass:
+        """The request's service class: LATENCY takes its place (and may preempt) ahead of
+        others' work, so only where the operator lets callers set scheduling, as `priority`;
+        BATCH only gives ground."""
+        slo = _SLO_CLASSES.get(request.slo_class)
+        if slo is None:
+            raise invalid("slo_class: SLO_CLASS_STANDARD, SLO_CLASS_LATENCY, SLO_CLASS_BATCH or unset", "slo_class")
+        if slo == SloClass.LATENCY and not self.cfg.allow_priority_field:
+            raise EdgeError(Kind.PERMISSION_DENIED, "slo_class: SLO_CLASS_LATENCY is not allowed here: the operator "
+                                                    "has not let callers set scheduling (allow_priority_field)")
+        return slo
 
     def _priority(self, request: pb.GenerateRequest, tenant: Tenant) -> Tenant:
         if not (self.cfg.allow_priority_field and request.HasField("priority")):
@@ -415,6 +522,12 @@ def api_key(metadata: Sequence[tuple[str, Any]]) -> str | None:
 # -- bounds and conversions -----------------------------------------------------------------
 
 
+def _num_samples(request: pb.GenerateRequest) -> int:
+    if request.n > MAX_SAMPLES:
+        raise invalid(f"n: 0 (one sample) to {MAX_SAMPLES}, got {request.n}", "n")
+    return max(1, request.n)
+
+
 def _check_prompt(request: pb.GenerateRequest, max_model_len: int) -> None:
     """Bound the prompt's shape before anything is tokenized or copied."""
     kind = request.WhichOneof("prompt")
@@ -485,9 +598,11 @@ def _logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
 
 
 def _usage(out: StepOutput) -> pb.Usage:
+    hit = out.cached
     return pb.Usage(
         prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-        cached_tokens=out.num_cached_tokens,
+        cached_tokens=hit.total,
+        cached=pb.CachedTokens(device=hit.device, host=hit.host, disk=hit.disk, remote=hit.remote),
     )
 
 

@@ -102,7 +102,7 @@ def template_messages(request: pb.GenerateRequest) -> list[dict[str, Any]]:
 
 
 def split_tool_calls(
-    msg: pb.GenerateResponse | pb.CompleteResponse, parser: ToolCallParser, finished: bool
+    msg: pb.GenerateResponse | pb.CompleteResponse | pb.CompleteChoice, parser: ToolCallParser, finished: bool
 ) -> None:
     """Split a reply's text with the choice's parser: the content stays in `text`, the calls
     (deltas of a stream, whole calls of a Complete) go apart."""
@@ -119,7 +119,9 @@ def split_tool_calls(
         msg.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in parser.calls)
 
 
-def ended_in_calls(msg: pb.GenerateResponse | pb.CompleteResponse, parser: ToolCallParser) -> None:
+def ended_in_calls(
+    msg: pb.GenerateResponse | pb.CompleteResponse | pb.CompleteChoice, parser: ToolCallParser
+) -> None:
     """A reply that stopped after its calls finishes with FINISH_REASON_TOOL_CALLS."""
     if finish_reason("stop" if msg.finish_reason == pb.FINISH_REASON_STOP else None, parser) == "tool_calls":
         msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS

@@ -17,6 +17,7 @@ is the client's `traceparent` header.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -36,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from cluster.edge.admin import add_admin_routes
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
-from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest
+from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, merge_streams
 from cluster.edge.guard import EdgeGuard
 from cluster.edge.openai_output import output_spec, template_messages
 from cluster.edge.openai_render import ChoiceState, Renderer, error_body, sse
@@ -46,6 +47,7 @@ from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.ops.tracing import NO_TRACE, RequestTrace, Tracing
 from engine.errors import BatonError
 from engine.outputs import StepOutput
+from engine.request import SloClass
 from engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 8 << 20
-    allow_priority_field: bool = False  # let clients set `priority` (else it comes from the key)
+    allow_priority_field: bool = False  # let clients set `priority` (else the key's) and slo_class "latency"
     tls_certfile: str | None = None  # both set: HTTPS (and TLS on gRPC)
     tls_keyfile: str | None = None
     enable_admin: bool = False  # POST /admin/drain, /admin/scale (off: 404); with keys: an operator key
@@ -271,13 +273,14 @@ async def _admit(
     num_choices = _num_prompts(body) * body.n
     if num_choices > MAX_CHOICES:
         raise invalid(f"{num_choices} choices (prompts x n) exceed {MAX_CHOICES} per call", "n")
+    slo = _slo_class(body, cfg)
     tickets: list[Ticket] = []
     try:
         # Admission first, before any tokenizing: one O(1) ticket per engine request.
         for _ in range(num_choices):
-            tickets.append(frontend.admit())
+            tickets.append(frontend.admit(slo))
         prompts = await _prompts(frontend, body, spec)
-        reqs = _requests(frontend, cfg, body, prompts, tenant, deadline, trace.req_id, spec)
+        reqs = _requests(frontend, cfg, body, prompts, tenant, deadline, trace.req_id, spec, slo)
         for req, ticket in zip(reqs, tickets, strict=True):
             frontend.check_tenant(ticket, req)
         await frontend.prepare_constraint(reqs[0].job.sampling, spec.param)
@@ -345,6 +348,19 @@ def _timeout_header(request: Request) -> float | None:
     return value
 
 
+def _slo_class(body: CompletionRequest | ChatCompletionRequest, cfg: HttpConfig) -> SloClass:
+    """The request's service class (engine.request.SloClass). LATENCY takes its place, and may
+    preempt, ahead of others' work: only where the operator lets callers set scheduling (the
+    switch `priority` has). BATCH only gives ground, so anyone may ask for it."""
+    if body.slo_class is None:
+        return SloClass.STANDARD
+    slo = SloClass[body.slo_class.upper()]
+    if slo == SloClass.LATENCY and not cfg.allow_priority_field:
+        raise EdgeError(Kind.PERMISSION_DENIED, 'slo_class "latency" is not allowed here: the operator has not '
+                                                "let callers set scheduling (api.allow_priority_field)", "slo_class")
+    return slo
+
+
 def _num_prompts(body: CompletionRequest | ChatCompletionRequest) -> int:
     if isinstance(body, ChatCompletionRequest) or isinstance(body.prompt, str):
         return 1
@@ -382,6 +398,7 @@ async def _encode(frontend: Frontend, text: str, special: bool) -> list[int]:
 def _requests(
     frontend: Frontend, cfg: HttpConfig, body: CompletionRequest | ChatCompletionRequest,
     prompts: list[list[int]], tenant: Tenant, deadline: float, first_req_id: str | None, spec: OutputSpec,
+    slo: SloClass,
 ) -> list[GenerateRequest]:
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
@@ -401,7 +418,7 @@ def _requests(
         for i in range(body.n):
             params = sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
             req_id = None if reqs else first_req_id  # the trace's, for the call's first request
-            reqs.append(frontend.prepare(prompt, params, tenant, deadline, req_id, hints))
+            reqs.append(frontend.prepare(prompt, params, tenant, deadline, req_id, hints, slo=slo))
     return reqs
 
 
@@ -433,50 +450,18 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) 
 # -- streams -------------------------------------------------------------------------------------
 
 
-async def _merge(streams: Sequence[AsyncIterator[StepOutput]]) -> AsyncIterator[tuple[int, StepOutput]]:
-    """Interleave the choices' streams; leaving early cancels (and so aborts) all of them."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, StepOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[StepOutput]) -> None:
-        try:
-            async for out in stream:
-                queue.put_nowait((index, out))
-            queue.put_nowait((index, None))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def _sse(
     renderer: Renderer, streams: list[AsyncIterator[StepOutput]], prompts: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
     choices = [ChoiceState() for _ in streams]
     try:
-        async for index, out in _merge(streams):
-            first = not choices[index].completion_tokens and not choices[index].text
-            choices[index].add(out)
-            data = renderer.chunk_sse(index, out, first)
-            if data is not None:
-                yield data
+        async with contextlib.aclosing(merge_streams(streams)) as outs:
+            async for index, out in outs:
+                first = not choices[index].completion_tokens and not choices[index].text
+                choices[index].add(out)
+                data = renderer.chunk_sse(index, out, first)
+                if data is not None:
+                    yield data
         if include_usage:
             yield sse(renderer.usage_chunk(choices, prompts))
     except Exception as exc:  # the status line is gone: report in-band, then end the stream
@@ -490,8 +475,9 @@ async def _collect(
     choices = [ChoiceState() for _ in streams]
 
     async def run() -> None:
-        async for index, out in _merge(streams):
-            choices[index].add(out)
+        async with contextlib.aclosing(merge_streams(streams)) as outs:
+            async for index, out in outs:
+                choices[index].add(out)
 
     task = asyncio.create_task(run())
     try:

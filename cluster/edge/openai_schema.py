@@ -127,6 +127,10 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     user: str | None = Field(default=None, max_length=256)
     priority: int | None = Field(default=None, ge=-100, le=100, description="operator-enabled extension")
+    slo_class: Literal["latency", "standard", "batch"] | None = Field(
+        default=None, description="baton's extension: the request's service class (absent: standard); batch yields "
+                                  "its place to the others, latency is refused (403) unless the operator lets "
+                                  "callers set scheduling, as for priority")  # fmt: skip
     return_token_ids: bool = Field(default=False, description="add each choice's token ids (vLLM's extension)")
     cache_salt: str | None = Field(default=None, max_length=MAX_HINT_CHARS,
                                    description="vLLM's extension: only requests with the same salt (and tenant) "

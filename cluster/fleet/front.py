@@ -227,7 +227,7 @@ class RayFront:
         ps = self.page_size
         num_pages = (len(job.prompt_ids) - 1) // ps  # at least one token is always computed
         hashes = page_hashes(job.prompt_ids[: num_pages * ps], ps, job.cache_salt.encode(), self.fingerprint)
-        p = self.placer.place(job.req_id, hashes, len(job.prompt_ids), job.tenant, job.session)
+        p = self.placer.place(job.req_id, hashes, len(job.prompt_ids), job.tenant, job.session, job.slo)
         if p.kind == PlacementKind.SATURATED:
             self.metrics.saturated.inc()
             raise EdgeError(Kind.RESOURCE_EXHAUSTED, "server overloaded: no decode worker has room; retry later",

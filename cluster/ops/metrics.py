@@ -34,6 +34,10 @@ class EdgeMetrics:
             "baton_tenant_tokens_total", "Tokens per tenant: prompt, cached, generated",
             ["tenant", "kind"], registry=r,
         )
+        self.admission_rejected = Counter(
+            "baton_admission_rejected_total", "Requests refused by admission's queue bounds, by SLO class",
+            ["slo_class"], registry=r,
+        )
         self.ttft = Histogram("baton_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("baton_itl_seconds", "Inter-token latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(

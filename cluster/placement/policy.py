@@ -2,7 +2,7 @@
 One request, step 2), by one cost model over measured numbers. Pure: no Ray, no I/O, so the
 gateway and the simulator (`baton sim`) run the same code.
 
-    place(req_id, hashes, num_tokens, tenant, session)
+    place(req_id, hashes, num_tokens, tenant, session, slo)
       hits        index.match(hashes): per worker, the prompt's leading pages it holds, by tier
                   (the session's decode worker credited with the pages it took there: Sessions)
       candidates  per role: k sampled healthy workers + the m holding the longest prefix
@@ -16,10 +16,12 @@ gateway and the simulator (`baton sim`) run the same code.
       local(D)    cost(D) + the stall it imposes: its compute time x D's running requests (as
                   reported, or booked here since, whichever is more)
       total(D)    decode(D) + local(D) if the uncached part is short, or no prefill worker is
-                  healthy, or local is cheaper than every remote one; else remote; the least
-                  total wins; SATURATED when no decode worker has room, or when every healthy
-                  prefill worker is queued past the bound and the uncached part is long;
-                  on a tie, the decode worker on the prefill worker's host, then the freer one
+                  healthy, or local is cheaper than every remote one (a BATCH request on a D
+                  with running requests: only when no prefill worker can take it: Classes);
+                  else remote; the least total wins; SATURATED when no decode worker has
+                  room, or when every healthy prefill worker is queued past the bound and the
+                  uncached part is long; on a tie, the decode worker on the prefill worker's
+                  host, then the freer one
     release_prefill(req_id), finish(req_id)   the in-flight book (queue, fairness)
 
 Costs are seconds of latency the choice adds, summed over the requests it affects: this
@@ -44,12 +46,21 @@ there) and W's queue stays open to the tenants whose prefixes it also holds.
 Locality given up: every decision records the hit it chose and the best hit any healthy
 worker held (the `locality given up` metric is their difference).
 
+Classes (engine.request.SloClass): a BATCH request is never prefilled by a decode worker that
+has running requests while a prefill worker can take it, however short its uncached part or
+cheap its local cost: its prompt would stall the running batch's tokens for throughput work
+that can wait for a push instead. LATENCY and STANDARD requests are placed by the cost model
+alone (the engines order and preempt by class: engine.scheduler).
+
 Sessions: a request may name its conversation (`session`). The placer remembers, per session
 (LRU, at most max_sessions), the decode worker it last went to and the prompt pages it took
 there, and credits that worker with them (device tier) wherever they still lead the new
 prompt, even before the index hears of them from the worker's KV events. The session's worker
-is then a candidate whose local prefill is costed warm, and wins ties; the cost model stays
-free to move the session when that worker is queued, full or gone (its record then follows).
+is then a candidate whose local prefill is costed warm, and it is kept while its total is
+within the session slack of the cheapest (max(session_slack x cheapest, session_slack_s)):
+what the model does not count of a move (the pages pushed again, the conversation's cache
+split over two workers). A worker queued, full or gone loses the session, whose record then
+follows it to where it went.
 """
 
 from __future__ import annotations
@@ -65,6 +76,7 @@ from typing import NamedTuple, TypeVar
 
 from cluster.placement.global_index import NO_HIT, GlobalIndex, PrefixHit, PrefixMatch
 from cluster.placement.links import Links
+from engine.request import SloClass
 
 _K = TypeVar("_K")
 
@@ -115,6 +127,8 @@ class PlacementConfig:
     fairness_min_inflight: int = 2  # ... below which affinity is never withheld
     retry_after_s: float = 1.0  # told to clients when saturated
     max_sessions: int = 1 << 16  # sessions remembered (least recently placed forgotten first)
+    session_slack: float = 0.5  # a session's worker is kept while it costs at most this much more ...
+    session_slack_s: float = 0.05  # ... (relative, or these seconds, whichever is more) than the cheapest
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_bytes < 0 or self.num_sampled < 1 or self.num_prefix_candidates < 0:
@@ -285,11 +299,12 @@ class Placer:
     # -- one decision -------------------------------------------------------------------------
 
     def place(
-        self, req_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str = "", session: str = ""
+        self, req_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str = "", session: str = "",
+        slo: SloClass = SloClass.STANDARD,
     ) -> Placement:
         """Where `req_id` (its prompt's full-page hashes, its length in tokens, its session if
-        it names one) goes. At least one token is always computed, so at most
-        (num_tokens - 1) // page_size pages are hits."""
+        it names one, its service class) goes. At least one token is always computed, so at
+        most (num_tokens - 1) // page_size pages are hits."""
         cfg = self.cfg
         max_pages = max(0, (num_tokens - 1) // cfg.page_size)
         index_hits = self.index.match(hashes, max_pages)
@@ -309,19 +324,24 @@ class Placer:
         )
         num_pages = -(-num_tokens // cfg.page_size)
         best: _Best | None = None
-        best_key: tuple[float, bool, bool, int] | None = None
+        best_key: tuple[float, bool, int] | None = None
+        home: _Best | None = None  # the session's decode worker, as costed
         for d in decodes:
             if d.num_free_pages < num_pages or d.num_waiting > d.max_running:
                 continue  # no room: reserving would fail or queue behind a whole batch
             path, is_local = self._path(d, remote, bool(prefills), num_pages * cfg.page_bytes, hits, num_tokens,
-                                        tenant, best_id, best_pages)  # fmt: skip
+                                        tenant, best_id, best_pages, slo)  # fmt: skip
             if path is None:
                 continue
             total = self._decode_cost(d) + path.cost_s
             far = not is_local and not self.links.is_same_host(path.worker_id, d.worker_id)
-            key = (total, kept is not None and d.worker_id != kept.worker_id, far, -d.num_free_pages)
+            key = (total, far, -d.num_free_pages)
             if best_key is None or key < best_key:
                 best, best_key = _Best(total, d, path, is_local), key
+            if kept is not None and d.worker_id == kept.worker_id:
+                home = _Best(total, d, path, is_local)
+        if best is not None and home is not None and home.total_s <= best.total_s + self._session_slack(best.total_s):
+            best = home  # the session stays unless moving saves more than the slack
         num_examined = len(prefills) + len(decodes)
         if best is None:
             self.stats.num_saturated += 1
@@ -343,6 +363,12 @@ class Placer:
         leads = 0 < n <= min(max_pages, len(hashes)) and hashes[n - 1] == known.last_hash
         return _SessionHits(hits, known.decode_id, PrefixHit(num_device=n) if leads else NO_HIT)
 
+    def _session_slack(self, best_s: float) -> float:
+        """How much more a session's worker may cost than the cheapest: what the cost model
+        does not see of moving a conversation (its pages pushed again, its cache split in two),
+        so only a worker that is really loaded loses its session."""
+        return max(self.cfg.session_slack_s, self.cfg.session_slack * best_s)
+
     def _remember(self, session: str, decode_id: str, hashes: Sequence[bytes], kept: _SessionHits | None) -> None:
         if kept is not None:
             if decode_id == kept.worker_id:
@@ -357,13 +383,15 @@ class Placer:
     def _path(
         self, d: WorkerStats, remote: list[_Option], has_prefill: bool, num_bytes: int,
         hits: PrefixMatch | _SessionHits, num_tokens: int, tenant: str, best_id: str | None, best_pages: int,
+        slo: SloClass,
     ) -> tuple[_Option | None, bool]:
         """Local prefill on `d`, or the cheapest remote one with its push of `num_bytes` over
         its link to `d`: (the option, is it local).
 
         With healthy prefill workers that are all queued past the bound (`has_prefill` and no
         `remote`), only a short uncached part goes local: a long one would stall d's whole
-        batch for its compute time, so the request waits for room (SATURATED) instead."""
+        batch for its compute time, so the request waits for room (SATURATED) instead. A BATCH
+        request goes local on a `d` with running requests only when there is no remote option."""
         pushed = [o._replace(cost_s=o.cost_s + num_bytes / self.links.bytes_per_s(o.worker_id, d.worker_id))
                   for o in remote]  # fmt: skip
         cheapest = min(pushed, key=lambda o: o.cost_s) if pushed else None
@@ -373,7 +401,11 @@ class Placer:
             running = max(d.num_running, self._decodes.get(d.worker_id, 0))
             local = local._replace(cost_s=local.cost_s + local.compute_s * running * self.cfg.stall_weight)
             is_short = local.num_recompute_tokens <= self.cfg.local_prefill_tokens
-            if is_short or (cheapest is None and not has_prefill) or (cheapest and local.cost_s <= cheapest.cost_s):
+            # throughput work takes a push rather than stall d's running requests
+            may_stall = not (slo == SloClass.BATCH and running > 0 and cheapest is not None)
+            if may_stall and (
+                is_short or (cheapest is None and not has_prefill) or (cheapest and local.cost_s <= cheapest.cost_s)
+            ):
                 return local, True
         return cheapest, False
 

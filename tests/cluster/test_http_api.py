@@ -13,6 +13,9 @@ import httpx
 import openai
 import pytest
 
+from cluster.edge.http_api import HttpConfig
+from engine.job import Job
+from engine.request import SloClass
 from tests.cluster.conftest import ServerHandle
 
 MODEL = "baton-tiny"
@@ -335,3 +338,37 @@ def test_cache_salt_keeps_requests_of_one_tenant_apart(server: ServerHandle) -> 
     assert cached(prompt_cache_key="conv-1") == 32
     reply = _post(server, "/v1/completions", {**body, "cache_salt": "s" * 257})
     assert reply.status_code == 400 and "cache_salt" in reply.json()["error"]["message"]
+
+
+def test_slo_class_batch_is_anyones_and_latency_the_operators_to_allow(
+    server: ServerHandle, make_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 2, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, call in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        refused = _post(server, path, {**call, "slo_class": "latency"})
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert (error["type"], error["param"]) == ("permission_error", "slo_class") and "latency" in error["message"]
+        assert _post(server, path, {**call, "slo_class": "batch"}).status_code == 200
+        assert _post(server, path, {**call, "slo_class": "standard"}).status_code == 200
+        assert _post(server, path, {**call, "slo_class": "urgent"}).status_code == 400
+    adm = server.running.frontend.admission
+    assert adm.num_inflight == 0 and adm.num_waiting == 0  # the refused calls took no ticket
+
+    allowed: ServerHandle = make_server(http=HttpConfig(allow_priority_field=True))
+    front = allowed.running.frontend.engine
+    classes: list[SloClass] = []
+
+    def generate(job: Job) -> Any:
+        classes.append(job.slo)
+        return original(job)
+
+    original = front.generate
+    monkeypatch.setattr(front, "generate", generate)
+    for slo_class in ("latency", "batch", None):
+        extra = {"slo_class": slo_class} if slo_class else {}
+        reply = _post(allowed, "/v1/completions", {**body, **extra, "n": 2})
+        assert reply.status_code == 200, reply.text
+    assert classes == [SloClass.LATENCY] * 2 + [SloClass.BATCH] * 2 + [SloClass.STANDARD] * 2
+    assert allowed.wait_idle()

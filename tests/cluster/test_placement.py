@@ -22,6 +22,7 @@ from cluster.placement.policy import (
     Role,
     WorkerStats,
 )
+from engine.request import SloClass
 from kvcache.events import Tier
 
 PS = 16
@@ -201,6 +202,25 @@ def test_conditional_disaggregation_by_the_same_numbers() -> None:
     assert (got.kind, got.prefill_id, got.decode_id) == (PlacementKind.DISAGGREGATED, "p0", "d0")
     busy.update_worker(replace(_prefill("p0"), is_healthy=False))  # no prefill worker: local
     assert busy.place("r4", long_prompt, 2000).kind == PlacementKind.LOCAL
+
+
+def test_a_batch_request_is_pushed_rather_than_stall_a_busy_decode_worker() -> None:
+    prompt = _pages("turn", 6)
+    # d0 holds 5 of 6 pages: 20 tokens left, short enough to prefill there ...
+    placer = _fleet([_prefill("p0"), _decode("d0", num_running=40)], cached={"d0": prompt[:5]})
+    standard = placer.place("s1", prompt, 100)
+    assert (standard.kind, standard.decode_id, standard.prefill_id) == (PlacementKind.LOCAL, "d0", None)
+    # ... but a batch request's prefill would stall d0's 40 running requests: p0 computes it
+    batch = placer.place("b1", prompt, 100, slo=SloClass.BATCH)
+    assert (batch.kind, batch.decode_id, batch.prefill_id) == (PlacementKind.DISAGGREGATED, "d0", "p0")
+    assert batch.num_recompute_tokens == 100 and batch.hit == PrefixHit()  # p0 holds none of it
+    latency = placer.place("l1", prompt, 100, slo=SloClass.LATENCY)
+    assert (latency.kind, latency.prefill_id) == (PlacementKind.LOCAL, None)  # the cost model as is
+    # An idle decode worker stalls nobody, and without a prefill worker there is no other way.
+    idle = _fleet([_prefill("p0"), _decode("d0", num_running=0)], cached={"d0": prompt[:5]})
+    assert idle.place("b2", prompt, 100, slo=SloClass.BATCH).kind == PlacementKind.LOCAL
+    alone = _fleet([_decode("d0", num_running=40)], cached={"d0": prompt[:5]})
+    assert alone.place("b3", prompt, 100, slo=SloClass.BATCH).kind == PlacementKind.LOCAL
 
 
 def test_the_decode_worker_by_free_pages_and_batch_load() -> None:
@@ -408,3 +428,16 @@ def test_sessions_are_bounded() -> None:
         placer.place(f"r{i}", _pages(f"c{i}", 4), 4 * PS + 1, session=f"s{i}")
         placer.finish(f"r{i}")
     assert list(placer._sessions) == ["s3", "s4"]
+
+
+def test_a_session_stays_within_its_slack_and_moves_off_a_loaded_worker() -> None:
+    turn1, turn2 = _pages("conv", 20), _pages("conv", 22)
+    # a little busier than the other worker: kept; far busier (and slower for it): moved
+    for running, itl_s, stays in ((2, 0.01, True), (40, 0.03, False)):
+        placer = _fleet([_prefill("p0"), _decode("d0", num_running=0), _decode("d1", num_running=0)])
+        home = placer.place("r1", turn1, 20 * PS + 5, session="s").decode_id
+        placer.finish("r1")
+        assert home is not None
+        placer.update_worker(_decode(home, num_running=running, itl_s=itl_s))
+        got = placer.place("r2", turn2, 22 * PS + 40, session="s")
+        assert (got.decode_id == home) is stays, (running, got)

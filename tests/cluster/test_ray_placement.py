@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from bench.server_proc import free_port
+from cluster.client import BatonClient, Options, Sampling
 from cluster.disagg_config import DisaggConfig
 from cluster.fleet.front import RayFront
 from cluster.server import ServerConfig
@@ -34,8 +36,13 @@ STALL_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def pd2(ray_cluster: Any, tiny_engine_config: EngineConfig) -> Iterator[ServerHandle]:
-    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name="baton-tiny",
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def pd2(ray_cluster: Any, tiny_engine_config: EngineConfig, grpc_port: int) -> Iterator[ServerHandle]:
+    cfg = ServerConfig(engine=tiny_engine_config, grpc_port=grpc_port, served_model_name="baton-tiny",
                        disagg=DisaggConfig(num_prefill=2, num_decode=2, transport="grpc"))
     handle = start_server(cfg, None)
     yield handle
@@ -192,3 +199,39 @@ def test_the_gateway_follows_membership(pd2: ServerHandle, tiny_engine_config: E
         ray.kill(extra)
     assert stays.is_routable
 
+
+
+def test_a_session_stays_on_its_decode_worker_and_reuses_its_pages(pd2: ServerHandle, grpc_port: int) -> None:
+    """gRPC `session_id`: each turn of a conversation (the whole conversation so far plus a short
+    new message) goes back to the decode worker that served the turn before, which prefills
+    the new part from its own cache -- whether or not the index has heard of those pages
+    yet. A conversation of the same shape without a session hits at best as often."""
+    front = pd2.running.front
+    assert isinstance(front, RayFront) and len(front.fleet.decodes) == 2
+    rng = random.Random(11)
+    greedy = Sampling(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def conversation(options: Options) -> list[tuple[int, int, int]]:
+        """(tokens of the turn before, cached tokens, of them from another worker) per follow-up."""
+        prompt = [rng.randrange(100, 1000) for _ in range(100)]
+        turns = []
+        with BatonClient(f"127.0.0.1:{grpc_port}", model="baton-tiny", timeout_s=60) as client:
+            answer = list(client.complete(prompt, sampling=greedy, options=options).token_ids)
+            for _ in range(3):
+                before, prompt = len(prompt), prompt + answer + [rng.randrange(100, 1000) for _ in range(8)]
+                done = client.complete(prompt, sampling=greedy, options=options)
+                assert done.usage is not None
+                turns.append((before, done.usage.cached_tokens, done.usage.cached.remote))
+                answer = list(done.token_ids)
+        return turns
+
+    kept, moved = front.placer.stats.num_session_kept, front.placer.stats.num_session_moved
+    with_session = conversation(Options(session_id="conv-1"))
+    assert front.placer.stats.num_session_kept == kept + 3 and front.placer.stats.num_session_moved == moved
+    page = front.page_size
+    for before, cached, remote in with_session:  # the decode worker's own pages, every turn
+        assert cached >= before // page * page and remote == 0, with_session
+    without = conversation(Options())
+    rate = [sum(t[1] for t in turns) / sum(t[0] for t in turns) for turns in (with_session, without)]
+    assert rate[0] >= rate[1], rate
+    print(f"hit rate of the follow-ups: {rate[0]:.2f} with a session, {rate[1]:.2f} without")

@@ -13,6 +13,7 @@ from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.job import Job
+from engine.request import SloClass
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits
 from kvtransfer.local import receive_all
@@ -81,6 +82,18 @@ def test_prefers_local_counts_only_the_uncached_part(worker: DecodeWorker) -> No
     other_tenant = Job("t2", PROMPT + (7, 8, 9), GREEDY, cache_salt="t2")
     assert worker.cached_tokens(other_tenant) == 0 and not worker.prefers_local(other_tenant)
     assert _whole(worker)
+
+
+def test_a_batch_job_is_not_prefilled_here_while_requests_run(worker: DecodeWorker) -> None:
+    short = Job("short", PROMPT[:20], GREEDY, slo=SloClass.BATCH)
+    assert worker.prefers_local(short)  # nothing runs here: nobody to stall
+    worker.start_local(Job("running", PROMPT[:8], GREEDY))
+    worker.step()
+    assert worker.engine.scheduler.running
+    assert not worker.prefers_local(short) and worker.prefers_local(Job("std", PROMPT[:20], GREEDY))
+    while worker.engine.has_unfinished():
+        worker.step()
+    assert worker.prefers_local(short) and _whole(worker)
 
 
 def test_every_end_of_a_reservation_returns_its_pages(worker: DecodeWorker, clock: Clock, settles: list[int]) -> None:

@@ -95,18 +95,21 @@ def test_host_tier_store_many_stages_an_eviction_batch_on_the_side_stream() -> N
 
 
 def test_deferred_sampling_queues_without_waiting_for_the_device() -> None:
-    """sample_tokens with greedy, temperature, top_k, min_p, top_p (sorted on CUDA) and seeded
-    rows makes no call that synchronises (CUDA's sync debug mode raises on one): with async
-    scheduling, the sampler runs while the forward is in flight. Its tokens equal __call__'s."""
+    """sample_tokens with greedy, temperature, top_k, min_p, top_p (sorted on CUDA), seeded and
+    logit_bias rows makes no call that synchronises (CUDA's sync debug mode raises on one):
+    with async scheduling, the sampler runs while the forward is in flight. Its tokens equal
+    __call__'s."""
     from engine.sampler import Sampler, SamplingRow
 
     vocab = 512
     gen = torch.Generator(device="cuda").manual_seed(5)
-    logits = torch.randn(7, vocab, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = torch.randn(9, vocab, device="cuda", generator=gen).to(torch.bfloat16)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
               SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.0, min_p=0.05),
               SamplingParams(temperature=0.9, top_k=5, seed=11), SamplingParams(temperature=0.8, top_p=0.9),
-              SamplingParams(temperature=1.0, top_k=40, top_p=0.7, seed=2)]  # fmt: skip
+              SamplingParams(temperature=1.0, top_k=40, top_p=0.7, seed=2),
+              SamplingParams(temperature=0.0, logit_bias={17: 100.0}),
+              SamplingParams(temperature=0.8, seed=6, logit_bias={3: -100.0, 9: 5.0})]  # fmt: skip
     rows = [SamplingRow(p, 40 + i, [], [], ()) for i, p in enumerate(params)]
     sampler = Sampler(vocab, seed=3)
     torch.cuda.synchronize()
@@ -117,3 +120,4 @@ def test_deferred_sampling_queues_without_waiting_for_the_device() -> None:
         torch.cuda.set_sync_debug_mode("default")
     again = Sampler(vocab, seed=3)(logits, rows)
     assert tokens.tolist() == again.token_ids
+    assert tokens[7].item() == 17 and tokens[8].item() != 3

@@ -466,3 +466,17 @@ def test_input_logits_are_not_modified() -> None:
     ]
     Sampler(V)(logits, rows)
     assert torch.equal(logits, before)
+
+
+def test_deferred_sampling_adds_logit_bias_on_the_device_as_call_does() -> None:
+    """A biased row is deferrable (its ids and values go to the device without a sync): the
+    deferred path's tokens are __call__'s, for greedy and seeded sampled rows alike."""
+    logits = randn(4, V, seed=9)
+    params = [SamplingParams(temperature=0.0, logit_bias={3: 100.0}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.9, seed=4, logit_bias={int(logits[2].argmax()): -100.0, 5: 2.5}),
+              SamplingParams(temperature=1.0, top_k=8, seed=1, logit_bias={9: 40.0})]  # fmt: skip
+    rows = [row(p) for p in params]
+    assert all(sampler_mod.deferrable(r) for r in rows)
+    deferred = Sampler(V, seed=2).sample_tokens(logits.clone(), rows).tolist()
+    assert deferred == Sampler(V, seed=2)(logits.clone(), rows).token_ids
+    assert deferred[0] == 3 and deferred[2] != int(logits[2].argmax()) and deferred[3] == 9

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SloClass
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvcache.pool import PagePool
@@ -31,8 +31,8 @@ def make(num_pages: int = 8, policy: str = "fcfs", **cfg: int) -> Scheduler:
 _arrival = iter(range(10**6))
 
 
-def req(req_id: str, prompt_len: int, priority: int = 0) -> Request:
-    return Request(req_id, list(range(10, 10 + prompt_len)), PARAMS, priority, next(_arrival))
+def req(req_id: str, prompt_len: int, priority: int = 0, slo: SloClass = SloClass.STANDARD) -> Request:
+    return Request(req_id, list(range(10, 10 + prompt_len)), PARAMS, priority, next(_arrival), slo)
 
 
 def apply(out: SchedulerOutput) -> dict[str, int]:
@@ -224,3 +224,81 @@ def test_a_queued_requests_estimate_resumes_where_it_stopped_and_rescans_after_a
     assert cache.evict(4) == 4  # the shared pages leave: the estimate must not keep them
     (_, need, _), = s._waiting_ranks(s._window(), set()).values()
     assert (need, queued.rank_pages) == (24, 0)
+
+
+# -- service classes -------------------------------------------------------------------------
+
+LATENCY, STANDARD, BATCH = SloClass.LATENCY, SloClass.STANDARD, SloClass.BATCH
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "least-uncached"])
+def test_a_waiting_latency_request_goes_before_earlier_standard_ones_whatever_their_priority(policy: str) -> None:
+    s = make(policy=policy, max_num_seqs=1)
+    s.add(req("batch", 2, priority=-100, slo=BATCH))
+    s.add(req("standard", 2, priority=-100))
+    s.add(req("latency", 8, priority=100, slo=LATENCY))
+    assert apply(s.schedule()) == {"latency": 8}
+    s.abort("latency")
+    assert apply(s.schedule()) == {"standard": 2}
+    s.abort("standard")
+    assert apply(s.schedule()) == {"batch": 2}
+
+
+def test_a_latency_request_without_a_seat_preempts_the_latest_batch_request_and_runs_at_once() -> None:
+    s = make(max_num_seqs=3, num_pages=16)
+    b1, b2, std = req("b1", 4, slo=BATCH), req("b2", 4, slo=BATCH), req("std", 4)
+    for r in (b1, b2, std):
+        s.add(r)
+    assert apply(s.schedule()) == {"std": 4, "b1": 4, "b2": 4}  # running order: class, then arrival
+    s.add(req("late", 3, slo=LATENCY))
+    out = s.schedule()
+    assert [r.req_id for r in out.preempted] == ["b2"]  # one seat was enough
+    assert b2.status == RequestStatus.PREEMPTED
+    assert b2.page_ids == [] and b2.num_computed_tokens == 0 and b2.num_preemptions == 1
+    assert apply(out) == {"std": 1, "b1": 1, "late": 3}  # admitted in the same step; b2 waits
+    s.abort("late")
+    assert apply(s.schedule()) == {"std": 1, "b1": 1, "b2": 5}  # back: prompt + its one token
+    s.pages.check_integrity()
+
+
+def test_a_latency_request_without_pages_preempts_batch_requests_until_it_fits() -> None:
+    s = make(num_pages=6)
+    b1, b2, b3 = req("b1", 8, slo=BATCH), req("b2", 4, slo=BATCH), req("b3", 4, slo=BATCH)
+    for r in (b1, b2, b3):
+        s.add(r)
+    apply(s.schedule())
+    assert (b1.page_ids, b2.page_ids, b3.page_ids, s.pages.num_free) == ([0, 1], [2], [3], 2)
+    # Each decode row starts a page this step (3) and late's 12 tokens take 3 more: b3 going
+    # leaves 3 free for 2 + 3, b2 going 4 free for 1 + 3. b1 stays.
+    s.add(req("late", 12, slo=LATENCY))
+    out = s.schedule()
+    assert [r.req_id for r in out.preempted] == ["b3", "b2"]
+    assert apply(out) == {"b1": 1, "late": 12}
+    assert (b1.page_ids, s.get("late").page_ids, s.pages.num_free) == ([0, 1, 4], [5, 3, 2], 0)  # type: ignore[union-attr]
+    # No free page: later's 2 and late's next one take b1's 3.
+    s.add(req("later", 8, slo=LATENCY))
+    out = s.schedule()
+    assert [r.req_id for r in out.preempted] == ["b1"]
+    assert apply(out) == {"late": 1, "later": 8}
+    assert [r.req_id for _, r in sorted(s._waiting)] == ["b1", "b2", "b3"]  # back in order
+    s.pages.check_integrity()
+
+
+def test_a_standard_request_never_preempts_and_a_finishing_row_is_never_preempted() -> None:
+    s = make(max_num_seqs=2)
+    s.add(req("b1", 4, slo=BATCH))
+    s.add(req("b2", 4, slo=BATCH))
+    apply(s.schedule())
+    s.add(req("std", 3))
+    out = s.schedule()
+    assert out.preempted == () and apply(out) == {"b1": 1, "b2": 1}  # std waits for a seat
+    s.abort("std")
+    b1, b2 = s.get("b1"), s.get("b2")
+    assert b1 is not None and b2 is not None
+    b2.finishing = True  # async scheduling: its last token is in flight, it leaves anyway
+    s.add(req("late", 3, slo=LATENCY))
+    out = s.schedule()
+    assert [r.req_id for r in out.preempted] == ["b1"] and apply(out) == {"late": 3}
+    s.add(req("late2", 3, slo=LATENCY))  # no seat, and only a finishing batch request: it waits
+    out = s.schedule()
+    assert out.preempted == () and apply(out) == {"late": 1}

@@ -201,14 +201,20 @@ def _generation_methods() -> list[tuple[str, str, bytes]]:
         "GenerateRequest": gen_pb.GenerateRequest(model=MODEL, text="hi", sampling=gen_pb.Sampling(max_tokens=1)),
         "CompleteRequest": gen_pb.CompleteRequest(model=MODEL, text="hi", sampling=gen_pb.Sampling(max_tokens=1)),
         "TokenizeRequest": gen_pb.TokenizeRequest(model=MODEL, text="hi"),
+        "PinPrefixRequest": gen_pb.PinPrefixRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=range(100, 132)),
+                                                    pin_id="auth", tenant="alpha", ttl_seconds=60),
+        "UnpinPrefixRequest": gen_pb.UnpinPrefixRequest(model=MODEL, pin_id="auth", tenant="alpha"),
     }
     out = []
     for name in ("baton.v1.GenerationService", "baton.v1.Generation"):
         for m in gen_pb.DESCRIPTOR.services_by_name["GenerationService"].methods:
             kind = "unary_stream" if m.server_streaming else "unary_unary"
             out.append((f"/{name}/{m.name}", kind, good[m.input_type.name].SerializeToString()))
-    assert len(out) == 6
+    assert len(out) == 10
     return out
+
+
+PIN_METHODS = ("PinPrefix", "UnpinPrefix")  # operator keys only
 
 
 def test_every_grpc_method_needs_a_key(guarded: Guarded) -> None:
@@ -223,9 +229,13 @@ def test_every_grpc_method_needs_a_key(guarded: Guarded) -> None:
                 code, details = raw_call(channel, path, kind, request, metadata)
                 assert code == grpc.StatusCode.UNAUTHENTICATED, (path, metadata, code)
                 assert details == "a valid API key is required" and not leaks(details)
-            for metadata in ((("authorization", f"Bearer {ALPHA_KEY}"),), (("x-api-key", ALPHA_KEY),)):
+            key = OPS_KEY if path.endswith(PIN_METHODS) else ALPHA_KEY
+            for metadata in ((("authorization", f"Bearer {key}"),), (("x-api-key", key),)):
                 code, _ = raw_call(channel, path, kind, request, metadata)
                 assert code == grpc.StatusCode.OK, (path, metadata, code)
+            if path.endswith(PIN_METHODS):  # a tenant's own key may not pin
+                code, details = raw_call(channel, path, kind, request, (("x-api-key", ALPHA_KEY),))
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "role=operator" in details, (path, code)
 
 
 def test_a_metrics_key_reads_metrics_and_status_and_nothing_else(guarded: Guarded) -> None:

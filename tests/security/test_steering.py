@@ -220,8 +220,10 @@ def _cancelled(guarded: Guarded, expected: float | None = None) -> float:
 
 
 # session: the tenant-scoped session key; num_resumed: set by the gateway when a request
-# moves off a lost decode worker (cluster.fleet.front), never from a client's field
-ALLOWED_FIELDS = ["req_id", "prompt_ids", "sampling", "priority", "cache_salt", "session", "num_resumed"]
+# moves off a lost decode worker (cluster.fleet.front), never from a client's field; slo: a
+# class the client chooses only within what the server allows (the edge refuses LATENCY unless
+# the operator lets callers set scheduling, as for priority; BATCH only gives ground)
+ALLOWED_FIELDS = ["req_id", "prompt_ids", "sampling", "priority", "cache_salt", "session", "num_resumed", "slo"]
 
 
 def test_the_engine_side_and_the_placer_take_no_hint() -> None:
@@ -234,5 +236,6 @@ def test_the_engine_side_and_the_placer_take_no_hint() -> None:
     for front in (EngineFront, AsyncEngine, PDFront, RayFront):
         params = inspect.signature(front.generate).parameters
         assert [(name, p.annotation) for name, p in params.items()] == [("self", inspect.Parameter.empty), ("job", "Job")], front
+    # slo: the Job's class, as the edge allowed it (ALLOWED_FIELDS)
     assert list(inspect.signature(Placer.place).parameters) == [
-        "self", "req_id", "hashes", "num_tokens", "tenant", "session"]
+        "self", "req_id", "hashes", "num_tokens", "tenant", "session", "slo"]

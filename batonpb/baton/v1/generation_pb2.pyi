@@ -3,7 +3,7 @@
 isort:skip_file
 baton's gRPC API for high-volume services (DESIGN.md sections 1 and 3).
 
-One call generates one sequence (there is no `n`): fan out with concurrent calls.
+One call generates one prompt's samples (`n`, 1 by default), which share its cached pages.
 Authentication: `authorization: Bearer <key>` or `x-api-key: <key>` metadata when the server
 has API keys. The call's deadline bounds the request (capped by the server's own timeout);
 when it passes, or the client cancels, the request is aborted and its KV pages are freed.
@@ -32,6 +32,42 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _SloClass:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SloClassEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SloClass.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SLO_CLASS_UNSPECIFIED: _SloClass.ValueType  # 0
+    """standard"""
+    SLO_CLASS_STANDARD: _SloClass.ValueType  # 1
+    SLO_CLASS_LATENCY: _SloClass.ValueType  # 2
+    """Interactive: scheduled ahead of the other classes, and may preempt running batch requests
+    for room. Honoured only when the server allows callers to set scheduling (else
+    PERMISSION_DENIED).
+    """
+    SLO_CLASS_BATCH: _SloClass.ValueType  # 3
+    """Throughput: scheduled behind the others, preempted first, admitted only while the queue is
+    below its batch share (RESOURCE_EXHAUSTED beyond it), never prefilled on a busy decode worker.
+    """
+
+class SloClass(_SloClass, metaclass=_SloClassEnumTypeWrapper):
+    """A request's latency class. Admission, the engine's scheduler and placement honour it."""
+
+SLO_CLASS_UNSPECIFIED: SloClass.ValueType  # 0
+"""standard"""
+SLO_CLASS_STANDARD: SloClass.ValueType  # 1
+SLO_CLASS_LATENCY: SloClass.ValueType  # 2
+"""Interactive: scheduled ahead of the other classes, and may preempt running batch requests
+for room. Honoured only when the server allows callers to set scheduling (else
+PERMISSION_DENIED).
+"""
+SLO_CLASS_BATCH: SloClass.ValueType  # 3
+"""Throughput: scheduled behind the others, preempted first, admitted only while the queue is
+below its batch share (RESOURCE_EXHAUSTED beyond it), never prefilled on a busy decode worker.
+"""
+Global___SloClass: _TypeAlias = SloClass  # noqa: Y015
 
 class _ToolChoice:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -98,6 +134,26 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 4
 """the output ended after its tool calls"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
+
+class _WorkerRole:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WorkerRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerRole.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WORKER_ROLE_UNSPECIFIED: _WorkerRole.ValueType  # 0
+    """where prompts are computed: the prefill workers, else decode"""
+    WORKER_ROLE_PREFILL: _WorkerRole.ValueType  # 1
+    WORKER_ROLE_DECODE: _WorkerRole.ValueType  # 2
+
+class WorkerRole(_WorkerRole, metaclass=_WorkerRoleEnumTypeWrapper):
+    """Which workers a pin goes to."""
+
+WORKER_ROLE_UNSPECIFIED: WorkerRole.ValueType  # 0
+"""where prompts are computed: the prefill workers, else decode"""
+WORKER_ROLE_PREFILL: WorkerRole.ValueType  # 1
+WORKER_ROLE_DECODE: WorkerRole.ValueType  # 2
+Global___WorkerRole: _TypeAlias = WorkerRole  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
@@ -427,6 +483,10 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     TOOL_FUNCTION_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    SLO_CLASS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model's name; any other name is NOT_FOUND. Up to 256 characters."""
     text: _builtins.str
@@ -444,6 +504,22 @@ class GenerateRequest(_message.Message):
     """The function to call, with TOOL_CHOICE_FUNCTION (and only then)."""
     parallel_tool_calls: _builtins.bool
     """Absent: true. False: at most one call."""
+    n: _builtins.int
+    """Independent samples of the prompt, 0 (meaning 1) to 16; they share the prompt's cached
+    pages. With a seed, sample i is seeded seed + i. Generate streams them interleaved, each
+    message naming its sample (GenerateResponse.index); Complete returns them in `choices`.
+    """
+    session_id: _builtins.str
+    """A conversation's key, up to 256 characters (scoped to the API key's tenant): its requests
+    prefer the decode worker that served it last, which holds its pages, while placement may
+    still move it off a worker that is full or queued. Empty: none. HTTP: prompt_cache_key.
+    """
+    cache_salt: _builtins.str
+    """An extra salt in the KV page hashes, up to 256 characters: only this tenant's requests with
+    the same salt reuse each other's cached pages (pages of an operator-shared prefix stay
+    shared). Empty: the tenant's own salt. HTTP: cache_salt.
+    """
+    slo_class: Global___SloClass.ValueType
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -474,10 +550,14 @@ class GenerateRequest(_message.Message):
         tool_choice: Global___ToolChoice.ValueType = ...,
         tool_function: _builtins.str = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        n: _builtins.int = ...,
+        session_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        slo_class: Global___SloClass.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "chat", b"chat", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "cache_salt", b"cache_salt", "chat", b"chat", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "slo_class", b"slo_class", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
@@ -515,6 +595,10 @@ class CompleteRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     TOOL_FUNCTION_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    SLO_CLASS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The served model's name; any other name is NOT_FOUND. Up to 256 characters."""
     text: _builtins.str
@@ -532,6 +616,22 @@ class CompleteRequest(_message.Message):
     """The function to call, with TOOL_CHOICE_FUNCTION (and only then)."""
     parallel_tool_calls: _builtins.bool
     """Absent: true. False: at most one call."""
+    n: _builtins.int
+    """Independent samples of the prompt, 0 (meaning 1) to 16; they share the prompt's cached
+    pages. With a seed, sample i is seeded seed + i. Generate streams them interleaved, each
+    message naming its sample (GenerateResponse.index); Complete returns them in `choices`.
+    """
+    session_id: _builtins.str
+    """A conversation's key, up to 256 characters (scoped to the API key's tenant): its requests
+    prefer the decode worker that served it last, which holds its pages, while placement may
+    still move it off a worker that is full or queued. Empty: none. HTTP: prompt_cache_key.
+    """
+    cache_salt: _builtins.str
+    """An extra salt in the KV page hashes, up to 256 characters: only this tenant's requests with
+    the same salt reuse each other's cached pages (pages of an operator-shared prefix stay
+    shared). Empty: the tenant's own salt. HTTP: cache_salt.
+    """
+    slo_class: Global___SloClass.ValueType
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -562,10 +662,14 @@ class CompleteRequest(_message.Message):
         tool_choice: Global___ToolChoice.ValueType = ...,
         tool_function: _builtins.str = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        n: _builtins.int = ...,
+        session_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        slo_class: Global___SloClass.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "chat", b"chat", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_priority", b"_priority", "cache_salt", b"cache_salt", "chat", b"chat", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "session_id", b"session_id", "slo_class", b"slo_class", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
@@ -641,24 +745,65 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     completion_tokens: _builtins.int
     cached_tokens: _builtins.int
     """prompt tokens served from the prefix cache"""
+    @_builtins.property
+    def cached(self) -> Global___CachedTokens:
+        """the same tokens, by where they were found"""
+
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        cached: Global___CachedTokens | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class CachedTokens(_message.Message):
+    """Prompt tokens served from the prefix cache, by the tier each page was in when the request
+    was admitted; device + host + disk = Usage.cached_tokens.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEVICE_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    DISK_FIELD_NUMBER: _builtins.int
+    REMOTE_FIELD_NUMBER: _builtins.int
+    device: _builtins.int
+    host: _builtins.int
+    disk: _builtins.int
+    remote: _builtins.int
+    """Of those, tokens another worker's cache held: a prefill worker's, its pages then shipped
+    to the decode worker that streams the request.
+    """
+    def __init__(
+        self,
+        *,
+        device: _builtins.int = ...,
+        host: _builtins.int = ...,
+        disk: _builtins.int = ...,
+        remote: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "disk", b"disk", "host", b"host", "remote", b"remote"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedTokens: _TypeAlias = CachedTokens  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
@@ -673,12 +818,17 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The server-generated request id (for logs and support); set on the first message only."""
     text: _builtins.str
     """Their text, UTF-8 safe: bytes of a character split across tokens wait for the rest."""
     finish_reason: Global___FinishReason.ValueType
     """Set on the last message only."""
+    index: _builtins.int
+    """Which sample of the request this message belongs to, 0 to n - 1. Each sample ends with its
+    own final message (finish_reason and its usage: completion_tokens are that sample's).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The new tokens of this step (usually one; none on a final message that only finishes)."""
@@ -705,10 +855,11 @@ class GenerateResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -725,22 +876,29 @@ class CompleteResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """with tools: the content, tool calls apart"""
     finish_reason: Global___FinishReason.ValueType
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """the whole generated sequence"""
+        """the whole generated sequence (with n > 1: the first sample's)"""
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
         """one per token when Sampling.logprobs is set"""
 
     @_builtins.property
-    def usage(self) -> Global___Usage: ...
+    def usage(self) -> Global___Usage:
+        """The prompt once, the completion tokens of every sample."""
+
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompleteChoice]:
+        """With n > 1: every sample, in index order (the fields above repeat the first one's)."""
+
     def __init__(
         self,
         *,
@@ -751,14 +909,52 @@ class CompleteResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        choices: _abc.Iterable[Global___CompleteChoice] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompleteResponse: _TypeAlias = CompleteResponse  # noqa: Y015
+
+@_typing.final
+class CompleteChoice(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    text: _builtins.str
+    finish_reason: Global___FinishReason.ValueType
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]: ...
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        text: _builtins.str = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        finish_reason: Global___FinishReason.ValueType = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteChoice: _TypeAlias = CompleteChoice  # noqa: Y015
 
 @_typing.final
 class TokenizeRequest(_message.Message):
@@ -813,3 +1009,161 @@ class TokenizeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
+
+@_typing.final
+class PinPrefixRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The served model's name; any other name is NOT_FOUND."""
+    text: _builtins.str
+    """Up to 4,000,000 characters, tokenized with the model's special tokens (BOS), as a text
+    prompt of Generate is: the pin then matches such prompts.
+    """
+    pin_id: _builtins.str
+    """1 to 64 of [A-Za-z0-9_.-], the tenant's name for the pin."""
+    tenant: _builtins.str
+    """Whose requests reuse the pages (their tenant's name, up to 256 characters). Empty: the
+    caller's own tenant.
+    """
+    ttl_seconds: _builtins.int
+    """1 to 86,400."""
+    role: Global___WorkerRole.ValueType
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds:
+        """1 to max_model_len - 1 ids."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        text: _builtins.str = ...,
+        token_ids: Global___TokenIds | None = ...,
+        pin_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        ttl_seconds: _builtins.int = ...,
+        role: Global___WorkerRole.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "pin_id", b"pin_id", "prompt", b"prompt", "role", b"role", "tenant", b"tenant", "text", b"text", "token_ids", b"token_ids", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
+
+Global___PinPrefixRequest: _TypeAlias = PinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class PinnedWorker(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    worker: _builtins.str
+    state: _builtins.str
+    """"held", "computing" (its pages were still being computed when the call returned), or why
+    the worker refused the pin.
+    """
+    def __init__(
+        self,
+        *,
+        worker: _builtins.str = ...,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinnedWorker: _TypeAlias = PinnedWorker  # noqa: Y015
+
+@_typing.final
+class PinPrefixResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_PAGES_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    pin_id: _builtins.str
+    tenant: _builtins.str
+    num_tokens: _builtins.int
+    num_pages: _builtins.int
+    """whole pages held on each worker"""
+    ttl_seconds: _builtins.int
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PinnedWorker]: ...
+    def __init__(
+        self,
+        *,
+        pin_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+        num_pages: _builtins.int = ...,
+        ttl_seconds: _builtins.int = ...,
+        workers: _abc.Iterable[Global___PinnedWorker] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_pages", b"num_pages", "num_tokens", b"num_tokens", "pin_id", b"pin_id", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinPrefixResponse: _TypeAlias = PinPrefixResponse  # noqa: Y015
+
+@_typing.final
+class UnpinPrefixRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    pin_id: _builtins.str
+    tenant: _builtins.str
+    """empty: the caller's own tenant"""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        pin_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "pin_id", b"pin_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinPrefixRequest: _TypeAlias = UnpinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class UnpinPrefixResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.bool
+    """false: there was no such pin (or it had expired)"""
+    def __init__(
+        self,
+        *,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinPrefixResponse: _TypeAlias = UnpinPrefixResponse  # noqa: Y015

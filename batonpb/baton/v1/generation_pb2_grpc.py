@@ -54,6 +54,16 @@ class GenerationServiceStub:
                 request_serializer=baton_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/baton.v1.GenerationService/PinPrefix',
+                request_serializer=baton_dot_v1_dot_generation__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.UnpinPrefix = channel.unary_unary(
+                '/baton.v1.GenerationService/UnpinPrefix',
+                request_serializer=baton_dot_v1_dot_generation__pb2.UnpinPrefixRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.UnpinPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -86,6 +96,25 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinPrefix(self, request, context):
+        """Keep a prefix's whole KV pages resident, for one tenant's requests, on every worker of a
+        role until a TTL: a shared system prompt or corpus header that eviction must not take.
+        Operator keys only when the server has API keys (else PERMISSION_DENIED). Returns once
+        every worker holds the pages (or after 30 s, those still computing say so). Bounded per
+        tenant (8 pins, 65,536 tokens: RESOURCE_EXHAUSTED past them) and per worker (half its
+        pages); listed in the HTTP /status. The same pin_id again replaces the pin.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinPrefix(self, request, context):
+        """Release a pin on every worker (its pages stay cached, evictable again); idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -103,6 +132,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=baton_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=baton_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.PinPrefixRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'UnpinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinPrefix,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.UnpinPrefixRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.UnpinPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -191,6 +230,60 @@ class GenerationService:
             '/baton.v1.GenerationService/Tokenize',
             baton_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             baton_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.GenerationService/PinPrefix',
+            baton_dot_v1_dot_generation__pb2.PinPrefixRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.GenerationService/UnpinPrefix',
+            baton_dot_v1_dot_generation__pb2.UnpinPrefixRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.UnpinPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

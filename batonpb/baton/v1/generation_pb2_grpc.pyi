@@ -3,7 +3,7 @@
 isort:skip_file
 baton's gRPC API for high-volume services (DESIGN.md sections 1 and 3).
 
-One call generates one sequence (there is no `n`): fan out with concurrent calls.
+One call generates one prompt's samples (`n`, 1 by default), which share its cached pages.
 Authentication: `authorization: Bearer <key>` or `x-api-key: <key>` metadata when the server
 has API keys. The call's deadline bounds the request (capped by the server's own timeout);
 when it passes, or the client cancels, the request is aborted and its KV pages are freed.
@@ -60,6 +60,16 @@ class GenerationServiceStub:
     """The whole sequence in one reply (the same request, collected server-side)."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]
     """The token ids a text prompt becomes, without generating."""
+    PinPrefix: _grpc.UnaryUnaryMultiCallable[_generation_pb2.PinPrefixRequest, _generation_pb2.PinPrefixResponse]
+    """Keep a prefix's whole KV pages resident, for one tenant's requests, on every worker of a
+    role until a TTL: a shared system prompt or corpus header that eviction must not take.
+    Operator keys only when the server has API keys (else PERMISSION_DENIED). Returns once
+    every worker holds the pages (or after 30 s, those still computing say so). Bounded per
+    tenant (8 pins, 65,536 tokens: RESOURCE_EXHAUSTED past them) and per worker (half its
+    pages); listed in the HTTP /status. The same pin_id again replaces the pin.
+    """
+    UnpinPrefix: _grpc.UnaryUnaryMultiCallable[_generation_pb2.UnpinPrefixRequest, _generation_pb2.UnpinPrefixResponse]
+    """Release a pin on every worker (its pages stay cached, evictable again); idempotent."""
 
 @_typing.type_check_only
 class GenerationServiceAsyncStub(GenerationServiceStub):
@@ -79,6 +89,16 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     """The whole sequence in one reply (the same request, collected server-side)."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]  # type: ignore[assignment]
     """The token ids a text prompt becomes, without generating."""
+    PinPrefix: _aio.UnaryUnaryMultiCallable[_generation_pb2.PinPrefixRequest, _generation_pb2.PinPrefixResponse]  # type: ignore[assignment]
+    """Keep a prefix's whole KV pages resident, for one tenant's requests, on every worker of a
+    role until a TTL: a shared system prompt or corpus header that eviction must not take.
+    Operator keys only when the server has API keys (else PERMISSION_DENIED). Returns once
+    every worker holds the pages (or after 30 s, those still computing say so). Bounded per
+    tenant (8 pins, 65,536 tokens: RESOURCE_EXHAUSTED past them) and per worker (half its
+    pages); listed in the HTTP /status. The same pin_id again replaces the pin.
+    """
+    UnpinPrefix: _aio.UnaryUnaryMultiCallable[_generation_pb2.UnpinPrefixRequest, _generation_pb2.UnpinPrefixResponse]  # type: ignore[assignment]
+    """Release a pin on every worker (its pages stay cached, evictable again); idempotent."""
 
 class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
     """Named `baton.v1.Generation` before issue 24, when Complete took a GenerateRequest. The
@@ -113,5 +133,27 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.TokenizeResponse, _abc.Awaitable[_generation_pb2.TokenizeResponse]]:
         """The token ids a text prompt becomes, without generating."""
+
+    @_abc_1.abstractmethod
+    def PinPrefix(
+        self,
+        request: _generation_pb2.PinPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.PinPrefixResponse, _abc.Awaitable[_generation_pb2.PinPrefixResponse]]:
+        """Keep a prefix's whole KV pages resident, for one tenant's requests, on every worker of a
+        role until a TTL: a shared system prompt or corpus header that eviction must not take.
+        Operator keys only when the server has API keys (else PERMISSION_DENIED). Returns once
+        every worker holds the pages (or after 30 s, those still computing say so). Bounded per
+        tenant (8 pins, 65,536 tokens: RESOURCE_EXHAUSTED past them) and per worker (half its
+        pages); listed in the HTTP /status. The same pin_id again replaces the pin.
+        """
+
+    @_abc_1.abstractmethod
+    def UnpinPrefix(
+        self,
+        request: _generation_pb2.UnpinPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.UnpinPrefixResponse, _abc.Awaitable[_generation_pb2.UnpinPrefixResponse]]:
+        """Release a pin on every worker (its pages stay cached, evictable again); idempotent."""
 
 def add_GenerationServiceServicer_to_server(servicer: GenerationServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
