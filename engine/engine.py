@@ -161,6 +161,7 @@ class Engine:
         request.matcher = self._new_matcher(job, first_token)
         self._arrivals += 1
         request.cache_salt = job.cache_salt.encode()
+        request.in_session = bool(job.session)
         if self.cfg.detokenize:
             request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), job.sampling.stop)
         return request

@@ -19,6 +19,7 @@ again replaces it (a new prefix or TTL).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from kvcache.radix import PrefixCache
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from engine.engine import Engine
 
 PIN_REQUEST_PREFIX = "pin/"  # internal requests' ids: no edge mints one (theirs are hex)
 
@@ -84,6 +86,25 @@ async def pin_on(
         return worker, await asyncio.wait_for(asyncio.shield(done), wait_s)
     except TimeoutError:
         return worker, first
+
+
+async def pin_in_loop(
+    engine: Engine, wake: Callable[[], None], pin_id: str, prompt_ids: tuple[int, ...], cache_salt: str,
+    ttl_s: float, wait_s: float,
+) -> PinView | str:
+    """Pin on an engine this event loop steps (a worker actor's; `wake` starts its next step)
+    and wait up to `wait_s` for its pages to be held: the pin ("computing" still, past the
+    wait), or why it was refused."""
+    done: asyncio.Future[PinView | str] = asyncio.get_running_loop().create_future()
+    try:
+        view = engine.pin_prefix(pin_id, prompt_ids, cache_salt, ttl_s, functools.partial(settle, done))
+    except RequestError as exc:
+        return str(exc)
+    wake()  # a prefix not cached yet is computed by the step loop
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), wait_s)
+    except TimeoutError:
+        return view
 
 
 def settle(done: asyncio.Future[PinView | str], result: PinView | str) -> None:

@@ -89,6 +89,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     cache_salt: bytes = b""  # the tenant's: its pages are invisible to other tenants
+    in_session: bool = False  # a session's request: its pages outlast its tenant's others in the cache
     num_shared_pages: int = 0  # leading pages inside an operator-shared prefix (no salt)
     page_hashes: list[bytes] = field(default_factory=list)  # of full pages, filled as needed
     num_committed_pages: int = 0  # leading pages already offered to the prefix cache

@@ -505,7 +505,7 @@ class Scheduler:
         max_pages = (request.num_tokens - 1) // ps  # at least one token must be computed
         self._ensure_hashes(request, max_pages)
         by_tier = [0, 0, 0]
-        shared = self.cache.match(request.page_hashes, max_pages, by_tier)
+        shared = self.cache.match(request.page_hashes, max_pages, by_tier, request.in_session)
         request.page_ids = shared
         request.num_computed_tokens = len(shared) * ps
         request.num_committed_pages = len(shared)
@@ -518,9 +518,8 @@ class Scheduler:
         full = request.num_computed_tokens // self.cfg.page_size
         if full > request.num_committed_pages:
             self._ensure_hashes(request, full)
-            self.cache.insert(
-                request.page_hashes[:full], request.page_ids[:full], request.num_committed_pages, request.cache_salt
-            )
+            self.cache.insert(request.page_hashes[:full], request.page_ids[:full], request.num_committed_pages,
+                              request.cache_salt, request.in_session)  # fmt: skip
             request.num_committed_pages = full
 
     def prefix_hashes(self, request: Request, num_pages: int) -> list[bytes]:

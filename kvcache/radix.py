@@ -33,7 +33,7 @@ import torch
 
 from kvcache.disk import DiskTier
 from kvcache.events import EventKind, KVEvent, Tier
-from kvcache.hashing import is_tenants
+from kvcache.hashing import SALT_SEPARATOR, is_tenants
 from kvcache.host import HostTier
 from kvcache.pool import DevicePool, PagePool
 
@@ -49,6 +49,8 @@ class Node:
     page_id: int  # device page, or host slot when tier is HOST
     tier: Tier = Tier.DEVICE
     salt: bytes = b""  # the tenant whose request computed it (for purges)
+    # A session's request computed or reused it: evicted after its tenant's other pages
+    session: bool = False
     children: set[Node] = field(default_factory=set)
     last_access: int = 0
     created: float = 0.0  # time.monotonic() when computed (for the time-to-live)
@@ -108,6 +110,9 @@ class PrefixCache:
         # eviction reads O(victims + entries skipped) of it, not the whole tree: a full cache
         # of 16k pages had scanned every node for each page a step allocated.
         self._heaps: dict[Tier, list[tuple[int, int, Node]]] = {Tier.DEVICE: [], Tier.HOST: []}
+        # The same, per (tier, tenant), of the pages no session uses: what is evicted in the
+        # place of a session's page that the LRU picked (`_lru`).
+        self._plain: dict[tuple[Tier, bytes], list[tuple[int, int, Node]]] = {}
         self._tiebreak = itertools.count()
         self.stats = CacheStats()
 
@@ -129,10 +134,13 @@ class PrefixCache:
 
     # -- lookups ----------------------------------------------------------------------------
 
-    def match(self, hashes: Sequence[bytes], max_pages: int, by_tier: list[int] | None = None) -> list[int]:
+    def match(
+        self, hashes: Sequence[bytes], max_pages: int, by_tier: list[int] | None = None, session: bool = False
+    ) -> list[int]:
         """Reuse the longest cached prefix (at most `max_pages` pages), promoting lower-tier
         pages to the device. The caller gets its own reference on each returned page.
-        `by_tier` (indexed by Tier) counts the returned pages by the tier each was found in."""
+        `by_tier` (indexed by Tier) counts the returned pages by the tier each was found in;
+        `session`: the caller is a session's request (its pages are kept longer: `_lru`)."""
         self._clock += 1
         path: list[tuple[bytes, Node | None]] = []  # the cached prefix, in order
         expired_before = time.monotonic() - self.ttl_s if self.ttl_s is not None else None
@@ -167,6 +175,7 @@ class PrefixCache:
                     break
                 fresh.pop(0)
             node.last_access = self._clock
+            node.session |= session
             self._candidate(node)
             self.pages.share([node.page_id])
             self.stats.hit_pages_by_tier[tier] += 1
@@ -209,8 +218,11 @@ class PrefixCache:
 
     # -- updates ----------------------------------------------------------------------------
 
-    def insert(self, hashes: Sequence[bytes], page_ids: Sequence[int], start: int, salt: bytes = b"") -> None:
-        """Cache device pages `start ..` of a sequence (hashes[i] is the hash of page_ids[i])."""
+    def insert(
+        self, hashes: Sequence[bytes], page_ids: Sequence[int], start: int, salt: bytes = b"", session: bool = False
+    ) -> None:
+        """Cache device pages `start ..` of a sequence (hashes[i] is the hash of page_ids[i]);
+        `session`: a session's request computed them (they are kept longer: `_lru`)."""
         self._clock += 1
         stored: list[bytes] = []
         parent = self._nodes.get(hashes[start - 1]) if start > 0 else None
@@ -219,11 +231,12 @@ class PrefixCache:
         for page_hash, page_id in zip(hashes[start:], page_ids[start:], strict=False):
             node = self._nodes.get(page_hash)
             if node is None:
-                node = self._add(page_hash, parent, page_id, Tier.DEVICE, salt)
+                node = self._add(page_hash, parent, page_id, Tier.DEVICE, salt, session)
                 self.pages.share([page_id])
                 stored.append(page_hash)
             elif node.tier != Tier.DEVICE:
                 break  # cached below; a later match promotes it
+            node.session |= session
             if node.last_access != self._clock:
                 node.last_access = self._clock
                 self._candidate(node)
@@ -287,37 +300,67 @@ class PrefixCache:
 
     def _lru(self, tier: Tier, limit: int) -> list[Node]:
         """Up to `limit` evictable nodes of a tier, least recently used first (parents become
-        candidates once their children in that tier are gone)."""
+        candidates once their children in that tier are gone) -- but within a tenant, a
+        session's pages last: when the LRU picks a page a session uses, its tenant's least
+        recently used page that none uses goes in its place, if the tenant has one."""
         heap = self._heaps[tier]
         out: list[Node] = []
         taken: set[int] = set()
-        held: list[tuple[int, int, Node]] = []  # in use or pinned now: candidates again after
-        while heap and len(out) < limit:
-            entry = heapq.heappop(heap)
-            last_access, _, node = entry
-            if (id(node) in taken or node.tier != tier or node.last_access != last_access
-                    or self._nodes.get(node.hash) is not node):  # fmt: skip
-                continue  # stale: touched since (a newer entry says so), moved, or gone
-            if any(c.tier <= tier and id(c) not in taken for c in node.children):
-                continue  # inner: a candidate again when its last child in the tier leaves
-            if id(node) in self._pinned or (tier == Tier.DEVICE and self.pages.refcount(node.page_id) != 1):
-                held.append(entry)
-                continue
+        held: list[tuple[list[tuple[int, int, Node]], tuple[int, int, Node]]] = []  # candidates again after
+        while len(out) < limit:
+            entry = self._next_victim(heap, tier, taken, held)
+            if entry is None:
+                break
+            node = entry[2]
+            if node.session:
+                plain = self._plain.get((tier, _tenant(node.salt)))
+                instead = self._next_victim(plain, tier, taken, held, plain=True) if plain else None
+                if instead is not None:
+                    held.append((heap, entry))  # the session's page stays a candidate
+                    node = instead[2]
             out.append(node)
             taken.add(id(node))
             if node.parent is not None and node.parent.tier == tier:
                 self._candidate(node.parent)
-        for entry in held:
-            heapq.heappush(heap, entry)
+        for source, entry in held:
+            heapq.heappush(source, entry)
         return out
+
+    def _next_victim(
+        self, heap: list[tuple[int, int, Node]], tier: Tier, taken: set[int],
+        held: list[tuple[list[tuple[int, int, Node]], tuple[int, int, Node]]], plain: bool = False,
+    ) -> tuple[int, int, Node] | None:
+        """Pop `heap` down to its least recently used evictable node's entry (None when it
+        runs out); entries of nodes in use or pinned go to `held`. `plain`: a tenant's heap of
+        pages no session uses (one a session has used since is skipped)."""
+        while heap:
+            entry = heapq.heappop(heap)
+            last_access, _, node = entry
+            if (id(node) in taken or node.tier != tier or node.last_access != last_access
+                    or self._nodes.get(node.hash) is not node or (plain and node.session)):  # fmt: skip
+                continue  # stale: touched since (a newer entry says so), moved, or gone
+            if any(c.tier <= tier and id(c) not in taken for c in node.children):
+                continue  # inner: a candidate again when its last child in the tier leaves
+            if id(node) in self._pinned or (tier == Tier.DEVICE and self.pages.refcount(node.page_id) != 1):
+                held.append((heap, entry))
+                continue
+            return entry
+        return None
 
     def _candidate(self, node: Node) -> None:
         """`node` may be evictable from its tier now, or later (checked when popped)."""
         heap = self._heaps.get(node.tier)
         if heap is None:
             return
+        self._push(heap, node, lambda n: n.tier == node.tier)
+        if not node.session:
+            tenant = _tenant(node.salt)
+            plain = self._plain.setdefault((node.tier, tenant), [])
+            self._push(plain, node, lambda n: n.tier == node.tier and not n.session and _tenant(n.salt) == tenant)
+
+    def _push(self, heap: list[tuple[int, int, Node]], node: Node, belongs: Callable[[Node], bool]) -> None:
         if len(heap) > 2 * len(self._nodes) + 1024:  # mostly stale entries (every touch adds one): rebuild
-            heap[:] = [(n.last_access, next(self._tiebreak), n) for n in self._nodes.values() if n.tier == node.tier]
+            heap[:] = [(n.last_access, next(self._tiebreak), n) for n in self._nodes.values() if belongs(n)]
             heapq.heapify(heap)  # amortised: a rebuild per len(tree) pushes at most
             if node.hash in self._nodes:
                 return  # it is in the rebuilt heap, as it is now
@@ -421,8 +464,10 @@ class PrefixCache:
         self.stats.evicted_pages += len(doomed)
         self._emit(EventKind.REMOVED, [n.hash for n in doomed], Tier.DEVICE)
 
-    def _add(self, page_hash: bytes, parent: Node | None, page_id: int, tier: Tier, salt: bytes) -> Node:
-        node = Node(page_hash, parent, page_id, tier, salt, last_access=self._clock, created=time.monotonic())
+    def _add(
+        self, page_hash: bytes, parent: Node | None, page_id: int, tier: Tier, salt: bytes, session: bool = False
+    ) -> Node:
+        node = Node(page_hash, parent, page_id, tier, salt, session, last_access=self._clock, created=time.monotonic())
         self._nodes[page_hash] = node
         if parent is not None:
             parent.children.add(node)
@@ -481,8 +526,17 @@ class PrefixCache:
                     raise AssertionError("parent/child links or tier order broken")
         for tier, heap in self._heaps.items():  # every leaf of a tier is an eviction candidate
             live = {id(n) for la, _, n in heap if n.tier == tier and n.last_access == la and self._nodes.get(n.hash) is n}
+            plain_live = {id(n) for (t, _), entries in self._plain.items() if t == tier
+                          for la, _, n in entries if n.last_access == la and not n.session}  # fmt: skip
             for node in self._nodes.values():
-                if node.tier == tier and not any(c.tier <= tier for c in node.children) and id(node) not in live:
+                if node.tier != tier or any(c.tier <= tier for c in node.children):
+                    continue
+                if id(node) not in live or not (node.session or id(node) in plain_live):
                     raise AssertionError(f"{tier.name} page {node.page_id} is a leaf but no eviction candidate")
         if self.host is not None:
             self.host.check_integrity(len(host_slots))
+
+
+def _tenant(salt: bytes) -> bytes:
+    """The tenant of a page's salt, without a request's own cache_salt (kvcache.hashing)."""
+    return salt.partition(SALT_SEPARATOR.encode())[0]

@@ -4,11 +4,12 @@ RAG corpus header) resident on every worker of a role until a TTL (engine.pins o
     gRPC PinPrefix / POST /admin/pins    check bounds -> every worker of the role pins it, and
                                          the call waits (PIN_WAIT_S at most) until each holds
                                          the pages -> the book records what each said (/status)
-    gRPC UnpinPrefix / DELETE /admin/pins/{id}   every worker releases it
+    gRPC UnpinPrefix / DELETE /admin/pins/{tenant}/{pin_id}   every worker releases it
 
 The book bounds pins per tenant (MAX_PINS_PER_TENANT, MAX_PINNED_TOKENS_PER_TENANT); each
 worker bounds the pages its pins hold (half its pool). A pin lives on the workers that held it
-when it was made: a worker that joins later, or restarts, does not have it (pin again).
+when it was made, and the book says what each worker answered then: a worker that joins
+later, or restarts, does not have it (pin again).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ ROLES = ("", "prefill", "decode")  # "": where prompts are computed (prefill wor
 
 @runtime_checkable
 class PinsPrefixes(Protocol):
-    """An engine side whose workers can pin prefixes (AsyncEngine, PDFront, RayFront)."""
+    """An engine side whose workers can pin prefixes (PDFront, RayFront; a colocated
+    AsyncEngine is pinned through engine.pins.pin_on)."""
 
     async def pin_prefix(
         self, role: str, pin_id: str, prompt_ids: tuple[int, ...], cache_salt: str, ttl_s: float, wait_s: float

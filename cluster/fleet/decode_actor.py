@@ -18,7 +18,6 @@ complete ones that are never admitted expire at their admission lease (decode.wo
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -36,11 +35,10 @@ from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.env import pod_name
-from engine.errors import RequestError
 from engine.job import Job
 from engine.omp import release_thread_pool
 from engine.outputs import StepOutput
-from engine.pins import PinView, settle
+from engine.pins import PinView, pin_in_loop
 from kvcache.report import CacheReport, cache_report
 from kvtransfer.codec import chunk_pages
 from kvtransfer.grpc_transport import start_kv_server
@@ -169,18 +167,8 @@ class DecodeActor(WorkerActor):
     ) -> PinView | str:
         """Keep a prefix's pages resident here (engine.pins): the pin once its pages are held
         (or still computing past `wait_s`), or why it was refused."""
-        done: asyncio.Future[PinView | str] = asyncio.get_running_loop().create_future()
         self._check_started()
-        try:
-            view = self.worker.engine.pin_prefix(pin_id, prompt_ids, cache_salt, ttl_s,
-                                                 functools.partial(settle, done))  # the step runs on this loop
-        except RequestError as exc:
-            return str(exc)
-        self._wake.set()  # a pin that is not cached yet computes its pages in the step loop
-        try:
-            return await asyncio.wait_for(asyncio.shield(done), wait_s)
-        except TimeoutError:
-            return view
+        return await pin_in_loop(self.worker.engine, self._wake.set, pin_id, prompt_ids, cache_salt, ttl_s, wait_s)
 
     async def unpin_prefix(self, pin_id: str) -> bool:
         return self.worker.engine.unpin_prefix(pin_id)

@@ -39,7 +39,7 @@ from cluster.disagg_config import DisaggConfig
 from cluster.edge.frontend import ModelView, PoolUsage
 from cluster.errors import EdgeError, Kind
 from cluster.fleet import ray_runtime  # noqa: F401  (before `ray`)
-from cluster.fleet.calls import Stalled, decode_call, prefill_call, ray_await
+from cluster.fleet.calls import Stalled, abandonable, decode_call, prefill_call, ray_await
 from cluster.fleet.dispatch import Handed, PrefillSide, Redispatch, Started, dispatch, replayable
 from cluster.fleet.fleet import Fleet, StartsWorkers
 from cluster.fleet.transfer_metrics import TransferMetrics
@@ -123,16 +123,17 @@ class RayFront:
     async def pin_prefix(
         self, role: str, pin_id: str, prompt_ids: tuple[int, ...], cache_salt: str, ttl_s: float, wait_s: float
     ) -> list[PinAnswer]:
-        """Pin on every live worker of `role` ("": the prefill workers, or the decode workers
-        when there are none): each one's answer (a worker that fails to answer says why)."""
-        prefills: list[PrefillHandle | DecodeHandle] = [p for p in self.fleet.prefills if p.is_alive]
+        """Pin on every routable worker of `role` ("": the prefill workers, or the decode
+        workers when there are none; one that left or stalls gets no work, nor pins): each
+        one's answer (a worker that fails to answer says why)."""
+        prefills: list[PrefillHandle | DecodeHandle] = [p for p in self.fleet.prefills if p.is_routable]
         use_decode = role == "decode" or (role == "" and not prefills)
-        targets = [d for d in self.fleet.decodes if d.is_alive] if use_decode else prefills
+        targets = [d for d in self.fleet.decodes if d.is_routable] if use_decode else prefills
 
         async def one(handle: PrefillHandle | DecodeHandle) -> PinAnswer:
             try:
                 call = handle.actor.pin_prefix.remote(pin_id, prompt_ids, cache_salt, ttl_s, wait_s)
-                return handle.name, await asyncio.wait_for(ray_await(call), wait_s + PIN_CALL_S)
+                return handle.name, await asyncio.wait_for(abandonable(ray_await(call)), wait_s + PIN_CALL_S)
             except Exception as exc:  # noqa: BLE001 -- one worker's failure is its answer, not the call's
                 return handle.name, f"the worker did not answer: {type(exc).__name__}"
 
@@ -144,7 +145,8 @@ class RayFront:
 
         async def one(handle: PrefillHandle | DecodeHandle) -> bool:
             try:
-                return bool(await asyncio.wait_for(ray_await(handle.actor.unpin_prefix.remote(pin_id)), PIN_CALL_S))
+                call = abandonable(ray_await(handle.actor.unpin_prefix.remote(pin_id)))
+                return bool(await asyncio.wait_for(call, PIN_CALL_S))
             except Exception:  # noqa: BLE001 -- a dead worker holds nothing; the TTL ends it anyway
                 return False
 

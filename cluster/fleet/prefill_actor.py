@@ -15,7 +15,6 @@ event loop between the engine's steps.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
@@ -30,11 +29,10 @@ from cluster.placement.kv_log import KVEventLog
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.env import pod_name
-from engine.errors import RequestError
 from engine.faults import require_injection
 from engine.job import Job
 from engine.omp import release_thread_pool
-from engine.pins import PinView, settle
+from engine.pins import PinView, pin_in_loop
 from kvcache.report import cache_report
 from kvtransfer.jobs import AbortedIds, TransferReport
 from kvtransfer.nccl_comm import nccl_usable
@@ -136,19 +134,9 @@ class PrefillActor(WorkerActor):
     ) -> PinView | str:
         """Keep a prefix's pages resident here (engine.pins): the pin once its pages are held
         (or still computing past `wait_s`), or why it was refused."""
-        done: asyncio.Future[PinView | str] = asyncio.get_running_loop().create_future()
-        try:
-            view = self.worker.engine.pin_prefix(pin_id, prompt_ids, cache_salt, ttl_s,
-                                                 functools.partial(settle, done))  # the step runs on this loop
-        except RequestError as exc:
-            return str(exc)
         if self._loop is None:
             self._loop = asyncio.create_task(self._run())
-        self._wake.set()  # a pin that is not cached yet computes its pages in the step loop
-        try:
-            return await asyncio.wait_for(asyncio.shield(done), wait_s)
-        except TimeoutError:
-            return view
+        return await pin_in_loop(self.worker.engine, self._wake.set, pin_id, prompt_ids, cache_salt, ttl_s, wait_s)
 
     async def unpin_prefix(self, pin_id: str) -> bool:
         return self.worker.engine.unpin_prefix(pin_id)

@@ -6,6 +6,7 @@ the Ray fleet)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -209,3 +210,19 @@ async def test_slo_class_reaches_the_engine_and_latency_needs_the_operators_leav
     finally:
         await allowing.stop(None)
     assert classes == [SloClass.BATCH, SloClass.BATCH, SloClass.LATENCY, SloClass.STANDARD]
+
+
+async def test_leaving_a_stream_of_samples_early_aborts_every_sample(served: Served) -> None:
+    """Cancelling a Generate call with n samples (after its first message) aborts all of them:
+    every page comes back."""
+    async with served.client() as client:
+        long = Sampling(max_tokens=300, temperature=0.0, ignore_eos=True)
+        deltas = client.generate(_prompt(9, 40), sampling=long, options=Options(n=3))
+        first = await anext(deltas)
+        assert first.token_ids
+        await deltas.aclose()  # the call is cancelled: the server aborts its three requests
+    for _ in range(150):  # an abort lands on the step thread's next turn
+        if not served.engine.has_unfinished() and served.engine.free_pages_at_idle() == POOL:
+            break
+        await asyncio.sleep(0.02)
+    assert not served.engine.has_unfinished() and served.engine.free_pages_at_idle() == POOL

@@ -235,3 +235,19 @@ def test_a_session_stays_on_its_decode_worker_and_reuses_its_pages(pd2: ServerHa
     rate = [sum(t[1] for t in turns) / sum(t[0] for t in turns) for turns in (with_session, without)]
     assert rate[0] >= rate[1], rate
     print(f"hit rate of the follow-ups: {rate[0]:.2f} with a session, {rate[1]:.2f} without")
+
+
+def test_a_pin_reaches_every_worker_of_its_role(pd2: ServerHandle, grpc_port: int) -> None:
+    """gRPC PinPrefix on the Ray fleet: every prefill worker (the default role) computes and
+    holds the prefix, or every decode worker when asked; /status lists it; unpin releases it."""
+    prefix = [random.Random(5).randrange(100, 1000) for _ in range(40)]  # 2 whole pages
+    with BatonClient(f"127.0.0.1:{grpc_port}", model="baton-tiny", timeout_s=120) as client:
+        pin = client.pin_prefix(prefix, pin_id="sys", ttl_s=600)
+        assert (pin.tenant, pin.num_pages, pin.workers) == ("default", 2, {"prefill-0": "held", "prefill-1": "held"})
+        on_decode = client.pin_prefix(prefix, pin_id="sys-d", ttl_s=600, role="decode")
+        assert on_decode.workers == {"decode-0": "held", "decode-1": "held"}
+        status = httpx.get(pd2.url + "/status", timeout=10).json()
+        assert sorted(p["pin_id"] for p in status["pins"]) == ["sys", "sys-d"]
+        assert client.unpin_prefix("sys") and client.unpin_prefix("sys-d")
+        assert not client.unpin_prefix("sys")
+    assert httpx.get(pd2.url + "/status", timeout=10).json()["pins"] == []

@@ -10,8 +10,9 @@ import pytest
 
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
+from engine.job import Job
 from engine.sampling import SamplingParams
-from kvcache.hashing import cache_salt, tenant_of
+from kvcache.hashing import cache_salt, page_hashes, tenant_of
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -184,3 +185,21 @@ def test_concurrent_rows_of_one_cached_prefix_decode_in_cascade_with_the_same_to
         engine.check_integrity()
     assert [together[f"c{i}"] for i in range(len(prompts))] == alone
     assert cascades, "no decode step attended in cascade"
+
+
+def test_a_sessions_pages_are_marked_in_the_cache(tiny_model_dir: Path, prompts: list[list[int]]) -> None:
+    """A session's request (Job.session) computes pages the cache keeps after its tenant's
+    others (kvcache.radix); the same prompt outside a session leaves them unmarked."""
+    engine = _engine(tiny_model_dir, cache=True)
+    cache = engine.prefix_cache
+    assert cache is not None
+    for req_id, prompt, session in (("s", prompts[0], "acme\x1fconv"), ("p", prompts[1], "")):
+        engine.add(Job(req_id, tuple(prompt), GREEDY, cache_salt="acme", session=session))
+        while engine.has_unfinished():
+            engine.step()
+    marked = {n.hash: n.session for n in cache._nodes.values()}
+    system = page_hashes(prompts[0][:96], 16, b"acme", engine.fingerprint)  # the 6 pages both prompts share
+    assert all(marked[h] for h in system)  # computed in the session (reused outside it: still marked)
+    tail = page_hashes(prompts[1][:112], 16, b"acme", engine.fingerprint)[6:]  # the plain request's own page
+    assert tail and not any(marked[h] for h in tail)
+    engine.check_integrity()

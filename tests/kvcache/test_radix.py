@@ -74,16 +74,16 @@ def test_random_sequences_keep_the_invariants(ops: list[tuple[str, int, int]]) -
     held: list[list[int]] = []  # pages each live "request" holds
     prefixes = [list(range(k * 3, k * 3 + 20)) for k in range(6)]
     for op, which, n in ops:
-        if op == "run":
-            tokens = prefixes[which][: 4 * n]
-            hashes = _hashes(tokens)
-            got = cache.match(hashes, len(hashes))
+        if op == "run":  # two tenants; some prefixes are a session's (evicted last within the tenant)
+            tokens, salt, session = prefixes[which][: 4 * n], (b"a", b"b")[which % 2], which in (1, 4)
+            hashes = _hashes(tokens, salt)
+            got = cache.match(hashes, len(hashes), session=session)
             fresh = cache.allocate(len(hashes) - len(got))
             if fresh is None:
                 pool.free(got)
             else:
                 pages = got + fresh
-                cache.insert(hashes, pages, len(got))
+                cache.insert(hashes, pages, len(got), salt, session)
                 held.append(pages)
         elif op == "evict":
             cache.evict(n)
@@ -200,3 +200,41 @@ def test_an_eviction_reads_a_few_candidates_not_the_whole_tree() -> None:
     for _ in range(20):
         assert cache.allocate(1) is not None
     assert looked <= 2 * 20  # a leaf per page, at most a stale entry besides
+
+
+def _cached(cache: PrefixCache, pool: PagePool, tokens: list[int], salt: bytes, session: bool = False) -> list[bytes]:
+    """A finished request's pages, left in the cache (only the tree holds them)."""
+    hashes = _hashes(tokens, salt)
+    pages = pool.allocate(len(hashes))
+    assert pages is not None
+    cache.insert(hashes, pages, 0, salt, session)
+    pool.free(pages)
+    return hashes
+
+
+def test_a_sessions_pages_are_evicted_last_within_its_tenant_and_lru_between_tenants() -> None:
+    pool = PagePool(8)
+    cache = PrefixCache(pool, 4)
+    conv = _cached(cache, pool, list(range(100, 108)), b"acme", session=True)  # oldest: a conversation
+    other = _cached(cache, pool, list(range(200, 204)), b"globex")  # another tenant's page
+    salted = _cached(cache, pool, list(range(300, 308)), b"acme\x1fteam-a")  # acme's, with a request salt
+    cache.check_integrity()
+    # LRU would take the conversation's leaf first: acme's least recently used page that no
+    # session uses goes in its place; the other tenant's is taken in LRU order.
+    assert cache.evict(3) == 3
+    assert conv[1] in cache and conv[0] in cache
+    assert other[0] not in cache and salted[1] not in cache and salted[0] not in cache
+    cache.check_integrity()
+    assert cache.evict(2) == 2 and not any(h in cache for h in conv)  # nothing else left: the session's go
+    cache.check_integrity()
+
+
+def test_a_page_a_session_reuses_is_kept_like_the_sessions_own() -> None:
+    pool = PagePool(8)
+    cache = PrefixCache(pool, 4)
+    shared = _cached(cache, pool, list(range(100, 104)), b"acme")  # a system prompt, computed outside a session
+    plain = _cached(cache, pool, list(range(200, 204)), b"acme")
+    pool.free(cache.match(shared, 1, session=True))  # a session's request reuses it
+    pool.free(cache.match(plain, 1))  # and the other page is used after it: LRU would take `shared`
+    cache.check_integrity()
+    assert cache.evict(1) == 1 and shared[0] in cache and plain[0] not in cache

@@ -512,7 +512,8 @@ class GenerateRequest(_message.Message):
     session_id: _builtins.str
     """A conversation's key, up to 256 characters (scoped to the API key's tenant): its requests
     prefer the decode worker that served it last, which holds its pages, while placement may
-    still move it off a worker that is full or queued. Empty: none. HTTP: prompt_cache_key.
+    still move it off a worker that is full or queued; its pages are the last of its tenant's
+    that a worker's cache evicts. Empty: none. HTTP: prompt_cache_key.
     """
     cache_salt: _builtins.str
     """An extra salt in the KV page hashes, up to 256 characters: only this tenant's requests with
@@ -624,7 +625,8 @@ class CompleteRequest(_message.Message):
     session_id: _builtins.str
     """A conversation's key, up to 256 characters (scoped to the API key's tenant): its requests
     prefer the decode worker that served it last, which holds its pages, while placement may
-    still move it off a worker that is full or queued. Empty: none. HTTP: prompt_cache_key.
+    still move it off a worker that is full or queued; its pages are the last of its tenant's
+    that a worker's cache evicts. Empty: none. HTTP: prompt_cache_key.
     """
     cache_salt: _builtins.str
     """An extra salt in the KV page hashes, up to 256 characters: only this tenant's requests with
