@@ -523,8 +523,8 @@ class Engine:
         `on_done` (called on the step thread) gets the pin once held, or why it never was."""
         prompt = tuple(prompt_ids)
         req_id = PIN_REQUEST_PREFIX + pin_id
+        self._drop_pin_request(pin_id)  # the same id again replaces the pin, even while it computes
         self._validate(req_id, prompt, PIN_SAMPLING)
-        self._drop_pin_request(pin_id)
         pin = self.pins.add(pin_id, len(prompt), len(prompt) // self.cfg.page_size, cache_salt.encode(), ttl_s)
         if on_done is not None:
             pin.waiters.append(on_done)
@@ -540,7 +540,6 @@ class Engine:
         """Release a pin (its pages stay cached, unpinned); False if there was none."""
         self._drop_pin_request(pin_id)
         return self.pins.release(pin_id) is not None
-
 
     def _pin_outputs(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """Take the pins' internal requests out of a step's outputs; hold a pin's pages once

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.errors import RequestError
-from kvcache.hashing import is_tenants
+from kvcache.hashing import tenant_of
 from kvcache.pool import PagePool
 from kvcache.radix import PrefixCache
 
@@ -197,10 +197,7 @@ class Pins:
 
     def purge(self, tenant_salt: bytes) -> list[str]:
         """Release the tenant's pins; their ids."""
-        doomed = [p.pin_id for p in self._pins.values() if is_tenants(p.cache_salt, tenant_salt)]
+        doomed = [p.pin_id for p in self._pins.values() if tenant_of(p.cache_salt) == tenant_salt]
         for pin_id in doomed:
             self.release(pin_id)
         return doomed
-
-    def next_expiry(self) -> float | None:
-        return min((p.expires_at for p in self._pins.values()), default=None)

@@ -9,13 +9,14 @@ are hashed: a partial last page is always recomputed.
 
 A request may add a salt of its own (`cache_salt`, as vLLM's): the salt is then the tenant's
 name, SALT_SEPARATOR and the request's salt, so only the tenant's requests with the same salt
-share those pages, and purging the tenant still finds them (`is_tenants`).
+share those pages, and purging the tenant still finds them (`tenant_of`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import AnyStr
 
 import numpy as np
 
@@ -31,13 +32,11 @@ def cache_salt(tenant: str, request_salt: str | None) -> str:
     return tenant if request_salt is None else f"{tenant}{SALT_SEPARATOR}{request_salt}"
 
 
-def tenant_of(salt: str) -> str:
-    return salt.partition(SALT_SEPARATOR)[0]
-
-
-def is_tenants(salt: bytes, tenant: bytes) -> bool:
-    """Whether pages of `salt` belong to `tenant` (its own salt or one a request narrowed)."""
-    return salt == tenant or salt.startswith(tenant + SALT_SEPARATOR.encode())
+def tenant_of(salt: AnyStr) -> AnyStr:
+    """The tenant a salt belongs to (its own salt, or one a request narrowed), as a Job (str)
+    or the cache (bytes) holds it."""
+    separator = SALT_SEPARATOR if isinstance(salt, str) else SALT_SEPARATOR.encode()
+    return salt.partition(separator)[0]
 
 
 def page_hash(parent: bytes, token_ids: Sequence[int], salt: bytes, fingerprint: bytes) -> bytes:

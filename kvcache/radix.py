@@ -33,7 +33,7 @@ import torch
 
 from kvcache.disk import DiskTier
 from kvcache.events import EventKind, KVEvent, Tier
-from kvcache.hashing import SALT_SEPARATOR, is_tenants
+from kvcache.hashing import tenant_of
 from kvcache.host import HostTier
 from kvcache.pool import DevicePool, PagePool
 
@@ -284,10 +284,10 @@ class PrefixCache:
         reference until it ends). A tenant's pages form whole subtrees, since the salt is in
         every page hash of its requests; pages its requests salted further (their own
         cache_salt) are the tenant's too. Returns how many pages were forgotten."""
-        doomed = [n for n in self._nodes.values() if is_tenants(n.salt, salt)]
+        doomed = [n for n in self._nodes.values() if tenant_of(n.salt) == salt]
         for node in doomed:
             self._forget(node)
-        on_disk = [h for h, s in self._disk_salts.items() if is_tenants(s, salt)]
+        on_disk = [h for h, s in self._disk_salts.items() if tenant_of(s) == salt]
         for page_hash in on_disk:
             del self._disk_salts[page_hash]
             if self.disk is not None:
@@ -313,7 +313,7 @@ class PrefixCache:
                 break
             node = entry[2]
             if node.session:
-                plain = self._plain.get((tier, _tenant(node.salt)))
+                plain = self._plain.get((tier, tenant_of(node.salt)))
                 instead = self._next_victim(plain, tier, taken, held, plain=True) if plain else None
                 if instead is not None:
                     held.append((heap, entry))  # the session's page stays a candidate
@@ -354,9 +354,9 @@ class PrefixCache:
             return
         self._push(heap, node, lambda n: n.tier == node.tier)
         if not node.session:
-            tenant = _tenant(node.salt)
+            tenant = tenant_of(node.salt)
             plain = self._plain.setdefault((node.tier, tenant), [])
-            self._push(plain, node, lambda n: n.tier == node.tier and not n.session and _tenant(n.salt) == tenant)
+            self._push(plain, node, lambda n: n.tier == node.tier and not n.session and tenant_of(n.salt) == tenant)
 
     def _push(self, heap: list[tuple[int, int, Node]], node: Node, belongs: Callable[[Node], bool]) -> None:
         if len(heap) > 2 * len(self._nodes) + 1024:  # mostly stale entries (every touch adds one): rebuild
@@ -535,8 +535,3 @@ class PrefixCache:
                     raise AssertionError(f"{tier.name} page {node.page_id} is a leaf but no eviction candidate")
         if self.host is not None:
             self.host.check_integrity(len(host_slots))
-
-
-def _tenant(salt: bytes) -> bytes:
-    """The tenant of a page's salt, without a request's own cache_salt (kvcache.hashing)."""
-    return salt.partition(SALT_SEPARATOR.encode())[0]

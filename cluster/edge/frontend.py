@@ -132,6 +132,16 @@ class Scaling(Protocol):
 MAX_HINT_CHARS = 256
 
 
+def allowed_slo(slo: SloClass, callers_schedule: bool) -> SloClass:
+    """A request's service class as its edge may take it: LATENCY takes its place (and may
+    preempt) ahead of others' work, so only where the operator lets callers set scheduling
+    (`allow_priority_field`, the switch `priority` has); BATCH only gives ground."""
+    if slo == SloClass.LATENCY and not callers_schedule:
+        raise EdgeError(Kind.PERMISSION_DENIED, "slo_class: latency is not allowed here: the operator has not let "
+                                                "callers set scheduling (allow_priority_field)", "slo_class")  # fmt: skip
+    return slo
+
+
 @dataclass(frozen=True, slots=True)
 class CacheHints:
     """A request's say in how its pages are reused, on both APIs.

@@ -52,7 +52,7 @@ from batonpb.baton.v1 import generation_pb2 as pb
 from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
-from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, merge_streams
+from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, allowed_slo, merge_streams
 from cluster.edge.grpc_output import (
     ended_in_calls,
     output_spec,
@@ -427,16 +427,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
 
     def _slo_class(self, request: pb.GenerateRequest) -> SloClass:
-        """The request's service class: LATENCY takes its place (and may preempt) ahead of
-        others' work, so only where the operator lets callers set scheduling, as `priority`;
-        BATCH only gives ground."""
         slo = _SLO_CLASSES.get(request.slo_class)
         if slo is None:
             raise invalid("slo_class: SLO_CLASS_STANDARD, SLO_CLASS_LATENCY, SLO_CLASS_BATCH or unset", "slo_class")
-        if slo == SloClass.LATENCY and not self.cfg.allow_priority_field:
-            raise EdgeError(Kind.PERMISSION_DENIED, "slo_class: SLO_CLASS_LATENCY is not allowed here: the operator "
-                                                    "has not let callers set scheduling (allow_priority_field)")
-        return slo
+        return allowed_slo(slo, self.cfg.allow_priority_field)
 
     def _priority(self, request: pb.GenerateRequest, tenant: Tenant) -> Tenant:
         if not (self.cfg.allow_priority_field and request.HasField("priority")):

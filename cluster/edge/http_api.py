@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from cluster.edge.admin import add_admin_routes
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
-from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, merge_streams
+from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, allowed_slo, merge_streams
 from cluster.edge.guard import EdgeGuard
 from cluster.edge.openai_output import output_spec, template_messages
 from cluster.edge.openai_render import ChoiceState, Renderer, error_body, sse
@@ -349,16 +349,10 @@ def _timeout_header(request: Request) -> float | None:
 
 
 def _slo_class(body: CompletionRequest | ChatCompletionRequest, cfg: HttpConfig) -> SloClass:
-    """The request's service class (engine.request.SloClass). LATENCY takes its place, and may
-    preempt, ahead of others' work: only where the operator lets callers set scheduling (the
-    switch `priority` has). BATCH only gives ground, so anyone may ask for it."""
+    """The request's service class (engine.request.SloClass), as the edge may take it."""
     if body.slo_class is None:
         return SloClass.STANDARD
-    slo = SloClass[body.slo_class.upper()]
-    if slo == SloClass.LATENCY and not cfg.allow_priority_field:
-        raise EdgeError(Kind.PERMISSION_DENIED, 'slo_class "latency" is not allowed here: the operator has not '
-                                                "let callers set scheduling (api.allow_priority_field)", "slo_class")
-    return slo
+    return allowed_slo(SloClass[body.slo_class.upper()], cfg.allow_priority_field)
 
 
 def _num_prompts(body: CompletionRequest | ChatCompletionRequest) -> int:

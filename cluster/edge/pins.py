@@ -102,5 +102,5 @@ class PinBook:
             self._pins.pop((tenant, pin_id), None)
         return rec
 
-    def forget(self, tenant: str, pin_id: str) -> bool:
-        return self._pins.pop((tenant, pin_id), None) is not None
+    def forget(self, tenant: str, pin_id: str) -> None:
+        self._pins.pop((tenant, pin_id), None)

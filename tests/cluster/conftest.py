@@ -184,3 +184,11 @@ def server(make_shared_server: Callable[..., ServerHandle]) -> ServerHandle:
     return make_shared_server()
 
 
+async def all_pages_free(engine: Engine) -> bool:
+    """Every page back and nothing running, within ~3 s (an abort lands on the step thread's next
+    turn: this waits for that end state, never for a transient one)."""
+    for _ in range(150):  # an abort lands on the step thread's next turn
+        if engine.free_pages_at_idle() == engine.pool.num_pages and not engine.has_unfinished():
+            return True
+        await asyncio.sleep(0.02)
+    return False

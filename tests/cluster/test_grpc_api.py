@@ -34,6 +34,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
+from tests.cluster.conftest import all_pages_free
 
 MODEL = "baton-tiny"
 KEY = "k" * 20
@@ -121,14 +122,6 @@ def _hold_steps(front: AsyncEngine) -> _Held:
     mid-stream on a machine of any speed (400 tokens took ~7 s here once, 0.8 s later)."""
     gate = threading.Event()
     return _Held(gate, asyncio.ensure_future(front.call(lambda _: gate.wait(60))))
-
-
-async def _all_pages_free(engine: Engine) -> bool:
-    for _ in range(150):  # an abort lands on the step thread's next turn
-        if engine.free_pages_at_idle() == engine.pool.num_pages and not engine.has_unfinished():
-            return True
-        await asyncio.sleep(0.02)
-    return False
 
 
 def _expected(reference: Engine, prompt_ids: list[int], params: Sampling = GREEDY) -> list[int]:
@@ -242,7 +235,7 @@ async def test_call_deadline_aborts_the_request_and_frees_its_pages(
     await held.release()
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 0 < received < 400
-    assert await _all_pages_free(engine)
+    assert await all_pages_free(engine)
     after = _outcomes(served.frontend, "deadline") + _outcomes(served.frontend, "cancelled")
     assert after == before + 1  # the server-side stream ended early, not by finishing
 
@@ -263,7 +256,7 @@ async def test_server_timeout_is_deadline_exceeded(front: AsyncEngine, engine: E
                 break
             await asyncio.sleep(0.05)
         assert _outcomes(s.frontend, "deadline") == 1, s.frontend.metrics.outcomes()
-    assert await _all_pages_free(engine)
+    assert await all_pages_free(engine)
 
 
 async def test_client_cancellation_mid_stream_frees_pages(
@@ -277,7 +270,7 @@ async def test_client_cancellation_mid_stream_frees_pages(
             break
     assert engine.pool.pages.num_free < engine.pool.num_pages  # it holds pages while running
     call.cancel()
-    assert await _all_pages_free(engine)
+    assert await all_pages_free(engine)
     assert served.frontend.admission.num_inflight == 0
 
 
@@ -297,7 +290,7 @@ async def test_many_streams_cancelled_at_different_points_free_every_page(
 
     seen = await asyncio.gather(*(cancel_after(1 + i % 5) for i in range(16)))
     assert seen == [1 + i % 5 for i in range(16)]
-    assert await _all_pages_free(engine)
+    assert await all_pages_free(engine)
     assert served.frontend.admission.num_inflight == 0
 
 
@@ -384,7 +377,7 @@ async def test_overload_is_resource_exhausted_with_retry_metadata(
         assert typed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert typed.value.retry_after_s == 2.5
         holder.cancel()
-    assert await _all_pages_free(engine)
+    assert await all_pages_free(engine)
 
 
 async def test_api_key_is_required_when_keys_are_set(served: Served) -> None:
@@ -540,7 +533,7 @@ async def test_async_client_leaving_a_stream_early_cancels_it(
             async for delta in deltas:
                 assert delta.request_id
                 break
-        assert await _all_pages_free(engine)
+        assert await all_pages_free(engine)
 
 
 # -- TLS --------------------------------------------------------------------------------------

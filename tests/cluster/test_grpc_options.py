@@ -6,7 +6,6 @@ the Ray fleet)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.job import Job
 from engine.request import SloClass
+from tests.cluster.conftest import all_pages_free
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -221,8 +221,4 @@ async def test_leaving_a_stream_of_samples_early_aborts_every_sample(served: Ser
         first = await anext(deltas)
         assert first.token_ids
         await deltas.aclose()  # the call is cancelled: the server aborts its three requests
-    for _ in range(150):  # an abort lands on the step thread's next turn
-        if not served.engine.has_unfinished() and served.engine.free_pages_at_idle() == POOL:
-            break
-        await asyncio.sleep(0.02)
-    assert not served.engine.has_unfinished() and served.engine.free_pages_at_idle() == POOL
+    assert await all_pages_free(served.engine)

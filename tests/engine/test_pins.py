@@ -118,3 +118,14 @@ def test_purging_a_tenant_releases_its_pins_even_while_computing(tiny_model_dir:
     _settle(engine)
     assert [(v.pin_id, v.state) for v in engine.pins.views()] == [("b", "held")]
     engine.check_integrity()
+
+
+def test_pinning_an_id_again_while_it_computes_replaces_it(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, Clock())
+    told: list[object] = []
+    engine.pin_prefix("sys", _tokens(7, 40), "acme", ttl_s=60, on_done=told.append)
+    again = engine.pin_prefix("sys", _tokens(8, 64), "acme", ttl_s=60)  # before the first is computed
+    assert again.num_pages == 4 and told == ["released before its pages were computed"]
+    _settle(engine)
+    assert [(v.pin_id, v.num_pages, v.state) for v in engine.pins.views()] == [("sys", 4, "held")]
+    engine.check_integrity()

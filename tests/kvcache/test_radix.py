@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.hashing import ROOT_HASH, page_hash, page_hashes
+from kvcache.hashing import ROOT_HASH, cache_salt, page_hash, page_hashes, tenant_of
 from kvcache.pool import PagePool
 from kvcache.radix import EventKind, KVEvent, PrefixCache
 
@@ -25,6 +25,9 @@ def test_hashes_chain_and_salt() -> None:
     assert a[1] == page_hash(a[0], [4, 5, 6, 7], b"", FP)
     assert page_hashes(list(range(4, 12)), 4, b"", FP, parent=a[0]) == a[1:]
     assert ROOT_HASH == bytes(16)
+    # a request's own salt narrows its tenant's (kvcache.hashing.cache_salt); the tenant stays findable
+    assert cache_salt("acme", "x") == "acme\x1fx" and tenant_of("acme\x1fx") == "acme" == tenant_of("acme")
+    assert tenant_of(b"acme\x1fx") == b"acme" and tenant_of(b"acme-x") == b"acme-x"
 
 
 def test_match_insert_evict_scenario() -> None:
