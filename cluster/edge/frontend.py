@@ -36,6 +36,7 @@ from cluster.edge.pins import (
 )
 from cluster.edge.tenants import Tenant, TenantLimits
 from cluster.errors import EdgeError, Kind, classify, invalid
+from cluster.gateway.service import Gateway
 from cluster.ops.metrics import EdgeMetrics
 from cluster.ops.node_status import NodeCollector, NodeStatus, collect_nodes
 from cluster.ops.tracing import NO_TRACE, OFF, RequestTrace, Tracing, first_token
@@ -203,6 +204,7 @@ class Frontend:
         self.started_at = time.time()
         self._compiler: GrammarCompiler | None = None  # the gateway's, when the engines are elsewhere
         self.pins = PinBook()  # prefixes pinned through this gateway (cluster.edge.pins)
+        self.gateway: Gateway | None = None  # set when cluster.yaml names external pools (cluster.gateway)
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -224,6 +226,7 @@ class Frontend:
             "nodes": [n.to_json() for n in nodes],
             "pins": [r.to_json(time.time()) for r in self.pins.records()],
             "pairs": [asdict(p) for p in self.engine.pairs.views()] if isinstance(self.engine, ReportsPairs) else [],
+            "pools": self.gateway.status() if self.gateway is not None else None,
         }  # fmt: skip
 
     # -- before the engine ------------------------------------------------------------------

@@ -39,7 +39,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn, ParamSpec, TypeVar, cast
@@ -53,6 +53,7 @@ from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
 from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, allowed_slo, merge_streams
+from cluster.edge.grpc_gateway import HttpBackend
 from cluster.edge.grpc_output import (
     ended_in_calls,
     output_spec,
@@ -62,6 +63,7 @@ from cluster.edge.grpc_output import (
 from cluster.edge.tenants import ApiKeys, Tenant
 from cluster.edge.tool_calls import ToolCallParser
 from cluster.errors import EdgeError, Kind, classify, invalid
+from cluster.gateway.router import Route
 from cluster.ops.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
 from engine.errors import ConfigError
 from engine.outputs import StepOutput
@@ -243,6 +245,16 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     async def _generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> None:
+        route = await self._route(request, context)
+        if route is not None and not route.is_own:
+            await self._external(route, request, context)
+            return
+        with self._own_route(route):
+            await self._generate_here(request, context, trace)
+
+    async def _generate_here(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
+    ) -> None:
         reqs, tickets, spec = await self._open(request, context, trace)
         parsers = [spec.tools.parser() if spec.tools is not None and spec.tools.is_parsed else None for _ in reqs]
         streams = [_stream(self.frontend, req, ticket, trace) for req, ticket in zip(reqs, tickets, strict=True)]
@@ -259,6 +271,17 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                 ticket.release()
 
     async def _complete(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
+    ) -> pb.CompleteResponse:
+        route = await self._route(request, context)
+        if route is not None and not route.is_own:
+            reply = await self._external(route, request, context, whole=True)
+            assert reply is not None
+            return reply
+        with self._own_route(route):
+            return await self._complete_here(request, context, trace)
+
+    async def _complete_here(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace
     ) -> pb.CompleteResponse:
         reqs, tickets, spec = await self._open(request, context, trace)
@@ -297,6 +320,85 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             usage.completion_tokens = sum(out.num_output_tokens for out in ended)
             reply.usage.CopyFrom(usage)
         return reply
+
+    # -- through the gateway's pools (cluster.gateway) ------------------------------------------
+
+    async def _route(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Route | None:
+        """Where the gateway sends this call (None: no gateway, or a model it does not know,
+        which the call's own checks answer). The checks that need no engine come first."""
+        gateway = self.frontend.gateway
+        if gateway is None:
+            return None
+        try:
+            _check_parsed(request)
+            tenant = self._authenticate(context)
+            if not request.model or not gateway.router.serving(request.model[:MAX_MODEL_NAME_CHARS]):
+                return None
+            _check_prompt(request, MAX_PROMPT_CHARS)
+            build_sampling(request.sampling, 1)
+            _num_samples(request)
+            spec = output_spec(request)
+            tokens = await self._prompt_ids(request, spec)
+            route = gateway.router.admit(request.model, self._route_key(context, tenant), tokens)
+        except Exception:
+            self.frontend.metrics.requests.labels("grpc", "rejected").inc()
+            raise
+        gateway.upstreams.metrics.decisions.labels(route.pool.name, route.reason).inc()
+        if not route.is_own and (spec.constraint is not None or spec.tools is not None):
+            gateway.router.finish(route, ok=False)
+            self.frontend.metrics.requests.labels("grpc", "rejected").inc()
+            raise invalid(f"pool {route.pool.name!r} is an external engine: constrained output and tools are "
+                          "served by this gateway's own pool only", "sampling")  # fmt: skip
+        route.tokens = tokens
+        return route
+
+    def _route_key(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> str:
+        assert self.frontend.gateway is not None
+        key = self.frontend.gateway.spec.routing.route_key
+        if key.startswith("header:"):
+            wanted = key[len("header:"):].lower()
+            for name, value in context.invocation_metadata() or ():
+                if name == wanted and isinstance(value, str) and value:
+                    return value[:256]
+        return tenant.name
+
+    @contextlib.contextmanager
+    def _own_route(self, route: Route | None) -> Iterator[None]:
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            if route is not None and self.frontend.gateway is not None:
+                self.frontend.gateway.upstreams.ended(route, "ok" if ok else "error")
+
+    async def _external(
+        self, route: Route, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, whole: bool = False
+    ) -> pb.CompleteResponse | None:
+        gateway = self.frontend.gateway
+        assert gateway is not None
+        backend = HttpBackend(gateway.router, gateway.upstreams)
+        try:
+            attempt = await backend.open(route, route.tokens, request, stream=not whole)
+        except Exception:
+            self.frontend.metrics.requests.labels("grpc", "error").inc()
+            raise
+        outcome = "cancelled"
+        try:
+            if whole:
+                reply = await backend.complete(attempt)
+                outcome = "ok"
+                return reply
+            async for message in backend.stream(attempt):
+                await context.write(message)
+            outcome = "ok"
+            return None
+        except EdgeError:
+            outcome = "broken"
+            raise
+        finally:
+            gateway.upstreams.finish(attempt, outcome)
+            self.frontend.metrics.requests.labels("grpc", {"broken": "error"}.get(outcome, outcome)).inc()
 
     async def _tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

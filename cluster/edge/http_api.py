@@ -44,6 +44,7 @@ from cluster.edge.openai_render import ChoiceState, Renderer, error_body, sse
 from cluster.edge.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from cluster.edge.tenants import ApiKeys, Tenant
 from cluster.errors import EdgeError, Kind, classify, invalid
+from cluster.gateway.http_routing import GatewayRouting
 from cluster.ops.tracing import NO_TRACE, RequestTrace, Tracing
 from engine.errors import BatonError
 from engine.outputs import StepOutput
@@ -83,6 +84,12 @@ def error_response(err: EdgeError) -> JSONResponse:
 
 def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     app = FastAPI(title="baton", version="0.1.0", docs_url=None, redoc_url=None)
+    gateway = frontend.gateway
+    if gateway is not None:  # added first: innermost, behind the guard (cluster.gateway.http_routing)
+        app.add_middleware(GatewayRouting, router=gateway.router, upstreams=gateway.upstreams,
+                           tokenizer=lambda: frontend.tokenizer,
+                           count=lambda outcome: frontend.metrics.requests.labels("http", outcome).inc(),
+                           log=gateway.log)  # fmt: skip
     # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set
     # With keys set, what shows every tenant and node (or changes the gateway) needs an operator key.
     app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes,
@@ -133,9 +140,16 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "baton",
-                "max_model_len": frontend.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "baton",
+                  "max_model_len": frontend.max_model_len}]  # fmt: skip
+        if gateway is not None:  # and every external pool's, owned by the first pool serving it
+            owners: dict[str, str] = {}
+            for pool in gateway.router.pools.values():
+                for name in pool.spec.models:
+                    owners.setdefault(name, pool.name)
+            cards += [{"id": name, "object": "model", "created": 0, "owned_by": owner}
+                      for name, owner in owners.items() if name != frontend.model_name]  # fmt: skip
+        return {"object": "list", "data": cards}
 
     @app.get("/live")
     async def live() -> JSONResponse:

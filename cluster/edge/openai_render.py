@@ -23,14 +23,7 @@ TokenText = Callable[[int], str]
 
 
 def error_body(err: EdgeError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.kind.openai_type,
-            "param": err.param,
-            "code": err.kind.name.lower(),
-        }
-    }
+    return err.openai_body()
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

@@ -15,6 +15,7 @@ from tests.cluster.conftest import ServerHandle
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 RAY_ONLY_FROM = "baton_kv_transfers_total"  # the table's rows from here on: Ray deployments only
+GATEWAY_FROM = "baton_pool_requests_total"  # and from here on: gateways with external pools only
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,6 +30,14 @@ def catalog() -> dict[str, tuple[str, set[str]]]:
             rows[m.group(1)] = (m.group(2), labels)
     assert len(rows) > 20, "the table in docs/metrics.md was not found"
     return rows
+
+
+def section(rows: dict[str, tuple[str, set[str]]], first: str | None, stop: str | None) -> dict[str, tuple[str, set[str]]]:
+    """The table's rows from `first` (None: the top) up to `stop` (None: the end)."""
+    names = list(rows)
+    lo = names.index(first) if first else 0
+    hi = names.index(stop) if stop else len(names)
+    return {n: rows[n] for n in names[lo:hi]}
 
 
 def exported(url: str) -> dict[str, tuple[str, set[str]]]:
@@ -64,8 +73,5 @@ def check_exports(url: str, expected: dict[str, tuple[str, set[str]]]) -> None:
 
 
 def test_the_colocated_gateway_exports_the_table(server: ServerHandle) -> None:
-    rows = catalog()
-    names = list(rows)
-    colocated = {n: rows[n] for n in names[: names.index(RAY_ONLY_FROM)]}
-    check_exports(server.url, colocated)
+    check_exports(server.url, section(catalog(), None, RAY_ONLY_FROM))
 

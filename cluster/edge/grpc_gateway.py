@@ -1,0 +1,186 @@
+"""gRPC clients served from HTTP backends: a `Generate` or `Complete` call whose model the
+gateway routes to an external pool (cluster.gateway) is sent there as an OpenAI request and
+its SSE answer translated back into `GenerateResponse` messages.
+
+    GenerateRequest (text / token_ids / chat messages, Sampling, n)
+        -> POST /v1/completions or /v1/chat/completions, stream, include_usage; only the
+           fields that were set (a strict OpenAI server refuses what it does not know)
+    SSE chunks -> GenerateResponse: text, index, finish_reason and usage on each sample's last
+                  message; token ids and logprobs are not carried (engines' text APIs differ)
+    an error answer -> the gRPC status its HTTP status maps to, with the engine's message
+
+A cancelled call closes the upstream request (cluster.gateway.proxy), as an HTTP client's does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from batonpb.baton.v1 import generation_pb2 as pb
+from cluster.errors import EdgeError, Kind
+from cluster.gateway.endpoints import Endpoint
+from cluster.gateway.proxy import Attempt, Upstreams
+from cluster.gateway.router import Route, Router
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+           "tool_calls": pb.FINISH_REASON_TOOL_CALLS}  # fmt: skip
+_STATUS = {400: Kind.INVALID_ARGUMENT, 401: Kind.UNAVAILABLE, 403: Kind.UNAVAILABLE, 404: Kind.NOT_FOUND,
+           408: Kind.DEADLINE_EXCEEDED, 413: Kind.INVALID_ARGUMENT, 422: Kind.INVALID_ARGUMENT,
+           429: Kind.RESOURCE_EXHAUSTED}  # fmt: skip  (401/403: the gateway's credential, not the caller's)
+MAX_ERROR_CHARS = 512
+
+
+def openai_body(request: pb.GenerateRequest, stream: bool) -> tuple[str, dict[str, Any]]:
+    """(path, body) of the OpenAI request that asks what `request` asks."""
+    s = request.sampling
+    body: dict[str, Any] = {"model": request.model, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if request.chat:
+        path = "/v1/chat/completions"
+        body["messages"] = [_message(m) for m in request.messages]
+    else:
+        path = "/v1/completions"
+        body["prompt"] = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
+    if request.n > 1:
+        body["n"] = request.n
+    for name in ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty"):
+        if s.HasField(name):
+            body[name] = getattr(s, name)
+    for name in ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty"):
+        if getattr(s, name):
+            body[name] = getattr(s, name)
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.ignore_eos:
+        body["ignore_eos"] = True
+    if s.logit_bias:
+        body["logit_bias"] = {str(k): v for k, v in s.logit_bias.items()}
+    return path, body
+
+
+def _message(m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]  # fmt: skip
+    return out
+
+
+class HttpBackend:
+    """One gRPC call's trip to an external pool."""
+
+    def __init__(self, router: Router, upstreams: Upstreams) -> None:
+        self.router = router
+        self.upstreams = upstreams
+
+    async def open(self, route: Route, tokens: Sequence[int], request: pb.GenerateRequest, stream: bool) -> Attempt:
+        path, body = openai_body(request, stream)
+        model = request.model
+
+        def route_for(tried: Sequence[Endpoint]) -> Route:
+            if not tried:
+                return route
+            return self.router.admit(model, route.route_key, tokens, exclude=tried, only_pool=route.pool.name)
+
+        attempt = await self.upstreams.send(route_for, path, json.dumps(body).encode(),
+                                            {"content-type": "application/json"}, stream)  # fmt: skip
+        if attempt.response.status >= 400:
+            try:
+                raw = await self.upstreams.read_body(attempt)
+            finally:
+                self.upstreams.finish(attempt, "ok")
+            raise _error(attempt, raw)
+        return attempt
+
+    async def stream(self, attempt: Attempt) -> AsyncIterator[pb.GenerateResponse]:
+        """The answer as GenerateResponse messages; the caller finishes the attempt."""
+        first = True
+        usage: dict[str, Any] | None = None
+        finals: dict[int, pb.GenerateResponse] = {}
+        async for event in self.upstreams.events(attempt):
+            if isinstance(event.get("error"), dict):
+                raise _error_of(attempt, event["error"], 500)
+            if isinstance(event.get("usage"), dict):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                if not isinstance(choice, dict):
+                    continue
+                msg = pb.GenerateResponse(index=int(choice.get("index", 0) or 0))
+                msg.text = _choice_text(choice)
+                reason = choice.get("finish_reason")
+                if first:
+                    msg.request_id = str(event.get("id", ""))[:256]
+                    first = False
+                if isinstance(reason, str):
+                    msg.finish_reason = _FINISH.get(reason, pb.FINISH_REASON_STOP)
+                    finals[msg.index] = msg  # held back until the usage chunk (the stream's last)
+                    continue
+                if msg.text:
+                    yield msg
+        for index in sorted(finals):
+            msg = finals[index]
+            if usage is not None:
+                msg.usage.CopyFrom(_usage(usage, per_sample=len(finals) > 1))
+            yield msg
+
+    async def complete(self, attempt: Attempt) -> pb.CompleteResponse:
+        raw = await self.upstreams.read_body(attempt)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise EdgeError(Kind.UNAVAILABLE, f"pool {attempt.route.pool.name!r} answered no JSON") from None
+        choices = [pb.CompleteChoice(index=int(c.get("index", i) or 0), text=_choice_text(c, whole=True),
+                                     finish_reason=_FINISH.get(str(c.get("finish_reason")), pb.FINISH_REASON_STOP))
+                   for i, c in enumerate(body.get("choices") or ()) if isinstance(c, dict)]  # fmt: skip
+        if not choices:
+            raise EdgeError(Kind.UNAVAILABLE, f"pool {attempt.route.pool.name!r} answered no choices")
+        first = choices[0]
+        reply = pb.CompleteResponse(request_id=str(body.get("id", ""))[:256], text=first.text,
+                                    finish_reason=first.finish_reason, choices=choices if len(choices) > 1 else ())  # fmt: skip
+        if isinstance(body.get("usage"), dict):
+            reply.usage.CopyFrom(_usage(body["usage"], per_sample=False))
+        return reply
+
+
+def _choice_text(choice: dict[str, Any], whole: bool = False) -> str:
+    if isinstance(choice.get("text"), str):
+        return str(choice["text"])
+    part = choice.get("message" if whole else "delta")
+    if isinstance(part, dict) and isinstance(part.get("content"), str):
+        return str(part["content"])
+    return ""
+
+
+def _usage(usage: dict[str, Any], per_sample: bool) -> pb.Usage:
+    def num(value: object) -> int:
+        return value if isinstance(value, int) and 0 <= value < 1 << 31 else 0
+
+    details = usage.get("prompt_tokens_details")
+    cached = num(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return pb.Usage(prompt_tokens=num(usage.get("prompt_tokens")), cached_tokens=cached,
+                    completion_tokens=0 if per_sample else num(usage.get("completion_tokens")))  # fmt: skip
+
+
+def _error(attempt: Attempt, raw: bytes) -> EdgeError:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    err = body.get("error") if isinstance(body, dict) else None
+    return _error_of(attempt, err if isinstance(err, dict) else {}, attempt.response.status)
+
+
+def _error_of(attempt: Attempt, err: dict[str, Any], status: int) -> EdgeError:
+    message = str(err.get("message") or f"HTTP {status}")[:MAX_ERROR_CHARS]
+    kind = _STATUS.get(status, Kind.UNAVAILABLE)
+    param = err.get("param")
+    return EdgeError(kind, f"pool {attempt.route.pool.name!r}: {message}",
+                     param if isinstance(param, str) and len(param) <= 64 else None)  # fmt: skip

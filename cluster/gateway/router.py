@@ -1,0 +1,195 @@
+"""Where one request goes: a pool, then an endpoint of it.
+
+    pools = those serving the request's model                   none: 404 model_not_found
+    one pool                  -> it                              (reason "model")
+    several: the first rule that matches (its models, route keys and the route key's
+             measured overlap, cluster.gateway.overlap)          (reason "rule")
+             else the cost rule: the pool whose best endpoint has the lowest predicted TTFT
+                                                                 (reason "cost")
+    endpoint: the lowest predicted TTFT among the pool's endpoints that are not ejected
+              (endpoint_policy prefix), or the next in turn (round_robin)
+
+Predicted TTFT of an endpoint = (prompt tokens it has queued -- sent, no output yet -- + this
+prompt's tokens it does not hold) / the pool's prefill_tokens_per_s, where what it holds comes from the prefix index
+(precise from KV events, else what the gateway sent it). A pool at its max_concurrency takes
+nothing more: the cost rule passes it by, and a model or rule that names it is refused with 429.
+
+`admit` teaches the overlap measure and the approximate index what is being sent (at once, so
+a burst sharing a prefix sees its own first requests) and returns a Route, which the caller must
+`finish` exactly once: it counts the request in flight on its pool and endpoint until then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cluster.errors import EdgeError, Kind
+from cluster.gateway.config import OWN_ENDPOINT, GatewaySpec, PoolSpec
+from cluster.gateway.endpoints import Endpoint, Pool
+from cluster.gateway.overlap import OverlapMeter
+from cluster.gateway.prefix_index import PrefixIndex
+from kvcache.hashing import model_fingerprint, page_hashes
+
+OVERLAP_PAGE = 16  # the overlap measure's page, in tokens (analyze-prefix's default page size)
+_OVERLAP_FP = model_fingerprint("baton-gateway", "overlap")
+
+
+def pool_fingerprint(pool: PoolSpec) -> bytes:
+    """The page-hash fingerprint of a pool's index entries: its name (an endpoint serves its pool's models)."""
+    return model_fingerprint("baton-gateway", pool.name)
+
+
+def endpoint_id(pool: str, url: str) -> str:
+    return f"{pool}/{url}"
+
+
+@dataclass(slots=True)
+class Route:
+    pool: Pool
+    endpoint: Endpoint
+    reason: str  # model, rule, cost
+    route_key: str
+    overlap: float | None
+    prompt_tokens: int
+    hit_tokens: int  # of the prompt, what the endpoint is estimated to hold
+    hashes: list[bytes]  # the prompt's pages in the pool's block size
+    overlap_hashes: list[bytes]
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+    prefilled: bool = False  # its first output came: its prompt is no longer in the endpoint's queue
+    tokens: Sequence[int] = ()  # the route tokens, kept where a retry needs them (gRPC)
+
+    @property
+    def is_own(self) -> bool:
+        return self.pool.spec.is_own
+
+
+class Router:
+    def __init__(self, spec: GatewaySpec, clock: Callable[[], float] = time.monotonic) -> None:
+        self.spec = spec
+        self.clock = clock
+        self.pools = {p.name: Pool.of(p, OWN_ENDPOINT) for p in spec.pools}
+        r = spec.routing
+        self.meter = OverlapMeter(r.window, r.min_samples, r.max_route_keys, r.pages_per_key)
+        self.index = PrefixIndex(r.approx_max_pages, r.approx_ttl_s, clock)
+        for pool in self.pools.values():
+            for e in pool.endpoints:
+                self.index.add_endpoint(endpoint_id(pool.name, e.url))
+        self._fingerprints = {p.name: pool_fingerprint(p) for p in spec.pools}
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for pool in self.pools.values():
+            seen.update(dict.fromkeys(pool.spec.models))
+        return list(seen)
+
+    def serving(self, model: str) -> list[Pool]:
+        return [p for p in self.pools.values() if model in p.spec.models]
+
+    def admit(
+        self, model: str, route_key: str, tokens: Sequence[int], exclude: Sequence[Endpoint] = (),
+        only_pool: str | None = None,
+    ) -> Route:
+        """Pick a pool and an endpoint and count the request in flight there (EdgeError:
+        NOT_FOUND for a model no pool serves, UNAVAILABLE when every endpoint is ejected,
+        RESOURCE_EXHAUSTED when the chosen pool is full). `exclude`: endpoints that already
+        failed this request (a retry before its first byte goes elsewhere when it can);
+        `only_pool`: the retry stays in the pool first chosen."""
+        pools = [p for p in self.serving(model) if only_pool is None or p.name == only_pool]
+        if not pools:
+            raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
+        overlap = self.meter.overlap(route_key)
+        now = self.clock()
+        live = {p.name: [e for e in p.endpoints if e.is_available(now) and e not in exclude] or
+                        [e for e in p.endpoints if e.is_available(now)] for p in pools}  # fmt: skip
+        hashes = {p.name: self._hashes(p.spec, tokens) for p in pools}
+        pool, reason = self._pool(model, route_key, overlap, pools, live, hashes, len(tokens))
+        if not live[pool.name]:
+            raise EdgeError(Kind.UNAVAILABLE, f"every endpoint of pool {pool.name!r} is ejected", retry_after_s=1.0)
+        if not pool.has_room:
+            raise EdgeError(Kind.RESOURCE_EXHAUSTED, f"pool {pool.name!r} has {pool.spec.max_concurrency} requests "
+                                                     "in flight, its max_concurrency", retry_after_s=1.0)  # fmt: skip
+        endpoint, hit, _ = self._endpoint(pool, live[pool.name], hashes[pool.name], len(tokens))
+        pool.inflight += 1
+        endpoint.inflight += 1
+        endpoint.num_routed += 1
+        endpoint.inflight_tokens += len(tokens) - hit
+        overlap_hashes = page_hashes(tokens, OVERLAP_PAGE, b"", _OVERLAP_FP)
+        # Learned as the request is sent, not when it ends: a burst that shares a prefix sees its
+        # own first requests (the overlap measure, and where the prefix is going to be).
+        self.meter.observe(route_key, overlap_hashes, len(tokens), OVERLAP_PAGE)
+        if endpoint.kv_events is None:  # a publisher's own events are the truth for its endpoint
+            self.index.sent(endpoint_id(pool.name, endpoint.url), hashes[pool.name])
+        return Route(pool, endpoint, reason, route_key, overlap, len(tokens), hit, hashes[pool.name], overlap_hashes,
+                     started=now)  # fmt: skip
+
+    def first_output(self, route: Route) -> None:
+        """The endpoint has prefilled this prompt: the cost rule stops counting it as queued."""
+        if not route.prefilled and not route.done:
+            route.prefilled = True
+            route.endpoint.inflight_tokens -= route.prompt_tokens - route.hit_tokens
+
+    def finish(self, route: Route, ok: bool, failed_endpoint: bool = False) -> None:
+        """The request ended: `ok` (answered), or not; `failed_endpoint`: the endpoint's fault
+        (no connection, a 5xx), which counts toward its ejection."""
+        if route.done:
+            return
+        route.done = True
+        route.pool.inflight -= 1
+        e = route.endpoint
+        e.inflight -= 1
+        if not route.prefilled:
+            e.inflight_tokens -= route.prompt_tokens - route.hit_tokens
+        if failed_endpoint:
+            e.failed(self.clock())
+        elif ok:
+            e.succeeded()
+
+    # -- choices -----------------------------------------------------------------------------
+
+    def _hashes(self, pool: PoolSpec, tokens: Sequence[int]) -> list[bytes]:
+        return page_hashes(tokens, pool.block_size, b"", self._fingerprints[pool.name])
+
+    def _pool(
+        self, model: str, route_key: str, overlap: float | None, pools: list[Pool], live: dict[str, list[Endpoint]],
+        hashes: dict[str, list[bytes]], num_tokens: int,
+    ) -> tuple[Pool, str]:
+        if len(pools) == 1:
+            return pools[0], "model"
+        by_name = {p.name: p for p in pools}
+        ruled = self.spec.by_rule(model, route_key, overlap, lambda name: name in by_name and bool(live[name]))
+        if ruled is not None:
+            return by_name[ruled], "rule"
+        costed = [(self._endpoint(p, live[p.name], hashes[p.name], num_tokens, cost_only=True)[2], i, p)
+                  for i, p in enumerate(pools) if live[p.name] and p.has_room]  # fmt: skip
+        if costed:
+            return min(costed, key=lambda c: (c[0], c[1]))[2], "cost"
+        # every pool full or ejected: the first with a live endpoint answers (429 when full)
+        return next((p for p in pools if live[p.name]), pools[0]), "cost"
+
+    def _endpoint(
+        self, pool: Pool, live: list[Endpoint], hashes: list[bytes], num_tokens: int, cost_only: bool = False
+    ) -> tuple[Endpoint, int, float]:
+        """(endpoint, tokens of the prompt it holds, predicted TTFT in seconds)."""
+        spec = pool.spec
+        held = self.index.hits(hashes, [endpoint_id(pool.name, e.url) for e in live])
+        best: tuple[float, int, int, int] | None = None
+        choice = live[0]
+        hit_of = 0
+        for i, e in enumerate(live):
+            hit = held.get(endpoint_id(pool.name, e.url))
+            pages = 0 if hit is None else hit.num_pages
+            hit_tokens = min(pages * spec.block_size, max(0, num_tokens - 1))
+            cost = (e.inflight_tokens + num_tokens - hit_tokens) / spec.prefill_tokens_per_s
+            key = (cost, e.inflight, e.num_routed, i)
+            if best is None or key < best:
+                best, choice, hit_of = key, e, hit_tokens
+        assert best is not None
+        if spec.endpoint_policy == "round_robin" and not cost_only:
+            choice = live[pool.next_rr % len(live)]
+            pool.next_rr += 1
+            hit = held.get(endpoint_id(pool.name, choice.url))
+            hit_of = min((0 if hit is None else hit.num_pages) * spec.block_size, max(0, num_tokens - 1))
+        return choice, hit_of, best[0]

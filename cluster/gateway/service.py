@@ -1,0 +1,145 @@
+"""The gateway's parts wired together for the server: the router, the upstream client, the
+metrics, the request log, the endpoints' health loop and the KV-event subscribers.
+
+    gateway = Gateway(spec, registry, request_timeout_s)
+    await gateway.start()        health probes every period_s; one subscriber per publisher
+    gateway.status()             /status's "gateway": pools, endpoints, overlap per route key
+    await gateway.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from cluster.gateway.config import GatewaySpec
+from cluster.gateway.endpoints import Endpoint, Pool
+from cluster.gateway.metrics import GatewayMetrics
+from cluster.gateway.proxy import Upstreams
+from cluster.gateway.route_log import RouteLog
+from cluster.gateway.router import Router, endpoint_id, pool_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+class Gateway:
+    def __init__(self, spec: GatewaySpec, registry: CollectorRegistry, request_timeout_s: float) -> None:
+        self.spec = spec
+        self.router = Router(spec)
+        self.metrics = GatewayMetrics(registry)
+        self.metrics.register_state(registry, self.router)
+        self.upstreams = Upstreams(self.router, self.metrics, request_timeout_s)
+        r = spec.routing
+        self.log = RouteLog(r.log_path, r.log_max_bytes) if r.log_path else None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscribers: list[Any] = []
+
+    async def start(self) -> None:
+        if any(not p.spec.is_own for p in self.router.pools.values()):
+            self._tasks.append(asyncio.create_task(self._health_loop(), name="baton-gateway-health"))
+        for pool in self.router.pools.values():
+            for e in pool.endpoints:
+                if e.kv_events:
+                    self._subscribe(pool, e)
+
+    def _subscribe(self, pool: Pool, e: Endpoint) -> None:
+        from cluster.gateway.kv_events import (
+            KVEventSubscriber,  # pyzmq: only where a pool has publishers
+        )
+
+        assert e.kv_events is not None
+        sub = KVEventSubscriber(endpoint_id(pool.name, e.url), e.kv_events, pool.spec.kv_events_topic,
+                                self.router.index, pool.spec.block_size, pool_fingerprint(pool.spec))  # fmt: skip
+        self._subscribers.append((pool.name, e.url, sub, {}))
+        self._tasks.append(asyncio.create_task(sub.run(), name=f"baton-kv-events-{pool.name}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for _, _, sub, _ in self._subscribers:
+            with contextlib.suppress(Exception):
+                sub.close()
+        await self.upstreams.close()
+        if self.log is not None:
+            self.log.close()
+
+    # -- health ------------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        period = min(p.spec.health.period_s for p in self.router.pools.values() if not p.spec.is_own)
+        while True:
+            await self.probe_all()
+            self._count_kv_events()
+            await asyncio.sleep(period)
+
+    async def probe_all(self) -> None:
+        """One health probe of every external endpoint (GET its kind's health path, 200 = up)."""
+        probes = [self._probe(pool, e) for pool in self.router.pools.values() if not pool.spec.is_own
+                  for e in pool.endpoints]  # fmt: skip
+        await asyncio.gather(*probes)
+
+    async def _probe(self, pool: Pool, e: Endpoint) -> None:
+        spec = pool.spec
+        timeout = aiohttp.ClientTimeout(total=spec.health.timeout_s)
+        headers = {}
+        key = self.upstreams.key_of(pool.name)
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        try:
+            async with self.upstreams.session.get(e.url + spec.health_path, timeout=timeout, headers=headers) as r:
+                ok = r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        now = time.monotonic()
+        if ok:
+            if not e.is_available(now) or e.failures:
+                logger.info("pool %s endpoint %s is healthy again", pool.name, e.url)
+            e.succeeded()
+        elif e.failed(now):
+            self.metrics.ejections.labels(pool.name, e.url).inc()
+            logger.warning("pool %s endpoint %s ejected for %.0f s: its health probe failed %d times", pool.name,
+                           e.url, e.eject_s, e.failures)  # fmt: skip
+
+    def _count_kv_events(self) -> None:
+        for pool, url, sub, seen in self._subscribers:
+            for outcome, total in sub.stats().items():
+                delta = total - seen.get(outcome, 0)
+                if delta > 0:
+                    self.metrics.kv_events.labels(pool, url, outcome).inc(delta)
+                    seen[outcome] = total
+
+    # -- status ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = self.router.clock()
+        pools = {}
+        for pool in self.router.pools.values():
+            pools[pool.name] = {
+                "kind": pool.spec.kind, "models": list(pool.spec.models), "inflight": pool.inflight,
+                "max_concurrency": pool.spec.max_concurrency,
+                "ttft_p50_s": _median(pool.ttfts), "itl_p50_s": _median(pool.itls),
+                "endpoints": [{
+                    "url": e.url, "up": e.is_available(now), "inflight": e.inflight, "ok": e.num_ok,
+                    "failed": e.num_failed, "failures": e.failures, "ejections": e.num_ejections,
+                    "ejected_for_s": round(max(0.0, e.ejected_until - now), 1),
+                    "index": "kv-events" if e.kv_events else "approximate" if not pool.spec.is_own else "engine",
+                    "prompt_tokens": e.prompt_tokens, "estimated_hit_tokens": e.hit_tokens,
+                    "reported_cached_tokens": e.cached_tokens,
+                } for e in pool.endpoints],
+            }  # fmt: skip
+        return {"pools": pools, "route_key": self.spec.routing.route_key,
+                "overlap": self.router.meter.snapshot(), "indexed_pages": self.router.index.num_pages}  # fmt: skip
+
+
+def _median(values: Iterable[float]) -> float | None:
+    ordered = sorted(values)
+    return round(ordered[len(ordered) // 2], 4) if ordered else None

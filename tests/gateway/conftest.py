@@ -1,0 +1,60 @@
+"""Real servers on loopback for the gateway's tests: baton servers started as plain OpenAI
+endpoints (the external pools, serving the model "ext"), and gateways in front of them whose
+own pool is a baton-tiny engine of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from cluster.gateway.config import OWN, GatewaySpec, HealthSpec, PoolSpec, RoutingSpec, check
+from cluster.server import ServerConfig
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from tests.cluster.conftest import ServerHandle, start_server
+
+EXT = "ext"  # the model name the upstream servers serve
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_config(tiny_model_dir: Any) -> EngineConfig:
+    return EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=512, num_pages=256)
+
+
+@pytest.fixture(scope="module")
+def upstreams(tiny_engine_config: EngineConfig) -> Iterator[list[ServerHandle]]:
+    """Two baton servers as plain OpenAI endpoints (no KV events): the external pools' engines."""
+    handles = []
+    for _ in range(2):
+        cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=EXT)
+        handles.append(start_server(cfg, Engine(tiny_engine_config)))
+    yield handles
+    for h in handles:
+        h.stop()
+
+
+def pool(name: str, urls: list[str], **kw: Any) -> PoolSpec:
+    kw.setdefault("health", HealthSpec(period_s=3600.0, failures=1, eject_s=60.0))
+    kw.setdefault("kind", "openai-compatible")
+    return PoolSpec(name=name, endpoints=tuple(urls), models=(EXT,), **kw)
+
+
+@pytest.fixture
+def make_gateway(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
+    """A gateway over the given external pools, beside its own baton-tiny pool."""
+    handles: list[ServerHandle] = []
+
+    def make(pools: list[PoolSpec], routing: RoutingSpec | None = None, grpc_port: int | None = None) -> ServerHandle:
+        spec = check(GatewaySpec((PoolSpec(name=OWN, kind="baton"), *pools), routing or RoutingSpec()))
+        cfg = replace(ServerConfig(engine=tiny_engine_config, grpc_port=grpc_port, served_model_name="baton-tiny"),
+                      gateway=spec)  # fmt: skip
+        handle = start_server(cfg, Engine(tiny_engine_config))
+        handles.append(handle)
+        return handle
+
+    yield make
+    for h in handles:
+        h.stop()

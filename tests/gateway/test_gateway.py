@@ -1,0 +1,350 @@
+"""The gateway over pools, with real servers on loopback: baton servers as plain OpenAI
+endpoints (no KV events) behind a gateway whose own baton-tiny workers run beside them.
+Model routing, overlap-rule routing, the approximate index's stickiness against round robin,
+ejection of a killed endpoint with no failed request, and a client's cancel reaching the
+upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.server_proc import BatonProcess
+from cluster.cli import main
+from cluster.gateway.config import HealthSpec, RoutingSpec, Rule
+from tests.cluster.conftest import ServerHandle, all_pages_free
+from tests.cluster.test_metrics_catalog import (
+    GATEWAY_FROM,
+    RAY_ONLY_FROM,
+    catalog,
+    check_exports,
+    section,
+)
+from tests.gateway.conftest import EXT, pool
+
+pytestmark = pytest.mark.timeout(120)
+
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()  # fmt: skip
+
+
+def text(seed: int, n: int) -> str:
+    """n words, a different sequence for each seed (no 16-token page shared between seeds)."""
+    return " ".join(f"{WORDS[(seed * 7 + i * 3) % len(WORDS)]}{seed}" for i in range(n))
+
+
+def complete(url: str, prompt: str, model: str = EXT, **extra: object) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def samples(url: str, family: str) -> dict[tuple[tuple[str, str], ...], float]:
+    text_ = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text_):
+        for s in fam.samples:
+            if s.name == family:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def count(url: str, family: str, **labels: str) -> float:
+    return sum(v for k, v in samples(url, family).items() if all((n, labels[n]) in k for n in labels))
+
+
+def test_model_routing_sends_each_model_to_its_pool(
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle]
+) -> None:
+    gw = make_gateway([pool("ext", [upstreams[0].url])])
+    before = count(upstreams[0].url, "baton_requests_total", outcome="ok")
+    own = complete(gw.url, "hello there", model="baton-tiny")
+    ext = complete(gw.url, "hello there")
+    assert own.status_code == 200 and own.headers["x-baton-pool"] == "baton"
+    assert ext.status_code == 200 and ext.headers["x-baton-pool"] == "ext", ext.text
+    assert ext.json()["model"] == EXT and ext.json()["choices"][0]["text"]
+    assert count(upstreams[0].url, "baton_requests_total", outcome="ok") == before + 1
+    missing = complete(gw.url, "hello", model="nope")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    models = {m["id"]: m["owned_by"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}
+    assert models == {"baton-tiny": "baton", EXT: "ext"}
+    # streamed, through the proxy: SSE passed on as it came, TTFT per pool on the gateway
+    with httpx.stream("POST", gw.url + "/v1/completions", timeout=60,
+                      json={"model": EXT, "prompt": "one two", "max_tokens": 4, "stream": True}) as r:  # fmt: skip
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 2
+    assert count(gw.url, "baton_pool_ttft_seconds_count", pool="ext") == 1
+    assert count(gw.url, "baton_route_decisions_total", pool="ext", reason="model") == 2
+    status = httpx.get(gw.url + "/status").json()["pools"]
+    assert status["pools"]["ext"]["endpoints"][0]["index"] == "approximate"
+    # docs/metrics.md, whole: the colocated rows and the gateway's (tests/cluster/test_metrics_catalog.py)
+    rows = catalog()
+    check_exports(gw.url, {**section(rows, None, RAY_ONLY_FROM), **section(rows, GATEWAY_FROM, None)})
+
+
+def test_overlap_rules_send_prefix_heavy_keys_to_the_prefix_pool(
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    log = tmp_path / "routes.jsonl"
+    routing = RoutingSpec(route_key="user", window=8, min_samples=2, log_path=str(log),
+                          rules=(Rule(pool="prefixed", overlap_at_least=0.5), Rule(pool="plain")))  # fmt: skip
+    gw = make_gateway([pool("prefixed", [upstreams[0].url]), pool("plain", [upstreams[1].url])], routing)
+    shared = text(1, 120)  # a long shared document, then a short question
+    got: dict[str, list[str]] = {"rag": [], "chat": []}
+    for i in range(6):
+        for user, prompt in (("rag", f"{shared} question {i}"), ("chat", text(100 + i, 40))):
+            r = complete(gw.url, prompt, user=user)
+            assert r.status_code == 200, r.text
+            got[user].append(r.headers["x-baton-pool"])
+    # unknown overlap (fewer than min_samples requests) matches no overlap rule: the catch-all;
+    # after two, rag's rate is (0 + ~0.95) / 2 < 0.5, from the third on it is above
+    assert got["rag"] == ["plain"] * 3 + ["prefixed"] * 3
+    assert got["chat"] == ["plain"] * 6
+    overlap = httpx.get(gw.url + "/status").json()["pools"]["overlap"]
+    assert overlap["rag"]["overlap"] > 0.8 and overlap["chat"]["overlap"] == 0.0
+    assert count(gw.url, "baton_route_decisions_total", pool="prefixed", reason="rule") == 3
+    # the request log, read back by `baton analyze-prefix`: per route key, the same overlap and
+    # where the rules of a cluster.yaml send it (no prompt text in the log)
+    assert "alpha" not in log.read_text() and len(log.read_text().splitlines()) == 12
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"""
+pools:
+  prefixed: {{kind: vllm, endpoints: ["{upstreams[0].url}"], models: [{EXT}]}}
+  plain: {{kind: llama.cpp, endpoints: ["{upstreams[1].url}"], models: [{EXT}]}}
+routing:
+  rules: [{{overlap_at_least: 0.5, pool: prefixed}}, {{pool: plain}}]
+""")
+    capsys.readouterr()
+    assert main(["analyze-prefix", str(log), "--router-log", "--config", str(config)]) == 0
+    report = json.loads(capsys.readouterr().out.split("\n}\n")[0] + "\n}")
+    rag, chat = report["routes"]["rag"], report["routes"]["chat"]
+    assert rag["went_to"] == {"plain": 3, "prefixed": 3} and rag["rules_send_to"] == "prefixed"
+    assert rag["overlap"] == pytest.approx(overlap["rag"]["overlap"], abs=0.02)
+    assert chat["overlap"] == 0.0 and chat["rules_send_to"] == "plain"
+
+
+def _conversations(gw: ServerHandle, user: str, seed: int, turns: int = 4, convs: int = 3) -> tuple[int, int]:
+    """Multi-turn chats interleaved, each turn the whole history again; -> (cached, prompt) tokens
+    as the upstream engines reported them."""
+    history = [text(seed + c, 30) for c in range(convs)]
+    cached = prompt = 0
+    for turn in range(turns):
+        for c in range(convs):
+            history[c] += " " + text(seed + 50 + c * 10 + turn, 12)
+            r = complete(gw.url, history[c], user=user)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            prompt += usage["prompt_tokens"]
+            cached += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return cached, prompt
+
+
+def test_the_approximate_index_keeps_conversations_where_their_prefix_is(
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle]
+) -> None:
+    urls = [u.url for u in upstreams]
+    routing = RoutingSpec(route_key="user", rules=(Rule(pool="sticky", route_keys=("s",)),
+                                                   Rule(pool="rr", route_keys=("r",))))  # fmt: skip
+    gw = make_gateway([pool("sticky", urls), pool("rr", urls, endpoint_policy="round_robin")], routing)
+    sticky_cached, sticky_prompt = _conversations(gw, "s", seed=300)
+    rr_cached, rr_prompt = _conversations(gw, "r", seed=600)
+    sticky, rr = sticky_cached / sticky_prompt, rr_cached / rr_prompt
+    assert sticky > 0.5 and sticky > rr + 0.2, (sticky, rr)
+    # the gateway's estimate agrees with what the engines reported, on the sticky pool
+    est = count(gw.url, "baton_pool_estimated_hit_tokens_total", pool="sticky")
+    rep = count(gw.url, "baton_pool_reported_cached_tokens_total", pool="sticky")
+    assert rep == sticky_cached and abs(est - rep) <= 0.1 * sticky_prompt, (est, rep)
+    # new conversations spread over the endpoints when neither holds their prefix
+    per_endpoint = samples(gw.url, "baton_pool_requests_total")
+    sticky_counts = [v for k, v in per_endpoint.items() if ("pool", "sticky") in k]
+    assert len(sticky_counts) == 2 and min(sticky_counts) >= 4
+
+
+def test_a_killed_endpoint_is_ejected_and_no_request_fails(
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with BatonProcess(["--model", str(tiny_model_dir), "--served-model-name", EXT, "--max-model-len", "512",
+                       "--kv-pages", "128"], tmp_path / "victim.log") as victim:  # fmt: skip
+        victim.wait_ready(90)
+        gw = make_gateway([pool("ext", [victim.url, upstreams[0].url], endpoint_policy="round_robin")])
+        for i in range(4):  # both endpoints serve, and hold pooled connections
+            assert complete(gw.url, text(900 + i, 10)).status_code == 200
+        assert victim.proc is not None
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        codes = [complete(gw.url, text(950 + i, 10)).status_code for i in range(8)]
+    assert codes == [200] * 8
+    assert count(gw.url, "baton_pool_endpoint_up", endpoint=victim.url) == 0
+    assert count(gw.url, "baton_pool_ejections_total", endpoint=victim.url) == 1
+    assert count(gw.url, "baton_pool_requests_total", endpoint=victim.url, outcome="unreachable") == 1
+    assert count(gw.url, "baton_pool_requests_total", endpoint=upstreams[0].url, outcome="ok") >= 10
+    assert count(gw.url, "baton_requests_total", outcome="error") == 0
+
+
+def test_a_client_that_leaves_cancels_the_upstream_request(
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle]
+) -> None:
+    up = upstreams[1]
+    gw = make_gateway([pool("ext", [up.url], max_concurrency=1)])
+    before = count(up.url, "baton_requests_total", outcome="cancelled")
+    gate, paused = threading.Event(), threading.Event()
+
+    def hold(_engine: object) -> None:  # on the upstream's step thread: no step runs meanwhile
+        paused.set()
+        gate.wait(30)
+
+    body = {"model": EXT, "prompt": text(7, 20), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"] is not None
+            asyncio.run_coroutine_threadsafe(up.running.front.call(hold), up.loop)  # type: ignore[union-attr]
+            assert paused.wait(10)
+            full = complete(gw.url, "another")  # the pool's one place is taken: 429, never sent
+            assert full.status_code == 429 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["type"] == "rate_limit_exceeded"
+        # the client has gone mid-stream, with 390-odd tokens still to come upstream
+        for _ in range(200):
+            if count(gw.url, "baton_pool_requests_total", outcome="cancelled") == 1:
+                break
+            threading.Event().wait(0.05)
+        assert count(gw.url, "baton_pool_requests_total", outcome="cancelled") == 1
+    finally:
+        gate.set()
+    assert asyncio.run_coroutine_threadsafe(all_pages_free(up.engine), up.loop).result(10)
+    for _ in range(200):  # the upstream counts its call when its handler has ended
+        if count(up.url, "baton_requests_total", outcome="cancelled") == before + 1:
+            break
+        threading.Event().wait(0.05)
+    assert count(up.url, "baton_requests_total", outcome="cancelled") == before + 1
+
+
+def test_grpc_clients_are_served_from_an_http_pool(
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle]
+) -> None:
+    import grpc
+
+    from batonpb.baton.v1 import generation_pb2 as pb
+    from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
+    from bench.server_proc import free_port
+
+    port = free_port()
+    gw = make_gateway([pool("ext", [upstreams[0].url])], grpc_port=port)
+    prompt = text(11, 12)
+    want = complete(gw.url, prompt, max_tokens=8).json()["choices"][0]["text"]
+    sampling = pb.Sampling(max_tokens=8, temperature=0.0)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        parts = list(stub.Generate(pb.GenerateRequest(model=EXT, text=prompt, sampling=sampling), timeout=60))
+        whole = stub.Complete(pb.CompleteRequest(model=EXT, text=prompt, sampling=sampling), timeout=60)
+        own = stub.Complete(pb.CompleteRequest(model="baton-tiny", text=prompt, sampling=sampling), timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:  # constrained output stays with the own pool
+            stub.Complete(pb.CompleteRequest(model=EXT, text=prompt, sampling=pb.Sampling(json_object=True)))
+    assert "".join(p.text for p in parts) == want == whole.text
+    assert parts[0].request_id and parts[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert parts[-1].usage.completion_tokens == 8 and parts[-1].usage.prompt_tokens > 0
+    assert whole.usage.completion_tokens == 8 and own.text and own.token_ids
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert count(gw.url, "baton_route_decisions_total", pool="ext") == 4
+    assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 3
+
+
+def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_prefix(
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle], tiny_engine_config: object,
+) -> None:
+    """Precise prefix awareness: a vLLM-shaped publisher per endpoint says the second endpoint
+    holds a prompt's blocks; the router sends that prompt there (the first is idle and equal
+    in every other way), and /status says the endpoints' index is fed by KV events."""
+    import msgpack
+    import zmq
+
+    from bench.server_proc import free_port
+
+    ports = [free_port(), free_port()]
+    ctx = zmq.Context.instance()
+    pubs = [ctx.socket(zmq.PUB) for _ in ports]
+    try:
+        for sock, port in zip(pubs, ports, strict=True):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"tcp://127.0.0.1:{port}")
+        health = HealthSpec(path="/ready", period_s=3600.0, failures=1)  # baton's, standing in for vLLM's /health
+        gw = make_gateway([pool("ext", [u.url for u in upstreams], kind="vllm", block_size=16, health=health,
+                                kv_events=tuple(f"tcp://127.0.0.1:{p}" for p in ports),
+                                kv_events_topic="kv")])  # fmt: skip
+        subs = gw.running.frontend.gateway._subscribers  # type: ignore[union-attr]
+        seqs = [0, 0]
+
+        def publish(i: int, events: list[list[object]]) -> None:
+            payload = msgpack.packb([1.0, events, 0])
+            pubs[i].send_multipart([b"kv", seqs[i].to_bytes(8, "big"), payload])
+            seqs[i] += 1
+
+        for i, (_, _, sub, _) in enumerate(subs):  # ZMQ's slow joiner: until each subscriber hears
+            for _ in range(400):
+                publish(i, [["AllBlocksCleared"]])
+                if sub.stats()["messages"]:
+                    break
+                threading.Event().wait(0.01)
+            assert sub.stats()["messages"]
+        prompt = text(21, 60)
+        tokens = gw.running.frontend.tokenizer.encode(prompt, True)
+        blocks = len(tokens) // 16
+        publish(1, [["BlockStored", list(range(1, blocks + 1)), None, tokens[: blocks * 16], 16, None, None]])
+        for _ in range(400):  # the subscriber applies what it receives on the gateway's loop
+            if subs[1][2].stats()["events"] >= 1:
+                break
+            threading.Event().wait(0.01)
+        assert complete(gw.url, prompt).status_code == 200
+    finally:
+        for sock in pubs:
+            sock.close()
+    endpoints = httpx.get(gw.url + "/status").json()["pools"]["pools"]["ext"]["endpoints"]
+    assert [e["ok"] for e in endpoints] == [0, 1] and {e["index"] for e in endpoints} == {"kv-events"}
+    assert endpoints[1]["estimated_hit_tokens"] == blocks * 16
+
+
+def test_health_probes_eject_an_endpoint_and_bring_it_back(make_gateway: Callable[..., ServerHandle]) -> None:
+    """A probe that fails ejects (no request needed); one that passes ends the ejection."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench.server_proc import free_port
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    gw = make_gateway([pool("ext", [url], kind="llama.cpp", health=HealthSpec(period_s=3600.0, failures=1))])
+    gateway = gw.running.frontend.gateway
+    assert gateway is not None
+
+    def probe() -> dict[str, object]:
+        asyncio.run_coroutine_threadsafe(gateway.probe_all(), gw.loop).result(10)
+        return httpx.get(gw.url + "/status").json()["pools"]["pools"]["ext"]["endpoints"][0]
+
+    assert probe()["up"] is False  # nothing listens there
+    assert complete(gw.url, "hello").status_code == 503  # every endpoint ejected: 503, retry-after
+    server = ThreadingHTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = probe()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert endpoint["up"] is True and endpoint["failures"] == 0 and endpoint["ejections"] >= 1

@@ -1,0 +1,232 @@
+"""The router's logic on its own: the overlap measure (the same numbers analyze-prefix gives a
+trace), the prefix index's two feeds, rules, the cost rule, admission, ejection, and the
+config's refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.analyze_prefix import analyze, summarize
+from bench.trace import TraceEntry
+from cluster.cluster_config import parse_cluster_file, to_server_config
+from cluster.errors import EdgeError, Kind
+from cluster.gateway.config import OWN, GatewaySpec, HealthSpec, PoolSpec, RoutingSpec, Rule, check
+from cluster.gateway.overlap import OverlapMeter
+from cluster.gateway.prefix_index import PrefixIndex
+from cluster.gateway.route_log import hash_id
+from cluster.gateway.router import OVERLAP_PAGE, Router, endpoint_id
+from engine.errors import ConfigError
+from kvcache.events import Tier
+from kvcache.hashing import model_fingerprint, page_hashes
+
+FP = model_fingerprint("t")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ext(name: str, urls: tuple[str, ...], **kw: object) -> PoolSpec:
+    return PoolSpec(name=name, kind="vllm", endpoints=urls, models=("m",), **kw)  # type: ignore[arg-type]
+
+
+def spec(*pools: PoolSpec, rules: tuple[Rule, ...] = (), **routing: object) -> GatewaySpec:
+    return check(GatewaySpec((PoolSpec(name=OWN, kind="baton", models=("own",)), *pools),
+                             RoutingSpec(rules=rules, **routing)))  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_the_overlap_meter_agrees_with_analyze_prefix_on_the_same_requests() -> None:
+    prompts = [[1] * 64 + [i] * 40 for i in range(5)] + [[7] * 100, [1] * 64 + [9] * 3]
+    meter = OverlapMeter(window=100, min_samples=1)
+    entries = []
+    for n, p in enumerate(prompts):
+        hashes = page_hashes(p, 16, b"", FP)
+        meter.observe("k", hashes, len(p), 16)
+        entries.append(TraceEntry(float(n), len(p), 1, tuple(hash_id(h) for h in hashes) + (10_000 + n,), "k"))
+    ideal = summarize(analyze(entries, block_size=16, page_size=16, cache_tokens=1 << 20), 1 << 20)["ideal_hit_rate"]
+    assert meter.overlap("k") == pytest.approx(ideal, abs=1e-4) and ideal > 0.3
+
+
+def test_the_overlap_window_slides_and_keys_are_bounded() -> None:
+    meter = OverlapMeter(window=2, min_samples=2, max_keys=2)
+    same = page_hashes([3] * 64, 16, b"", FP)
+    assert meter.observe("a", same, 64, 16) == 0 and meter.overlap("a") is None  # below min_samples
+    assert meter.observe("a", same, 64, 16) == 48  # whole pages, never the last token
+    assert meter.overlap("a") == pytest.approx(48 / 128)
+    meter.observe("a", same, 64, 16)
+    assert meter.overlap("a") == pytest.approx(96 / 128)  # the cold first request left the window
+    meter.observe("b", same, 64, 16)
+    meter.observe("c", same, 64, 16)
+    assert meter.overlap("a") is None and set(meter.snapshot()) == {"b", "c"}
+
+
+def test_the_index_forgets_what_it_sent_after_the_ttl_and_past_its_bound() -> None:
+    clock = Clock()
+    index = PrefixIndex(max_pages=4, ttl_s=10.0, clock=clock)
+    a = page_hashes(list(range(48)), 16, b"", FP)
+    index.sent("e1", a)
+    assert index.hits(a, ["e1", "e2"])["e1"].num_pages == 3 and index.hits(a, ["e1", "e2"])["e2"].num_pages == 0
+    b = page_hashes(list(range(100, 132)), 16, b"", FP)
+    index.sent("e2", b)  # 5 pages sent, 4 kept: e1's oldest page goes, and with it its whole run
+    assert index.hits(a, ["e1"])["e1"].num_pages == 0 and index.hits(b, ["e2"])["e2"].num_pages == 2
+    clock.now += 11
+    assert index.hits(b, ["e2"])["e2"].num_pages == 0 and index.num_expired >= 2
+
+
+def test_precise_events_and_a_clear_feed_the_same_index() -> None:
+    index = PrefixIndex()
+    hashes = page_hashes(list(range(64)), 16, b"", FP)
+    index.stored("v1", hashes[:3], Tier.DEVICE)
+    index.stored("v1", hashes[3:], Tier.HOST)
+    hit = index.hits(hashes, ["v1"])["v1"]
+    assert (hit.num_device, hit.num_host) == (3, 1)
+    index.removed("v1", hashes[1:2], Tier.DEVICE)
+    assert index.hits(hashes, ["v1"])["v1"].num_pages == 1
+    index.cleared("v1")
+    assert index.hits(hashes, ["v1"])["v1"].num_pages == 0
+
+
+def test_rules_then_cost_then_admission() -> None:
+    clock = Clock()
+    router = Router(spec(ext("p", ("http://a:1",), max_concurrency=1), ext("q", ("http://b:1", "http://c:1")),
+                         rules=(Rule(pool="p", route_keys=("vip",)),)), clock)  # fmt: skip
+    with pytest.raises(EdgeError) as missing:
+        router.admit("nope", "k", [1, 2, 3])
+    assert missing.value.kind == Kind.NOT_FOUND
+    vip = router.admit("m", "vip", list(range(500, 540)))
+    assert (vip.pool.name, vip.reason) == ("p", "rule")
+    with pytest.raises(EdgeError) as full:  # the rule names a full pool: 429, not elsewhere
+        router.admit("m", "vip", list(range(500, 540)))
+    assert full.value.kind == Kind.RESOURCE_EXHAUSTED and full.value.retry_after_s
+    other = router.admit("m", "k", list(range(40)))  # the cost rule passes the full pool by
+    assert (other.pool.name, other.reason) == ("q", "cost")
+    router.finish(vip, ok=True)
+    router.finish(other, ok=True)
+    assert router.pools["p"].inflight == 0 and other.endpoint.inflight == 0 and other.endpoint.inflight_tokens == 0
+    # what was sent is where the next request with that prefix goes, within the pool
+    again = router.admit("m", "k", list(range(40)) + [99] * 8)
+    assert again.endpoint is other.endpoint and again.hit_tokens == 32
+    router.finish(again, ok=True)
+
+
+def test_the_cost_rule_weighs_the_uncached_prompt_against_the_queue() -> None:
+    router = Router(spec(ext("p", ("http://a:1",)), ext("q", ("http://b:1",))))
+    long = list(range(400))
+    first = router.admit("m", "k", long)
+    router.finish(first, ok=True)
+    assert router.admit("m", "k", long).pool is first.pool  # it holds the prefix: cheaper
+    busy = [router.admit("m", "x", list(range(1000, 1000 + 3000))) for _ in range(2)]
+    assert all(b.pool is not first.pool for b in busy[:1])  # the first big prompt went to the idle pool
+
+
+def test_an_endpoint_is_ejected_after_failures_and_comes_back() -> None:
+    clock = Clock()
+    health = HealthSpec(failures=2, eject_s=5.0, max_eject_s=8.0)
+    router = Router(spec(ext("p", ("http://a:1", "http://b:1"), health=health)), clock)
+    a = router.pools["p"].endpoints[0]
+    for _ in range(2):
+        route = router.admit("m", "k", [1], exclude=[router.pools["p"].endpoints[1]])
+        assert route.endpoint is a
+        router.finish(route, ok=False, failed_endpoint=True)
+    assert not a.is_available(clock()) and a.ejected_until == clock() + 5.0
+    assert router.admit("m", "k", [1]).endpoint is not a
+    clock.now += 5.0
+    assert a.is_available(clock())
+    assert a.failed(clock()) and a.eject_s == 8.0  # failing again: longer, up to the cap
+    a.succeeded()
+    assert a.is_available(clock()) and a.failures == 0
+
+
+def test_every_endpoint_ejected_is_unavailable() -> None:
+    clock = Clock()
+    router = Router(spec(ext("p", ("http://a:1",), health=HealthSpec(failures=1))), clock)
+    route = router.admit("m", "k", [1])
+    router.finish(route, ok=False, failed_endpoint=True)
+    with pytest.raises(EdgeError) as err:
+        router.admit("m", "k", [1])
+    assert err.value.kind == Kind.UNAVAILABLE
+
+
+def test_the_own_pool_serves_its_models_and_overlap_uses_16_token_pages() -> None:
+    router = Router(spec(ext("p", ("http://a:1",), block_size=32)))
+    route = router.admit("own", "k", list(range(64)))
+    assert route.is_own and route.reason == "model" and len(route.hashes) == 4 and len(route.overlap_hashes) == 4
+    route = router.admit("m", "k", list(range(64)))
+    assert len(route.hashes) == 2 and len(route.overlap_hashes) == 64 // OVERLAP_PAGE
+    assert endpoint_id("p", "http://a:1") in router.index.hits(route.hashes, [endpoint_id("p", "http://a:1")])
+
+
+CONFIG = """
+model: {served_name: tiny}
+pools:
+  vllm:
+    kind: vllm
+    endpoints: [http://127.0.0.1:8101]
+    models: [tiny]
+    kv_events: [tcp://127.0.0.1:5557]
+  llama:
+    kind: llama.cpp
+    endpoints: [http://127.0.0.1:8102, http://127.0.0.1:8103]
+    models: [tiny]
+    max_concurrency: 32
+routing:
+  route_key: header:x-team
+  rules:
+    - {overlap_at_least: 0.5, pool: vllm}
+    - {pool: llama}
+"""
+
+
+def test_cluster_yaml_pools_and_routing() -> None:
+    cfg = to_server_config(parse_cluster_file(CONFIG))
+    gw = cfg.gateway
+    assert [p.name for p in gw.pools] == [OWN, "vllm", "llama"] and gw.own.kind == "baton"
+    assert gw.pool("llama").health_path == "/health" and gw.pool("vllm").kv_events == ("tcp://127.0.0.1:5557",)
+    assert gw.routing.route_key == "header:x-team" and gw.routing.rules[0] == Rule(pool="vllm", overlap_at_least=0.5)
+    assert to_server_config(parse_cluster_file("model: {}")).gateway is None
+
+
+@pytest.mark.parametrize(("change", "where"), [
+    ("    kind: vlm\n", "pools.vllm.kind"),
+    ("    endpoint: [x]\n", "pools.vllm.endpoint"),
+    ("    max_concurrency: 0\n", "pools.vllm.max_concurrency"),
+])  # fmt: skip
+def test_a_bad_pool_key_is_refused_with_its_path(change: str, where: str) -> None:
+    text = CONFIG.replace("    models: [tiny]\n    kv_events", change + "    models: [tiny]\n    kv_events", 1)
+    if "kind" in change:
+        text = text.replace("    kind: vllm\n", "", 1)
+    with pytest.raises(ConfigError) as err:
+        parse_cluster_file(text)
+    assert where in str(err.value)
+
+
+@pytest.mark.parametrize(("edit", "key"), [
+    (("http://127.0.0.1:8101]", "ftp://127.0.0.1:8101]"), "pools.vllm.endpoints"),
+    (("http://127.0.0.1:8101]", "http://u:p@127.0.0.1:8101]"), "pools.vllm.endpoints"),
+    (("kv_events: [tcp://127.0.0.1:5557]", "kv_events: [tcp://a:1, tcp://b:2]"), "pools.vllm.kv_events"),
+    (("{pool: llama}", "{pool: nowhere}"), "routing.rules.1.pool"),
+    (("header:x-team", "cookie"), "routing.route_key"),
+    (("    models: [tiny]\n    kv_events", "    kv_events"), "pools.vllm.models"),
+    (("kind: llama.cpp", "kind: baton"), "pools.llama"),
+])  # fmt: skip
+def test_pools_that_cannot_work_are_refused(edit: tuple[str, str], key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        to_server_config(parse_cluster_file(CONFIG.replace(*edit, 1)))
+    assert err.value.field == key
+
+
+def test_the_gateway_example_parses() -> None:
+    from pathlib import Path
+
+    from cluster.cluster_config import load_cluster_config
+
+    cfg = load_cluster_config(Path(__file__).resolve().parents[2] / "examples" / "gateway.yaml")
+    gw = cfg.gateway
+    assert gw is not None and [p.name for p in gw.pools] == ["baton", "vllm", "llama"]
+    assert gw.pool("vllm").kv_events == ("tcp://127.0.0.1:5557",) and gw.pool("vllm").block_size == 128
+    assert gw.by_rule("tiny", "anyone", 0.9) == "vllm" and gw.by_rule("tiny", "anyone", None) is None  # cost
+    assert gw.by_rule("tiny", "batch-jobs", 0.1) == "llama" and gw.by_rule("tiny", "batch-jobs", None) is None
