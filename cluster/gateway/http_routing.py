@@ -99,8 +99,11 @@ class GatewayRouting:
         if body is None or not isinstance(model, str) or not self.router.serving(model):
             await self.app(scope, _replay(raw, receive), send)
             return
-        text = route_text(body, chat, self.tokenizer())
-        tokens = await self._tokens(text)
+        try:
+            tokens = await self._tokens(route_text(body, chat, self.tokenizer()))
+        except Exception:  # a prompt the gateway's tokenizer refuses is the engine's to judge
+            logger.debug("route tokens: the prompt did not tokenize", exc_info=True)
+            tokens = []
         key = self._key(scope, body)
         try:
             route = self.router.admit(model, key, tokens)
@@ -175,8 +178,11 @@ class GatewayRouting:
             self.count("error")
             await _send_error(send, err)
             return
-        outcome = await self._relay(attempt, receive, send)
-        self.upstreams.finish(attempt, outcome)
+        outcome = "cancelled"  # unless the relay says otherwise (this task may be cancelled)
+        try:
+            outcome = await self._relay(attempt, receive, send)
+        finally:
+            self.upstreams.finish(attempt, outcome)
         answered = outcome == "ok" and attempt.response.status < 400
         self.count("ok" if answered else "cancelled" if outcome == "cancelled" else "error")
         self._log(attempt.route, model, answered, body)

@@ -29,10 +29,10 @@ class GatewayMetrics:
             "baton_route_decisions_total", "Routing decisions by the pool chosen and why: model, rule, cost",
             ["pool", "reason"], registry=r,
         )  # fmt: skip
-        self.ttft = Histogram("baton_pool_ttft_seconds", "Time to first token through the gateway, per pool",
-                              ["pool"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("baton_pool_itl_seconds", "Time between streamed chunks through the gateway, per pool",
-                             ["pool"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram("baton_pool_ttft_seconds", "Time to first token through the gateway, per endpoint",
+                              ["pool", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("baton_pool_itl_seconds", "Time between streamed outputs through the gateway, per endpoint",
+                             ["pool", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.prompt_tokens = Counter(
             "baton_pool_prompt_tokens_total", "Prompt tokens (the gateway's count) sent each endpoint",
             ["pool", "endpoint"], registry=r,

@@ -197,22 +197,26 @@ class Upstreams:
         for event in events:
             if not event.startswith(b"data:") or event.startswith(b"data: [DONE]"):
                 continue
-            try:
-                body = json.loads(event[5:])
-            except ValueError:
-                continue
-            if not isinstance(body, dict):
-                continue
-            self._cached_from(attempt, body)
-            if _has_output(body):
-                pool = attempt.route.pool.name
+            if attempt.first_at is not None and b'"usage"' not in event:
+                output = True  # past the first output, each chunk is one (parsing them all cost the loop)
+            else:
+                try:
+                    body = json.loads(event[5:])
+                except ValueError:
+                    continue
+                if not isinstance(body, dict):
+                    continue
+                self._cached_from(attempt, body)
+                output = _has_output(body)
+            if output:
+                pool, url = attempt.route.pool.name, attempt.route.endpoint.url
                 if attempt.first_at is None:
                     attempt.first_at = now
                     self.router.first_output(attempt.route)
-                    self.metrics.ttft.labels(pool).observe(now - attempt.route.started)
+                    self.metrics.ttft.labels(pool, url).observe(now - attempt.route.started)
                     attempt.route.pool.ttfts.append(now - attempt.route.started)
                 elif attempt.last_at is not None:
-                    self.metrics.itl.labels(pool).observe(now - attempt.last_at)
+                    self.metrics.itl.labels(pool, url).observe(now - attempt.last_at)
                     attempt.route.pool.itls.append(now - attempt.last_at)
                 attempt.last_at = now
 

@@ -79,12 +79,6 @@ class Router:
                 self.index.add_endpoint(endpoint_id(pool.name, e.url))
         self._fingerprints = {p.name: pool_fingerprint(p) for p in spec.pools}
 
-    def models(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for pool in self.pools.values():
-            seen.update(dict.fromkeys(pool.spec.models))
-        return list(seen)
-
     def serving(self, model: str) -> list[Pool]:
         return [p for p in self.pools.values() if model in p.spec.models]
 
@@ -96,7 +90,8 @@ class Router:
         NOT_FOUND for a model no pool serves, UNAVAILABLE when every endpoint is ejected,
         RESOURCE_EXHAUSTED when the chosen pool is full). `exclude`: endpoints that already
         failed this request (a retry before its first byte goes elsewhere when it can);
-        `only_pool`: the retry stays in the pool first chosen."""
+        `only_pool`: the retry stays in the pool first chosen (and the overlap measure, which
+        saw the request the first time, does not count it again)."""
         pools = [p for p in self.serving(model) if only_pool is None or p.name == only_pool]
         if not pools:
             raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
@@ -119,7 +114,8 @@ class Router:
         overlap_hashes = page_hashes(tokens, OVERLAP_PAGE, b"", _OVERLAP_FP)
         # Learned as the request is sent, not when it ends: a burst that shares a prefix sees its
         # own first requests (the overlap measure, and where the prefix is going to be).
-        self.meter.observe(route_key, overlap_hashes, len(tokens), OVERLAP_PAGE)
+        if only_pool is None:
+            self.meter.observe(route_key, overlap_hashes, len(tokens), OVERLAP_PAGE)
         if endpoint.kv_events is None:  # a publisher's own events are the truth for its endpoint
             self.index.sent(endpoint_id(pool.name, endpoint.url), hashes[pool.name])
         return Route(pool, endpoint, reason, route_key, overlap, len(tokens), hit, hashes[pool.name], overlap_hashes,

@@ -1,20 +1,17 @@
 """Real servers on loopback for the gateway's tests: baton servers started as plain OpenAI
 endpoints (the external pools, serving the model "ext"), and gateways in front of them whose
-own pool is a baton-tiny engine of their own."""
+own pool is a baton-tiny engine of their own (tests/cluster/conftest.py's servers)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from cluster.gateway.config import OWN, GatewaySpec, HealthSpec, PoolSpec, RoutingSpec, check
-from cluster.server import ServerConfig
-from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from tests.cluster.conftest import ServerHandle, start_server
+from tests.cluster.conftest import ServerHandle, _server_factory
 
 EXT = "ext"  # the model name the upstream servers serve
 
@@ -27,13 +24,10 @@ def tiny_engine_config(tiny_model_dir: Any) -> EngineConfig:
 @pytest.fixture(scope="module")
 def upstreams(tiny_engine_config: EngineConfig) -> Iterator[list[ServerHandle]]:
     """Two baton servers as plain OpenAI endpoints (no KV events): the external pools' engines."""
-    handles = []
-    for _ in range(2):
-        cfg = ServerConfig(engine=tiny_engine_config, grpc_port=None, served_model_name=EXT)
-        handles.append(start_server(cfg, Engine(tiny_engine_config)))
-    yield handles
-    for h in handles:
-        h.stop()
+    servers = _server_factory(tiny_engine_config)
+    make = next(servers)
+    yield [make(served_model_name=EXT) for _ in range(2)]
+    next(servers, None)  # stops them
 
 
 def pool(name: str, urls: list[str], **kw: Any) -> PoolSpec:
@@ -45,16 +39,12 @@ def pool(name: str, urls: list[str], **kw: Any) -> PoolSpec:
 @pytest.fixture
 def make_gateway(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., ServerHandle]]:
     """A gateway over the given external pools, beside its own baton-tiny pool."""
-    handles: list[ServerHandle] = []
+    servers = _server_factory(tiny_engine_config)
+    make_server = next(servers)
 
     def make(pools: list[PoolSpec], routing: RoutingSpec | None = None, grpc_port: int | None = None) -> ServerHandle:
         spec = check(GatewaySpec((PoolSpec(name=OWN, kind="baton"), *pools), routing or RoutingSpec()))
-        cfg = replace(ServerConfig(engine=tiny_engine_config, grpc_port=grpc_port, served_model_name="baton-tiny"),
-                      gateway=spec)  # fmt: skip
-        handle = start_server(cfg, Engine(tiny_engine_config))
-        handles.append(handle)
-        return handle
+        return make_server(gateway=spec, grpc_port=grpc_port)
 
     yield make
-    for h in handles:
-        h.stop()
+    next(servers, None)

@@ -175,19 +175,30 @@ def test_a_killed_endpoint_is_ejected_and_no_request_fails(
     with BatonProcess(["--model", str(tiny_model_dir), "--served-model-name", EXT, "--max-model-len", "512",
                        "--kv-pages", "128"], tmp_path / "victim.log") as victim:  # fmt: skip
         victim.wait_ready(90)
-        gw = make_gateway([pool("ext", [victim.url, upstreams[0].url], endpoint_policy="round_robin")])
+        health = HealthSpec(period_s=3600.0, failures=2, eject_s=60.0)
+        gw = make_gateway([pool("ext", [victim.url, upstreams[0].url], endpoint_policy="round_robin", health=health)])
         for i in range(4):  # both endpoints serve, and hold pooled connections
             assert complete(gw.url, text(900 + i, 10)).status_code == 200
+        other_ok = count(gw.url, "baton_pool_requests_total", endpoint=upstreams[0].url, outcome="ok")
         assert victim.proc is not None
-        victim.proc.send_signal(signal.SIGKILL)
+        body = {"model": EXT, "prompt": text(940, 10), "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as r:  # round robin: the victim's
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            victim.proc.send_signal(signal.SIGKILL)  # mid-stream: ~390 tokens still to come
+            rest = list(lines)
         victim.proc.wait(10)
+        # broken off after its first byte: never sent elsewhere, the stream just ends (no [DONE])
+        assert "data: [DONE]" not in rest
+        assert count(gw.url, "baton_pool_requests_total", endpoint=victim.url, outcome="broken") == 1
+        assert count(gw.url, "baton_pool_requests_total", endpoint=upstreams[0].url, outcome="ok") == other_ok
         codes = [complete(gw.url, text(950 + i, 10)).status_code for i in range(8)]
-    assert codes == [200] * 8
+    assert codes == [200] * 8  # the one sent to the dead endpoint could not connect: retried, and it is ejected
     assert count(gw.url, "baton_pool_endpoint_up", endpoint=victim.url) == 0
     assert count(gw.url, "baton_pool_ejections_total", endpoint=victim.url) == 1
     assert count(gw.url, "baton_pool_requests_total", endpoint=victim.url, outcome="unreachable") == 1
     assert count(gw.url, "baton_pool_requests_total", endpoint=upstreams[0].url, outcome="ok") >= 10
-    assert count(gw.url, "baton_requests_total", outcome="error") == 0
+    assert count(gw.url, "baton_requests_total", outcome="error") == 1  # the stream that had started
 
 
 def test_a_client_that_leaves_cancels_the_upstream_request(

@@ -230,3 +230,12 @@ def test_the_gateway_example_parses() -> None:
     assert gw.pool("vllm").kv_events == ("tcp://127.0.0.1:5557",) and gw.pool("vllm").block_size == 128
     assert gw.by_rule("tiny", "anyone", 0.9) == "vllm" and gw.by_rule("tiny", "anyone", None) is None  # cost
     assert gw.by_rule("tiny", "batch-jobs", 0.1) == "llama" and gw.by_rule("tiny", "batch-jobs", None) is None
+
+
+def test_a_retry_is_placed_again_but_measured_once() -> None:
+    router = Router(spec(ext("p", ("http://a:1", "http://b:1"))))
+    first = router.admit("m", "k", list(range(64)))
+    router.finish(first, ok=False, failed_endpoint=True)
+    again = router.admit("m", "k", list(range(64)), exclude=[first.endpoint], only_pool="p")
+    assert again.endpoint is not first.endpoint
+    assert router.meter.snapshot()["k"]["requests"] == 1
