@@ -6,7 +6,7 @@ Starlette's StreamingResponse cancels the body iterator when a client disconnect
 how a dropped stream aborts its engine request.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
-/live, /ready, /metrics, /status (the gateway and every node: cluster.ops.node_status), /dashboard
+/live, /ready, /health (/ready's answer, where other engines' routers look), /metrics, /status (the gateway and every node: cluster.ops.node_status), /dashboard
 (a live page over /status), POST /admin/drain and /admin/scale (cluster.edge.admin), /openapi.json. Every error body is OpenAI-shaped.
 
 Tracing (cluster.ops.tracing, when configured): an outermost middleware opens each generation call's
@@ -93,7 +93,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set
     # With keys set, what shows every tenant and node (or changes the gateway) needs an operator key.
     app.add_middleware(EdgeGuard, keys=keys, max_body_bytes=cfg.max_body_bytes,
-                       open_paths=("/live", "/ready", "/dashboard"), observer_paths=OBSERVER_PATHS,
+                       open_paths=("/live", "/ready", "/health", "/dashboard"), observer_paths=OBSERVER_PATHS,
                        operator_paths=OPERATOR_PATHS)  # fmt: skip
     if frontend.tracing.is_enabled:  # added last: outermost, so it sees 401s and 413s too
         app.add_middleware(TracedCalls, tracing=frontend.tracing)
@@ -160,6 +160,11 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     async def ready() -> JSONResponse:
         ok = frontend.is_ready()
         return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        # What routers probe on vLLM, SGLang and llama.cpp (a gateway's pools included): /ready's answer.
+        return await ready()
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -9,6 +9,7 @@
                                      transfer that fails or misses wait_s -> False, pages freed
     next_batch(after, wait_s)        the output stream: every step after `after` (long-poll)
     abort(req_id) / cancel(dest)     the request or its reservation lets go of its pages
+    stall(seconds, after_steps)      drills only: no step for that long, after that many more
 
 The engine steps run on the actor's event loop between awaits, so pushes land between two
 steps, never inside one. Reservations that are never completed expire at their deadline;
@@ -35,6 +36,7 @@ from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.env import pod_name
+from engine.faults import require_injection
 from engine.job import Job
 from engine.omp import release_thread_pool
 from engine.outputs import StepOutput
@@ -113,6 +115,8 @@ class DecodeActor(WorkerActor):
         self.error: str = ""
         self._report, self._report_at = CacheReport(), -CACHE_REPORT_S
         self._acked = 0  # the last output step the gateway confirmed (a drain waits for all)
+        self._stall: tuple[int, float] | None = None  # drills only: (steps first, then seconds without one)
+        self._stalled_until = 0.0  # time.monotonic()
 
     async def start(self) -> str:
         """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
@@ -187,6 +191,18 @@ class DecodeActor(WorkerActor):
         self.worker.abort(req_id)
         self._settled.fire()
 
+    async def stall(self, seconds: float, after_steps: int = 0) -> None:
+        """Drills and tests only: after `after_steps` more steps, take none for `seconds` (calls,
+        pushes and aborts are still served): a request caught mid-decode for as long as a drill
+        needs, instead of one that may finish while a test looks. `stall(0)` ends a stall.
+        Refused unless the worker's environment allows fault injection."""
+        require_injection()
+        self._stall, self._stalled_until = None, 0.0
+        if seconds > 0 and after_steps <= 0:
+            self._stalled_until = time.monotonic() + seconds
+        elif seconds > 0:
+            self._stall = (after_steps, seconds)
+
     async def next_batch(self, after: int, wait_s: float) -> OutputBatch:
         self._acked = max(self._acked, after)  # the gateway has every step up to here
         if self.error:
@@ -237,6 +253,9 @@ class DecodeActor(WorkerActor):
         try:
             while True:
                 self.worker.expire()
+                if (pause := self._stalled_until - time.monotonic()) > 0:  # drills only (stall)
+                    await asyncio.sleep(min(pause, IDLE_WAIT_S))
+                    continue
                 if not engine.has_unfinished():
                     engine.flush_cache()
                     await idle(self._wake, IDLE_WAIT_S)
@@ -244,6 +263,7 @@ class DecodeActor(WorkerActor):
                 outputs = engine.step()
                 if outputs:
                     self.feed.publish(outputs)
+                self._count_stall_step()
                 await between_steps()  # pushes and calls run between steps
         except asyncio.CancelledError:
             raise
@@ -251,6 +271,15 @@ class DecodeActor(WorkerActor):
             logger.exception("decode step loop died")
             self.error = repr(exc)
             self.registration.engine_failed(exc)
+
+    def _count_stall_step(self) -> None:
+        if self._stall is None:
+            return
+        steps, seconds = self._stall
+        if steps <= 1:  # that was the last step before the stall
+            self._stalled_until, self._stall = time.monotonic() + seconds, None
+        else:
+            self._stall = (steps - 1, seconds)
 
     def _check_started(self) -> None:
         if self._server is None:

@@ -254,6 +254,7 @@ def test_api_keys_guard_every_route_but_health(make_server: Any, tmp_path: Any) 
         assert client.get("/v1/models").status_code == 401
         assert client.get("/metrics").status_code == 401
         assert client.get("/live").status_code == 200 and client.get("/ready").status_code == 200
+        assert client.get("/health").json() == {"status": "ready"}  # open, as routers probe it
         good = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer " + "k" * 24})
         assert good.status_code == 200
         assert client.get("/metrics", headers={"x-api-key": "k" * 24}).status_code == 403  # a tenant's key

@@ -5,7 +5,8 @@ unary, on a real local Ray (one prefill actor, one decode actor):
                   the `stall` drill), no first token yet
     transferring  its first token is out, its pages are still moving to the decode worker
                   (the prefill worker's pushes held after their first chunk: `hold_pushes`)
-    decoding      tokens are streaming from the decode worker
+    decoding      tokens are streaming from the decode worker (which takes no step after its
+                  third until the client has left: `stall(after_steps=3)`)
     finishing     the last token is out, the stream's end not yet read
 
 Each state is proven on the worker before the client leaves (the prefill worker holds the
@@ -111,8 +112,11 @@ async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
                                    and _prefill(handle).num_inflight_transfers == 0, "decoding on the decode worker"),
         "finishing": reached.wait,
     }  # fmt: skip
+    decode = front_of(handle).fleet.decodes[0]
     if state == "queued":
         await asyncio.to_thread(ray.get, prefill.actor.stall.remote(30), timeout=30)  # no prefill step for now
+    if state == "decoding":  # a few tokens, then no decode step until the client has left: it cannot finish first
+        await asyncio.to_thread(ray.get, decode.actor.stall.remote(30, after_steps=3), timeout=30)
     try:
         async with httpx.AsyncClient(base_url=handle.url, timeout=60) as client:
             task = asyncio.create_task(send(client))
@@ -125,9 +129,13 @@ async def _leave_at(handle: ServerHandle, state: str, stream: bool) -> None:
             await asyncio.gather(task, return_exceptions=True)
             if state == "queued":  # stalled until the abort is there, so that the prompt is never computed
                 await _until(lambda: _prefill(handle).num_running == 0, "the abort at the stalled prefill worker")
+            if state == "decoding":  # stalled until the abort is there, so that the request never finishes
+                await _until(lambda: _decode(handle).num_running == 0, "the abort at the stalled decode worker")
     finally:  # the worker as it was, also for the tests after a failed one
         if state == "queued":
             await asyncio.to_thread(ray.get, prefill.actor.stall.remote(0), timeout=30)
+        if state == "decoding":
+            await asyncio.to_thread(ray.get, decode.actor.stall.remote(0), timeout=30)
 
 
 CASES = [(state, stream) for state in STATES for stream in (True, False)

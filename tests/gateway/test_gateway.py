@@ -288,8 +288,7 @@ def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_p
         for sock, port in zip(pubs, ports, strict=True):
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(f"tcp://127.0.0.1:{port}")
-        health = HealthSpec(path="/ready", period_s=3600.0, failures=1)  # baton's, standing in for vLLM's /health
-        gw = make_gateway([pool("ext", [u.url for u in upstreams], kind="vllm", block_size=16, health=health,
+        gw = make_gateway([pool("ext", [u.url for u in upstreams], kind="vllm", block_size=16,  # probed at /health
                                 kv_events=tuple(f"tcp://127.0.0.1:{p}" for p in ports),
                                 kv_events_topic="kv")])  # fmt: skip
         subs = gw.running.frontend.gateway._subscribers  # type: ignore[union-attr]

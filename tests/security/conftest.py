@@ -38,7 +38,7 @@ BETA_KEY = "beta-key-0123456789abcdef0"
 OPS_KEY = "ops-key-0123456789abcdef00"  # role=operator: /metrics, /status, /admin/*
 METRICS_KEY = "metrics-key-0123456789abcd"  # role=metrics: /metrics and /status, nothing else
 OPERATOR_PATHS = ("/metrics", "/status", "/admin/")
-OPEN_PATHS = frozenset({"/live", "/ready", "/dashboard"})  # no key needed (README, http_api)
+OPEN_PATHS = frozenset({"/live", "/ready", "/health", "/dashboard"})  # no key needed (README, http_api)
 MAX_BODY_BYTES = 64 << 10
 
 
