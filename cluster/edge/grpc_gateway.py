@@ -26,9 +26,10 @@ from cluster.gateway.router import Route, Router
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
            "tool_calls": pb.FINISH_REASON_TOOL_CALLS}  # fmt: skip
+# An engine's HTTP status -> the call's; 401/403 refuse the gateway's credential, not the caller's.
 _STATUS = {400: Kind.INVALID_ARGUMENT, 401: Kind.UNAVAILABLE, 403: Kind.UNAVAILABLE, 404: Kind.NOT_FOUND,
            408: Kind.DEADLINE_EXCEEDED, 413: Kind.INVALID_ARGUMENT, 422: Kind.INVALID_ARGUMENT,
-           429: Kind.RESOURCE_EXHAUSTED}  # fmt: skip  (401/403: the gateway's credential, not the caller's)
+           429: Kind.RESOURCE_EXHAUSTED}  # fmt: skip
 MAX_ERROR_CHARS = 512
 
 

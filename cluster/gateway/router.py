@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cluster.errors import EdgeError, Kind
 from cluster.gateway.config import OWN_ENDPOINT, GatewaySpec, PoolSpec
@@ -100,13 +101,24 @@ class Router:
         live = {p.name: [e for e in p.endpoints if e.is_available(now) and e not in exclude] or
                         [e for e in p.endpoints if e.is_available(now)] for p in pools}  # fmt: skip
         hashes = {p.name: self._hashes(p.spec, tokens) for p in pools}
-        pool, reason = self._pool(model, route_key, overlap, pools, live, hashes, len(tokens))
+        options: dict[str, list[_Option]] = {}
+
+        def options_of(p: Pool) -> list[_Option]:  # each pool's endpoints costed once a request
+            if p.name not in options:
+                options[p.name] = self._options(p, live[p.name], hashes[p.name], len(tokens))
+            return options[p.name]
+
+        pool, reason = self._pool(model, route_key, overlap, pools, live, options_of)
         if not live[pool.name]:
             raise EdgeError(Kind.UNAVAILABLE, f"every endpoint of pool {pool.name!r} is ejected", retry_after_s=1.0)
         if not pool.has_room:
             raise EdgeError(Kind.RESOURCE_EXHAUSTED, f"pool {pool.name!r} has {pool.spec.max_concurrency} requests "
                                                      "in flight, its max_concurrency", retry_after_s=1.0)  # fmt: skip
-        endpoint, hit, _ = self._endpoint(pool, live[pool.name], hashes[pool.name], len(tokens))
+        if pool.spec.endpoint_policy == "round_robin":
+            _, endpoint, hit = options_of(pool)[pool.next_rr % len(live[pool.name])]
+            pool.next_rr += 1
+        else:
+            _, endpoint, hit = min(options_of(pool), key=lambda o: o.key)
         pool.inflight += 1
         endpoint.inflight += 1
         endpoint.num_routed += 1
@@ -150,7 +162,7 @@ class Router:
 
     def _pool(
         self, model: str, route_key: str, overlap: float | None, pools: list[Pool], live: dict[str, list[Endpoint]],
-        hashes: dict[str, list[bytes]], num_tokens: int,
+        options_of: Callable[[Pool], list[_Option]],
     ) -> tuple[Pool, str]:
         if len(pools) == 1:
             return pools[0], "model"
@@ -158,34 +170,26 @@ class Router:
         ruled = self.spec.by_rule(model, route_key, overlap, lambda name: name in by_name and bool(live[name]))
         if ruled is not None:
             return by_name[ruled], "rule"
-        costed = [(self._endpoint(p, live[p.name], hashes[p.name], num_tokens, cost_only=True)[2], i, p)
-                  for i, p in enumerate(pools) if live[p.name] and p.has_room]  # fmt: skip
+        costed = [(min(o.key for o in options_of(p))[0], i, p) for i, p in enumerate(pools)
+                  if live[p.name] and p.has_room]  # fmt: skip
         if costed:
             return min(costed, key=lambda c: (c[0], c[1]))[2], "cost"
         # every pool full or ejected: the first with a live endpoint answers (429 when full)
         return next((p for p in pools if live[p.name]), pools[0]), "cost"
 
-    def _endpoint(
-        self, pool: Pool, live: list[Endpoint], hashes: list[bytes], num_tokens: int, cost_only: bool = False
-    ) -> tuple[Endpoint, int, float]:
-        """(endpoint, tokens of the prompt it holds, predicted TTFT in seconds)."""
+    def _options(self, pool: Pool, live: list[Endpoint], hashes: list[bytes], num_tokens: int) -> list[_Option]:
+        """Each live endpoint with the prompt tokens it holds and its predicted TTFT (one index lookup)."""
         spec = pool.spec
         held = self.index.hits(hashes, [endpoint_id(pool.name, e.url) for e in live])
-        best: tuple[float, int, int, int] | None = None
-        choice = live[0]
-        hit_of = 0
+        out = []
         for i, e in enumerate(live):
-            hit = held.get(endpoint_id(pool.name, e.url))
-            pages = 0 if hit is None else hit.num_pages
-            hit_tokens = min(pages * spec.block_size, max(0, num_tokens - 1))
+            hit_tokens = min(held[endpoint_id(pool.name, e.url)].num_pages * spec.block_size, max(0, num_tokens - 1))
             cost = (e.inflight_tokens + num_tokens - hit_tokens) / spec.prefill_tokens_per_s
-            key = (cost, e.inflight, e.num_routed, i)
-            if best is None or key < best:
-                best, choice, hit_of = key, e, hit_tokens
-        assert best is not None
-        if spec.endpoint_policy == "round_robin" and not cost_only:
-            choice = live[pool.next_rr % len(live)]
-            pool.next_rr += 1
-            hit = held.get(endpoint_id(pool.name, choice.url))
-            hit_of = min((0 if hit is None else hit.num_pages) * spec.block_size, max(0, num_tokens - 1))
-        return choice, hit_of, best[0]
+            out.append(_Option((cost, e.inflight, e.num_routed, i), e, hit_tokens))
+        return out
+
+
+class _Option(NamedTuple):
+    key: tuple[float, int, int, int]  # predicted TTFT (s), then fewer in flight, fewer routed, order
+    endpoint: Endpoint
+    hit_tokens: int

@@ -120,7 +120,8 @@ def test_the_cost_rule_weighs_the_uncached_prompt_against_the_queue() -> None:
     router.finish(first, ok=True)
     assert router.admit("m", "k", long).pool is first.pool  # it holds the prefix: cheaper
     busy = [router.admit("m", "x", list(range(1000, 1000 + 3000))) for _ in range(2)]
-    assert all(b.pool is not first.pool for b in busy[:1])  # the first big prompt went to the idle pool
+    assert busy[0].pool is not first.pool  # the first big prompt went to the idle pool,
+    assert busy[1].pool is first.pool  # the second to the shorter queue (16 tokens against 3,000)
 
 
 def test_an_endpoint_is_ejected_after_failures_and_comes_back() -> None:
@@ -157,7 +158,8 @@ def test_the_own_pool_serves_its_models_and_overlap_uses_16_token_pages() -> Non
     assert route.is_own and route.reason == "model" and len(route.hashes) == 4 and len(route.overlap_hashes) == 4
     route = router.admit("m", "k", list(range(64)))
     assert len(route.hashes) == 2 and len(route.overlap_hashes) == 64 // OVERLAP_PAGE
-    assert endpoint_id("p", "http://a:1") in router.index.hits(route.hashes, [endpoint_id("p", "http://a:1")])
+    eid = endpoint_id("p", "http://a:1")
+    assert router.index.hits(route.hashes, [eid])[eid].num_pages == 2  # indexed as sent, at admission
 
 
 CONFIG = """
