@@ -22,7 +22,7 @@ Checks (the exit status is 1 when one fails):
     deadline == the client's rest;
   - every invalid request got a 400; every kill and the etcd restart took effect and the
     cluster recovered from it (every node ok again; etcd holds every worker's key);
-  - at idle, on every node and tier: pages used == baseline, no reserved or pinned pages,
+  - at idle, on every node and tier: pages used == baseline, no reserved, pinned or retained pages,
     nothing running or waiting; the gateway has nothing waiting or in flight; etcd holds
     every worker's key;
   - runs of at least `slope_min_minutes`: the RSS and fd slopes (least squares over the samples
@@ -84,7 +84,8 @@ class SoakConfig:
     sample_every_s: float = 10.0
     request_timeout_s: float = 120.0
     recover_timeout_s: float = 120.0
-    idle_timeout_s: float = 45.0
+    idle_timeout_s: float = 45.0  # past the retained copies' lease: at idle they must be gone too
+    retain_s: float = 30.0  # recovery.retain_s: a prefill worker holds each pushed prompt this long past its push
     max_rss_slope: float = 1.0  # MiB/min
     max_fd_slope: float = 0.2  # fds/min
     slope_min_minutes: float = 10.0
@@ -117,7 +118,7 @@ def cluster_yaml(cfg: SoakConfig, etcd_port: int, http_port: int) -> str:
 model: {{path: {MODEL}, dtype: float32, max_model_len: 1024}}
 workers: {{prefill: {{count: {cfg.prefill}}}, decode: {{count: {cfg.decode}}}}}
 kv_cache: {{device_pages: 1024, host_pages: 256, disk_pages: 512, disk_dir: "{disk}"}}
-recovery: {{max_restarts: 100}}
+recovery: {{max_restarts: 100, retain_s: {cfg.retain_s}}}
 membership: {{backend: etcd, lease_ttl_s: 5, etcd: {{host: 127.0.0.1, port: {etcd_port}}}}}
 api: {{host: 127.0.0.1, port: {http_port}, grpc_port: 0}}
 """
@@ -183,7 +184,8 @@ def idle_problems(status: dict[str, Any], gauges: dict[str, float], baseline: di
         name = n["name"]
         if n["health"] != "ok":
             problems.append(f"{name}: health {n['health']}")
-        problems += [f"{name}: {k} {n[k]}" for k in ("running", "waiting", "reserved_pages", "pinned_pages") if n[k]]
+        problems += [f"{name}: {k} {n.get(k, 0)}" for k in ("running", "waiting", "reserved_pages", "pinned_pages",
+                                                             "retained_pages") if n.get(k, 0)]  # fmt: skip
         for tier, t in n["cache"]["tiers"].items():
             base = baseline.get((name, tier), 0)
             if t["pages_used"] != base:
@@ -195,7 +197,7 @@ def idle_row(n: dict[str, Any]) -> dict[str, Any]:
     tiers = {tier: [t["pages_used"], t["pages_cached"], t["pages_total"]] for tier, t in n["cache"]["tiers"].items()}
     return {"node": n["name"], "role": n["role"], "health": n["health"], "epoch": n["epoch"],
             "pages_used_cached_total": tiers, "reserved": n["reserved_pages"], "pinned": n["pinned_pages"],
-            "running": n["running"], "waiting": n["waiting"]}  # fmt: skip
+            "retained": n.get("retained_pages", 0), "running": n["running"], "waiting": n["waiting"]}  # fmt: skip
 
 
 async def settle_counts(client: httpx.AsyncClient, num_sent: int, timeout_s: float = 20.0) -> None:
@@ -360,7 +362,7 @@ def print_table(r: SoakReport) -> None:
     for n in r.idle:
         tiers = "  ".join(f"{t} {u}/{c}/{tot}" for t, (u, c, tot) in n["pages_used_cached_total"].items())
         out(f"idle    {n['node']:<10} {n['health']:<6} pages used/cached/total: {tiers}  reserved {n['reserved']}  "
-            f"pinned {n['pinned']}  running {n['running']}  waiting {n['waiting']}")
+            f"pinned {n['pinned']}  retained {n.get('retained', 0)}  running {n['running']}  waiting {n['waiting']}")
     out("recovery " + "  ".join(f"{k.removeprefix('baton_').removesuffix('_total')} {v:g}" for k, v in r.recovery.items()))
     out("\n".join(f"log     {line}" for line in r.log_errors) or "log     no ERROR or Traceback lines")
     lag = r.loop_lag

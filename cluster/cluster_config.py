@@ -19,7 +19,8 @@ value of the wrong type or out of its range. An example with every key is exampl
     transfer:   transport (auto, grpc, shm, nccl), deadline_s, reservation_ttl_s, pages_per_chunk,
                 shm_slots, bind_host (auto, node or an IP), advertise_host, pair_failures, pair_retry_s,
                 tls_cert, tls_key, tls_ca (mutual TLS between the workers' KV ports)
-    recovery:   max_migrations, watchdog_s, max_restarts
+    recovery:   max_migrations, watchdog_s, max_restarts, preserve_kv, retain_share, retain_s,
+                drain_hand_off
     placement:  policy (cache, round_robin), local_prefill_tokens
     membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port, tls_ca, tls_cert, tls_key,
                 server_name, username, password_file}
@@ -134,6 +135,10 @@ class RecoverySection(_Section):
     max_migrations: int = Field(default=2, ge=0, le=16)  # a request whose decode worker is lost moves this often
     watchdog_s: float = Field(default=30.0, gt=0, le=3600)  # a worker silent this long is stalled: its work moves
     max_restarts: int = Field(default=3, ge=0, le=100)  # Ray restarts a worker whose engine failed this often
+    preserve_kv: bool = True  # a lost or drained decode worker's requests resume from copies of their pages
+    retain_share: float = Field(default=0.25, ge=0, le=0.5)  # of a prefill worker's pool, for retained copies
+    retain_s: float = Field(default=30.0, ge=0, le=3600)  # a retained copy's lease past its push's end
+    drain_hand_off: bool = True  # a drained decode worker's requests move at once (false: they finish there)
 
 
 class PlacementSection(_Section):
@@ -349,7 +354,9 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
             kv_tls=KVTlsPaths(t.tls_cert or "", t.tls_key or "", t.tls_ca or ""),
             pin_cores=w.pin_cores, placement=f.placement.policy,
             max_migrations=f.recovery.max_migrations, watchdog_s=f.recovery.watchdog_s,
-            max_restarts=f.recovery.max_restarts,
+            max_restarts=f.recovery.max_restarts, preserve_kv=f.recovery.preserve_kv,
+            retain_share=f.recovery.retain_share, retain_s=f.recovery.retain_s,
+            drain_hand_off=f.recovery.drain_hand_off,
             prefill_resources=_resources(w.prefill), decode_resources=_resources(w.decode),
             decode_threads=w.decode.threads,
             membership=MembershipConfig(m.backend, f.cluster, m.lease_ttl_s, m.etcd.host, m.etcd.port,

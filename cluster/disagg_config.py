@@ -105,12 +105,22 @@ class DisaggConfig:
     max_migrations: int = 2  # times a request moves to another decode worker when its own is lost
     watchdog_s: float = 30.0  # a worker that answers nothing this long (past a long-poll) is stalled
     max_restarts: int = 3  # Ray restarts an actor whose process died (its engine failed) this often
+    # KV-preserving failover: prefill workers keep the prompts they pushed (a share of their
+    # pool, a lease past each push), a migrated request reuses every copy the cost model
+    # finds, and a drained decode worker hands its requests over at once. Off: migrations
+    # recompute their context (the baseline it is measured against).
+    preserve_kv: bool = True
+    retain_share: float = 0.25  # of a prefill worker's pool, at most, held as retained copies
+    retain_s: float = 30.0  # a retained copy's lease past its push's end
+    drain_hand_off: bool = True  # a drained decode worker's requests move now (False: they finish there)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ConfigError("workers", "need --prefill >= 0 and --decode >= 1")
         if self.max_migrations < 0:
             raise ConfigError("max_migrations", "must be >= 0")
+        if not 0 <= self.retain_share <= 0.5 or self.retain_s < 0:
+            raise ConfigError("recovery.retain_share", "must be in [0, 0.5], and retain_s >= 0")
         if not self.watchdog_s > 0 or self.max_restarts < 0:
             raise ConfigError("recovery", "watchdog_s must be > 0 and max_restarts >= 0")
         if self.local_prefill_tokens < 0:

@@ -162,6 +162,7 @@ class Engine:
         self._arrivals += 1
         request.cache_salt = job.cache_salt.encode()
         request.in_session = bool(job.session)
+        request.reuse_cache = job.reuse_cache
         if self.cfg.detokenize:
             request.text = TextState(self.tokenizer.new_detokenizer(request.prompt_ids), job.sampling.stop)
         return request
@@ -462,7 +463,8 @@ class Engine:
         # Page-major and contiguous, so each chunk of pages is one slice; it stays on the pool's
         # device (the nccl transport sends it from there; the codec stages host-bound chunks).
         kv = self.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
-        self._exported[request.req_id] = ExportedKV(request.req_id, n_prompt, request.output_ids[0], kv)
+        hashes = self.scheduler.prefix_hashes(request, n_prompt // self.cfg.page_size) if self.prefix_cache else []
+        self._exported[request.req_id] = ExportedKV(request.req_id, n_prompt, request.output_ids[0], kv, tuple(hashes))
 
     def take_exported(self, req_id: str) -> ExportedKV | None:
         """The prompt KV and first token of a finished `export_kv` request (once)."""

@@ -28,6 +28,9 @@ class Job:
     # Its service class (engine.request.SloClass): scheduling order and preemption on every
     # worker, a share of admission at the edge, whether a busy decode worker prefills it.
     slo: SloClass = SloClass.STANDARD
+    # False: every page of the prompt is computed, whatever the cache holds (a migration with
+    # recovery.preserve_kv off: the recompute baseline that preserved pages are measured against).
+    reuse_cache: bool = True
 
     @property
     def tenant(self) -> str:

@@ -58,3 +58,4 @@ class ExportedKV:
     num_tokens: int  # prompt tokens covered (the last page may be partial)
     first_token: int
     kv: torch.Tensor  # [pages, layers, 2, page_size, kv_heads, head_dim], contiguous, on the pool's device
+    page_hashes: tuple[bytes, ...] = ()  # of its whole pages, as this worker's prefix cache names them

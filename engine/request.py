@@ -90,6 +90,7 @@ class Request:
     num_preemptions: int = 0
     cache_salt: bytes = b""  # the tenant's: its pages are invisible to other tenants
     in_session: bool = False  # a session's request: its pages outlast its tenant's others in the cache
+    reuse_cache: bool = True  # False: its prefix is computed even where cached (Job.reuse_cache)
     num_shared_pages: int = 0  # leading pages inside an operator-shared prefix (no salt)
     page_hashes: list[bytes] = field(default_factory=list)  # of full pages, filled as needed
     num_committed_pages: int = 0  # leading pages already offered to the prefix cache

@@ -464,7 +464,7 @@ class Scheduler:
     def _uncached_estimate(self, request: Request, in_flight: set[bytes]) -> int:
         """Prompt tokens a waiting request would compute if admitted now: all of them less its
         leading pages that the cache holds (any tier) or a running request is computing."""
-        if self.cache is None:
+        if self.cache is None or not request.reuse_cache:
             return request.num_pending
         ps = self.cfg.page_size
         max_pages = (request.num_tokens - 1) // ps
@@ -499,7 +499,7 @@ class Scheduler:
     def _reuse_prefix(self, request: Request) -> CachedTokens:
         """Take the cached pages of the request's longest cached prefix; tokens reused, by the
         tier each page was found in."""
-        if self.cache is None:
+        if self.cache is None or not request.reuse_cache:
             return NOT_CACHED
         ps = self.cfg.page_size
         max_pages = (request.num_tokens - 1) // ps  # at least one token must be computed

@@ -8,7 +8,9 @@ as they are computed, by the transport routed for that decode worker.
     pushes.first_token(push, chunks)     ... and from now on the transfer's deadline runs
     await pushes.result(transfer_id)     how it went: a TransferReport
     pushes.expire_leases()               each step: a push past its lease is cancelled
-    pushes.ended                         how pushes ended, by END_REASONS (the stats say it)
+    pushes.ended                         how pushes ended, by END_REASONS (the stats say it);
+                                         `on_end` is told each one's request (its retained copy's
+                                         lease starts: prefill.worker.Retention)
 
 The push opens its stream with the first chunks; the rest, the last page included, follow
 with the first token. The transfer's deadline runs from the first token (as for a push that
@@ -28,7 +30,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -105,9 +107,10 @@ class Push:
 class Pushes:
     def __init__(
         self, device: torch.device, faults: FaultPoints, tls: KVTls | None, push_deadline_s: float,
-        stream_limit_s: float, chunk_pause_s: float = 0.0,
+        stream_limit_s: float, chunk_pause_s: float = 0.0, on_end: Callable[[str], None] | None = None,
     ) -> None:
         self.device = device
+        self.on_end = on_end  # told each push's request id once it ended, however it did
         self.faults = faults  # the engine's: a drill armed there damages the next push
         self.tls = tls
         self.push_deadline_s = push_deadline_s
@@ -235,7 +238,7 @@ class Pushes:
         try:
             first = await feed.next_batch()  # no stream is open until there is a page to send
         except asyncio.CancelledError:  # it ends before it began: counted by how, never as a transfer
-            self.ended[self._why_cancelled(dest.transfer_id)] += 1
+            self._ended(dest, self._why_cancelled(dest.transfer_id))
             raise
         start = time.perf_counter()
         waited = _Stopwatch()
@@ -265,7 +268,7 @@ class Pushes:
         except Exception as exc:
             logger.exception("push of %s failed", dest.transfer_id)
             accepted, error, end = False, f"transport error: {type(exc).__name__}", "transport"
-        self.ended[end] += 1
+        self._ended(dest, end)
         if transport == "nccl" and self._nccl is not None and not self._nccl.is_open(dest.address):
             if self._routes.get(dest.address) == "nccl":
                 logger.warning("nccl channel to %s is dead (%s): pages go by gRPC", dest.address, error)
@@ -276,6 +279,11 @@ class Pushes:
         return TransferReport(dest.transfer_id, transport, accepted, len(dest.dest_page_ids),
                               feed.num_bytes if accepted else 0, seconds, error,
                               wire_seconds=max(0.0, seconds - waited.seconds))  # fmt: skip
+
+    def _ended(self, dest: KVDestination, end: str) -> None:
+        self.ended[end] += 1
+        if self.on_end is not None:
+            self.on_end(dest.req_id)
 
     async def _faulty(self, chunks: AsyncIterator[Chunk], fault: str) -> AsyncIterator[Chunk]:
         """The push as a damaged link or a wedged sender would make it (engine.faults)."""

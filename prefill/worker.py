@@ -10,6 +10,10 @@
                        the rest computes gets only the remaining pages with the PrefillDone
     (caller)           pushes the chunks with its KVSender, then tells the decode worker the
                        first token; pages of shared prefixes stay in this worker's cache
+    retained           with a Retention: each finished prompt's pages are held (a retained
+                       copy, kvcache.retained) until `hold_s`, or `lease_s` after the caller
+                       says its push ended (pushed), so a decode worker lost after the
+                       hand-over leaves the context here
 
     prompt pages:  | 0 | 1 | 2 | 3 | 4 |5..|      a chunked prefill, 2 pages a step
     step 1:        |=======|                      take_ready -> pages 0-1
@@ -31,6 +35,7 @@ from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import StepOutput
 from engine.request import FinishReason, Request
+from kvcache.retained import RetainedCopies
 from kvtransfer.codec import (
     ChunkMeta,
     CodecLimits,
@@ -65,9 +70,19 @@ class PagesReady:
     chunks: tuple[Chunk, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How long and how much a prefill worker keeps of the prompts it pushed (kvcache.retained)."""
+
+    max_pages: int = 0  # 0: nothing is retained
+    lease_s: float = 30.0  # past the push's end (acknowledged or failed)
+    hold_s: float = 60.0  # at most, when no end is ever reported (the push's own bounds end it first)
+
+
 class PrefillWorker:
     def __init__(
-        self, engine: Engine, epoch: int = 1, pages_per_chunk: int | None = None, limits: CodecLimits | None = None
+        self, engine: Engine, epoch: int = 1, pages_per_chunk: int | None = None, limits: CodecLimits | None = None,
+        retention: Retention = Retention(),
     ) -> None:
         self.engine = engine
         # its prompts' pages stream out piece by piece while the next piece computes
@@ -78,6 +93,8 @@ class PrefillWorker:
         self._jobs: dict[str, tuple[Job, KVDestination]] = {}
         self._num_taken: dict[str, int] = {}  # pages handed out by take_ready, per request
         self._on_device: set[str] = set()  # requests whose chunks stay on the device
+        self.retention = retention
+        self.retained = RetainedCopies(engine.prefix_cache, engine.pool.pages, retention.max_pages)
 
     def submit(self, job: Job, dest: KVDestination, on_device: bool = False) -> None:
         self.start(self.engine, job)
@@ -97,8 +114,13 @@ class PrefillWorker:
         self._jobs.pop(req_id, None)
         self._num_taken.pop(req_id, None)
         self._on_device.discard(req_id)
+        self.retained.release(req_id, "released")  # its caller is gone: nobody resumes from it
         self.engine.abort(req_id)
         self.engine.take_exported(req_id)
+
+    def pushed(self, req_id: str) -> None:
+        """The request's push ended (acknowledged or not): its copy is kept one lease from now."""
+        self.retained.lease(req_id, self.retention.lease_s)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
@@ -119,6 +141,8 @@ class PrefillWorker:
             finished = out.finish_reason if self.ends_here(job, out.finish_reason) else None
             chunks: tuple[Chunk, ...] = ()
             if finished is None:
+                if self.retained.max_pages:  # the request goes on elsewhere: its context stays here too
+                    self.retained.hold(out.req_id, exported.page_hashes, self.retention.hold_s)
                 # a page-major block: each chunk is a slice of it
                 chunks = self._chunks(dest, exported.kv[taken:], taken, on_device)
             first = replace(out, finish_reason=finished)  # LENGTH of the 1-token prefill is not the request's

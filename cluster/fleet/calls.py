@@ -57,13 +57,13 @@ async def decode_call(decode: DecodeHandle, ref: Any, timeout_s: float) -> Any:
     or dies. An exception the actor raised (the engine refusing the request) is raised here."""
     call = abandonable(ray_await(ref))
     if not await _answered(call, decode.trouble, timeout_s,
-                           lambda: WorkerLost(f"decode worker {decode.name} stalled or failed")):  # fmt: skip
+                           lambda: WorkerLost(f"decode worker {decode.name} stalled or failed", decode.name)):  # fmt: skip
         raise TimeoutError
     try:
         return call.result()
     except ray.exceptions.RayActorError:
         decode.mark_dead()
-        raise WorkerLost(f"decode worker {decode.name} failed") from None
+        raise WorkerLost(f"decode worker {decode.name} failed", decode.name) from None
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause
         if isinstance(cause, Exception):  # e.g. the engine refusing the request

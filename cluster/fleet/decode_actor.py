@@ -92,8 +92,11 @@ class DecodeActor(WorkerActor):
         epoch: int = 1,  # of its KV events (a restarted worker gets a new one)
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
         tls: KVTlsPaths = NO_TLS,  # mutual TLS on the KV server (kvtransfer.tls)
+        hand_off_on_drain: bool = False,  # a drain asks the gateway to move its requests (recovery.drain_hand_off)
     ) -> None:
         self.tls = KVTls.load(tls)
+        self.hand_off_on_drain = hand_off_on_drain
+        self.handing_off = False  # draining, and its requests should move: the gateway reads it in the stats
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
         self._settled = _Signal()
@@ -102,7 +105,7 @@ class DecodeActor(WorkerActor):
         release_thread_pool()  # Ray may step on another thread than this one: one OpenMP pool (engine.omp)
         kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         registration = Registration(Role.DECODE, kv_log, self._is_idle, self._num_unfinished,
-                                    exit_on_failure=exit_on_failure)  # fmt: skip
+                                    exit_on_failure=exit_on_failure, on_drain=self._on_drain)  # fmt: skip
         super().__init__(registration, kv_log, self.worker.engine)
         self.bind_host, self.advertise_host = bind_host, advertise_host
         self.feed = OutputFeed(max_feed_steps)
@@ -228,6 +231,12 @@ class DecodeActor(WorkerActor):
     def kv_address(self) -> str:
         return self.worker.address
 
+    def _on_drain(self) -> None:
+        """A drain started (the gateway's, the planner's or SIGTERM's): with hand-off, the
+        stats say so from the next batch on, and the gateway moves this worker's requests to
+        the others (which resume them from copies of their pages), aborting them here."""
+        self.handing_off = self.hand_off_on_drain
+
     def _is_idle(self) -> bool:
         engine = self.worker.engine
         return not engine.has_unfinished() and not self.worker.book.num_open and self._acked >= self.feed.seq
@@ -296,7 +305,7 @@ class DecodeActor(WorkerActor):
             len(engine.scheduler.running), engine.scheduler.num_waiting,
             book.refused_bad_token, book.refused_stale_epoch, book.refused_bad_page,
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
-            self._cache_report(), engine.num_preempted_total,
+            self._cache_report(), engine.num_preempted_total, os.getpid(), self.handing_off,
         )  # fmt: skip
 
     def _cache_report(self) -> CacheReport:

@@ -8,7 +8,8 @@ request):
         started = prefill.prefill(job, dest)      the first token; the pages are on their way
         yield started.first                       once: a re-run's first token is the one sent
         decode.hand_over(job, dest, started)      the request joins decode's batch once every
-                                                  page arrived
+                                                  page arrived (tally.computed: where its
+                                                  context came from)
       a side that fails raises Redispatch and the request goes down the next path (a failed
       prefill's reservation is cancelled here; a failed hand-over has given its pages back)
     decode.outputs(job, handed)                   the rest of the stream
@@ -32,6 +33,7 @@ from typing import NamedTuple, Protocol
 from cluster.ops.tracing import NO_SPAN, RequestTrace, Span, first_token
 from engine.job import Job
 from engine.outputs import StepOutput
+from engine.request import CachedTokens
 from kvtransfer.transport import KVDestination
 
 
@@ -101,6 +103,11 @@ class Tally(Protocol):
         """A path failed; the next is "prefill" (another worker) or "local"."""
         ...
 
+    def computed(self, job: Job, cached: CachedTokens, decode: str, prefill: str | None) -> None:
+        """The request's context is on `decode`, computed there (`prefill` None) or by
+        `prefill` and handed over; `cached` of it was reused from that worker's cache."""
+        ...
+
 
 def replayable(job: Job) -> Job:
     """`job`, seeded when it samples without a seed: a re-run (another path, a migration) then
@@ -153,6 +160,7 @@ async def dispatch(
                     yield started.first
                 await decode.hand_over(job, dest, started, trace)
                 handed = Handed(dest, started)
+                tally.computed(job, started.first.cached, decode.name, prefill.name)
                 break
             except Redispatch:  # to the next path: another prefill worker, or decode-local
                 prefilling.end()
@@ -162,6 +170,8 @@ async def dispatch(
         async for out in decode.outputs(job, handed):
             if out.num_output_tokens == len(out.token_ids):  # the first token
                 prefilling.end()
+                if handed is None:
+                    tally.computed(job, out.cached, decode.name, None)
                 if not sent_first:
                     sent_first = True
                     decoding = first_token(trace, out.finished, req_id=req_id, worker=decode.name)

@@ -150,7 +150,7 @@ class Fleet:
                 s.num_pending_tokens if s else 0, 0, s.num_pinned_pages if s else 0,
                 s.num_transfers if s else 0, s.num_failed_transfers if s else 0,
                 s.cache if s else CacheReport(), now - p.reported_at if s else 0.0, s.num_preempted if s else 0,
-                hosts.get(p.name, ""),
+                hosts.get(p.name, ""), p.pid or 0, s.num_retained_pages if s else 0,
             ))  # fmt: skip
         for d in self.decodes:
             t = d.stats
@@ -160,7 +160,7 @@ class Fleet:
                 d.name, "decode", health, d.epoch, t.num_running if t else 0, t.num_waiting if t else 0, 0,
                 t.num_reserved_pages if t else 0, cache=t.cache if t else CacheReport(),
                 age_s=now - d.heartbeat if t else 0.0, preemptions=t.num_preempted if t else 0,
-                host=hosts.get(d.name, ""),
+                host=hosts.get(d.name, ""), pid=t.pid if t else 0,
             ))  # fmt: skip
         return nodes
 
@@ -294,6 +294,7 @@ class Fleet:
             self.metrics.stalls.labels("decode").inc()
 
         d.on_stall = stalled
+        d.may_hand_off = lambda: any(o.is_routable for o in self.decodes if o is not d)
 
     async def _revive(self, handle: PrefillHandle | DecodeHandle) -> None:
         """A worker's actor died. Ray restarts it when it has restarts left (a failed engine
@@ -435,8 +436,11 @@ class Fleet:
         return name
 
     async def drain_worker(self, name: str, timeout_s: float | None = None) -> DrainReport:
-        """Drain `name` (no new work from now on; what it runs finishes), then stop it and
-        forget it. Its requests in flight complete normally: 0 failed by design."""
+        """Drain `name` (no new work from now on), then stop it and forget it. A decode
+        worker configured to hand off (recovery.drain_hand_off) says so in its stats and its
+        requests move to the others at once (DecodeHandle: they resume from copies of their
+        pages, as after a loss), else they finish there; a prefill worker finishes what it
+        computes and pushes. 0 failed by design."""
         handle = self.handle(name)
         if handle is None:
             raise KeyError(f"no worker named {name!r}")
@@ -444,7 +448,7 @@ class Fleet:
         self._retired.add(name)
         report: DrainReport = await ray_await(handle.actor.drain.remote(timeout_s))
         if isinstance(handle, DecodeHandle):
-            handle.fail_all(WorkerLost(f"decode worker {name} was drained"))  # only what the timeout abandoned
+            handle.fail_all(WorkerLost(f"decode worker {name} was drained", name))  # only what the timeout abandoned
             await handle.stop()
             self.decodes.remove(handle)
             del self.decode_of[name]

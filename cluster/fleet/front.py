@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple, Protocol
@@ -54,6 +55,7 @@ from cluster.placement.policy import Placement, PlacementConfig, PlacementKind, 
 from engine.job import Job
 from engine.outputs import StepOutput, StepStats
 from engine.pins import PinAnswer
+from engine.request import CachedTokens
 from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
 from kvtransfer.jobs import TransferReport
@@ -85,6 +87,7 @@ class RayFront:
         self.fleet = Fleet(prefills, decodes, cfg, self.index, self.placer, self.pairs, self.metrics, max_running,
                            membership, registry, registry_name, spawner, routes)  # fmt: skip
         self._turn = 0  # the round_robin placement's (DisaggConfig.placement)
+        self._moving: dict[str, tuple[_Lost, RequestTrace]] = {}  # migrated attempts until computed()
 
     # -- the surface the Frontend uses --------------------------------------------------------
 
@@ -165,12 +168,16 @@ class RayFront:
         req_id, sampling = job.req_id, job.sampling
         trace = trace_of(req_id)  # the edge's span (cluster.ops.tracing), or one that records nothing
         prompt, emitted = job.prompt_ids, 0
+        lost: _Lost | None = None
         for attempt in range(self.cfg.max_migrations + 1):
             this = replace(job, req_id=req_id if attempt == 0 else f"{req_id}@{attempt}", prompt_ids=prompt,
-                           sampling=_continued(sampling, emitted), num_resumed=job.num_resumed + emitted)  # fmt: skip
+                           sampling=_continued(sampling, emitted), num_resumed=job.num_resumed + emitted,
+                           reuse_cache=job.reuse_cache and (attempt == 0 or self.cfg.preserve_kv))  # fmt: skip
             base = emitted
+            if lost is not None:  # computed() says where its context came from
+                self._moving[this.req_id] = (lost, trace)
             try:
-                async for out in self._attempt(this, trace):
+                async for out in self._attempt(this, trace, lost):
                     if base:  # counted from the original request's start, under its id
                         out = replace(out, req_id=req_id, num_output_tokens=out.num_output_tokens + base,
                                       num_prompt_tokens=len(job.prompt_ids))  # fmt: skip
@@ -182,11 +189,35 @@ class RayFront:
                 if attempt == self.cfg.max_migrations:
                     raise
                 self.metrics.migrations.inc()
+                lost = _Lost(exc.worker, time.monotonic())
                 logger.warning("%s: %s; moving it with %d tokens emitted (attempt %d)", req_id, exc, emitted,
                                attempt + 2)  # fmt: skip
+            finally:
+                self._moving.pop(this.req_id, None)  # computed() took it, or the attempt never got there
 
-    async def _attempt(self, job: Job, trace: RequestTrace) -> AsyncIterator[StepOutput]:
-        """One placement of the request and its stream (generate moves it if the decode side is lost)."""
+    def computed(self, job: Job, cached: CachedTokens, decode: str, prefill: str | None) -> None:
+        """Tally: a migrated request's context is on its new decode worker. How much of it was
+        fetched from a copy -- another worker's ("peer": the prefill worker that pushed it,
+        from its retained copy or any tier the index named) or the decode worker's own tiers
+        ("own") -- and how much recomputed, in metrics and a baton.migration span."""
+        moving = self._moving.pop(job.req_id, None)
+        if moving is None:
+            return
+        lost, trace = moving
+        context = len(job.prompt_ids)
+        fetched = min(cached.total, context)
+        source = "own" if prefill is None else "peer"
+        self.metrics.migrated_tokens.labels("fetched", source).inc(fetched)
+        self.metrics.migrated_tokens.labels("recomputed", "").inc(context - fetched)
+        with trace.span("baton.migration", req_id=job.req_id) as span:
+            span.set(from_worker=lost.decode, to_worker=decode, via=prefill or "", source=source,
+                     context_tokens=context, fetched_tokens=fetched, recomputed_tokens=context - fetched,
+                     fetched_device=cached.device, fetched_host=cached.host, fetched_disk=cached.disk,
+                     seconds_since_loss=time.monotonic() - lost.at)  # fmt: skip
+
+    async def _attempt(self, job: Job, trace: RequestTrace, lost: _Lost | None) -> AsyncIterator[StepOutput]:
+        """One placement of the request and its stream (generate moves it if the decode side is
+        lost; `lost`: it moved, and its first output is the wait resume_seconds measures)."""
         req_id = job.req_id
         with trace.span("baton.placement", req_id=req_id) as placing:
             placement = await self._placement(job)
@@ -202,6 +233,9 @@ class RayFront:
             raise
         try:
             async for out in dispatch(job, decode, self._paths(placement, handle.name), trace, self):
+                if lost is not None:
+                    self.metrics.resume_seconds.observe(time.monotonic() - lost.at)
+                    lost = None
                 yield out
         finally:
             self.placer.finish(req_id)
@@ -292,6 +326,11 @@ def _reason(text: str) -> str:
         if key in text:
             return key
     return "other"
+
+
+class _Lost(NamedTuple):
+    decode: str  # the worker it was lost with
+    at: float  # time.monotonic() when the gateway learned it
 
 
 class _Push(NamedTuple):

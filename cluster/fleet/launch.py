@@ -122,6 +122,7 @@ class Spawner:
             num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport in ("grpc", "nccl") else cfg.shm_slots,
             shm_slot_pages=cfg.pages_per_chunk, pin_slot=pin_slot, max_restarts=cfg.max_restarts,
             bind_host=cfg.bind_host, advertise_host=cfg.advertise_host, tls=cfg.kv_tls,
+            hand_off_on_drain=cfg.drain_hand_off and cfg.preserve_kv,
         )  # fmt: skip
 
     def prefill(self, index: int, pin_slot: int | None = None) -> Any:
@@ -131,6 +132,7 @@ class Spawner:
             replace(self.engine_cfg, tiers=TierConfig()), name=f"baton-{self.run}-prefill-{index}", epoch=index + 1,
             pages_per_chunk=cfg.pages_per_chunk, num_threads=cfg.num_threads, resources=cfg.prefill_resources,
             push_deadline_s=cfg.transfer_deadline_s, chunk_pause_s=cfg.chunk_pause_s, pin_slot=pin_slot,
+            retain_share=cfg.retain_share if cfg.preserve_kv else 0.0, retain_s=cfg.retain_s,
             reservation_ttl_s=cfg.reservation_ttl_s, max_restarts=cfg.max_restarts, tls=cfg.kv_tls,
         )  # fmt: skip
 

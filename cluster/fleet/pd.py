@@ -36,6 +36,7 @@ from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import ExportedKV, StepOutput, StepStats
 from engine.pins import PinAnswer, pin_on, unpin_on
+from engine.request import CachedTokens
 from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits, WireChunk, chunk_pages, damaged
 from kvtransfer.local import receive_all
@@ -144,6 +145,9 @@ class Counts:
 
     def redispatched(self, job: Job, to: str) -> None:
         self.num_redispatched += 1
+
+    def computed(self, job: Job, cached: CachedTokens, decode: str, prefill: str | None) -> None:
+        """Where a context came from matters to a migration; in one process nothing migrates."""
 
 
 class _LocalPrefill:

@@ -6,6 +6,11 @@
     push_result(transfer_id)   how that push went (waits for it): a TransferReport
     abort(req_id)              the request went away: its prefill stops, its push is cancelled
     stall(seconds)             drills only: no step for that long (its queue grows; calls answer)
+    evict_cached(keep_pages)   drills only: its retained copies go, its cache keeps keep_pages
+
+Each pushed prompt's pages are retained here (prefill.worker.Retention) until a lease past its
+push's end, so a request that loses its decode worker resumes from them (docs/architecture.md,
+KV-preserving failover).
 
 After each step the chunks of whole pages a chunked prefill has finished go to its push
 (PrefillWorker.take_ready); the rest follow with the first token. Pushes run on the actor's
@@ -40,7 +45,7 @@ from kvtransfer.select import WorkerPlace
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
 from prefill.pushes import Pushes
-from prefill.worker import PrefillDone, PrefillWorker
+from prefill.worker import PrefillDone, PrefillWorker, Retention
 
 logger = logging.getLogger(__name__)
 
@@ -61,21 +66,25 @@ class PrefillActor(WorkerActor):
         reservation_ttl_s: float = 30.0,  # the decode side's reserve -> complete bound
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
         tls: KVTlsPaths = NO_TLS,  # mutual TLS to the decode workers' KV servers (kvtransfer.tls)
+        retain_share: float = 0.0,  # of the pool, held for pushed prompts (recovery.retain_share)
+        retain_s: float = 30.0,  # a retained copy's lease past its push's end (recovery.retain_s)
     ) -> None:
         self.tls = KVTls.load(tls)
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
-        self.worker = PrefillWorker(Engine(cfg), epoch, pages_per_chunk)
+        engine = Engine(cfg)
+        # a stream opened before the first token: the reservation ends it at the latest, the
+        # push deadline after the first token (the transport's own timeout is only a backstop)
+        stream_limit_s = reservation_ttl_s + push_deadline_s
+        retention = Retention(int(engine.pool.pages.num_pages * retain_share), retain_s, stream_limit_s + retain_s)
+        self.worker = PrefillWorker(engine, epoch, pages_per_chunk, retention=retention)
         release_thread_pool()  # Ray may step on another thread than this one: one OpenMP pool (engine.omp)
         kv_log = KVEventLog(self.worker.engine.prefix_cache, epoch)
         registration = Registration(Role.PREFILL, kv_log, self._is_idle, self._num_unfinished, self._set_epoch,
                                     exit_on_failure)  # fmt: skip
         super().__init__(registration, kv_log, self.worker.engine)
-        # a stream opened before the first token: the reservation ends it at the latest, the
-        # push deadline after the first token (the transport's own timeout is only a backstop)
-        stream_limit_s = reservation_ttl_s + push_deadline_s
         self.pushes = Pushes(self.worker.engine.device, self.worker.engine.faults, self.tls, push_deadline_s,
-                             stream_limit_s, chunk_pause_s)  # fmt: skip
+                             stream_limit_s, chunk_pause_s, on_end=self.worker.pushed)  # fmt: skip
         self._firsts: dict[str, asyncio.Future[PrefillDone]] = {}
         self._aborted = AbortedIds(stream_limit_s)  # a prefill arriving after its abort computes nothing
         self._wake = asyncio.Event()
@@ -166,9 +175,19 @@ class PrefillActor(WorkerActor):
         require_injection()
         self.pushes.hold(hold)
 
+    async def evict_cached(self, keep_pages: int) -> int:
+        """Drills and tests only: let every retained copy go and evict cached pages until
+        `keep_pages` are left (least recently used first, a prompt's tail before its head): the
+        copy a migrating request counts on, lost in part. Pages evicted. Refused unless the
+        worker's environment allows fault injection."""
+        require_injection()
+        self.worker.retained.clear()
+        cache = self.worker.engine.prefix_cache
+        return cache.evict(max(0, cache.num_cached_pages - keep_pages)) if cache is not None else 0
+
     async def stats(self) -> PrefillStats:
         self.registration.follow_epoch()
-        inflight, pushes = self.pushes.in_flight(), self.pushes
+        inflight, pushes, retained = self.pushes.in_flight(), self.pushes, self.worker.retained
         cache = self.worker.engine.prefix_cache
         return PrefillStats(
             self.worker.epoch, self.worker.engine.scheduler.num_requests, len(inflight),
@@ -177,6 +196,7 @@ class PrefillActor(WorkerActor):
             self.worker.engine.scheduler.num_pending_tokens, self.s_per_token,
             cache_report(self.worker.engine.pool.pages, cache, self.worker.engine.cfg.page_size),
             self.worker.engine.num_preempted_total, os.getpid(), dict(pushes.ended),
+            retained.num_held_pages, len(retained), dict(retained.released),
         )  # fmt: skip
 
     def _set_epoch(self, epoch: int) -> None:
@@ -194,12 +214,14 @@ class PrefillActor(WorkerActor):
         if self._loop is not None:
             self._loop.cancel()
         await self.pushes.close()
+        self.worker.retained.clear()
 
     # -- the loop -----------------------------------------------------------------------------
 
     async def _run(self) -> None:
         while True:
             self.pushes.expire_leases()
+            self.worker.retained.expire()
             if (pause := self._stalled_until - time.monotonic()) > 0:
                 await asyncio.sleep(min(pause, IDLE_WAIT_S))
                 continue

@@ -120,8 +120,10 @@ class Registration:
     def __init__(
         self, role: Role, kv_log: KVEventLog, is_idle: Callable[[], bool], num_unfinished: Callable[[], int],
         on_epoch: Callable[[int], None] | None = None, exit_on_failure: bool = False,
+        on_drain: Callable[[], None] | None = None,
     ) -> None:
         self.role = role
+        self.on_drain = on_drain  # told once a drain starts (a decode worker then hands its requests off)
         self.kv_log = kv_log
         self.is_idle = is_idle
         self.num_unfinished = num_unfinished
@@ -145,6 +147,8 @@ class Registration:
         start = time.monotonic()
         end = start + (self.drain_timeout_s if timeout_s is None else timeout_s)
         self.draining = True
+        if self.on_drain is not None:
+            self.on_drain()
         try:
             await self.leave()
         except Exception as exc:  # unreachable backend: the lease runs out by itself

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cluster.fleet.workers import DecodeHandle, PrefillHandle
+from kvcache.retained import RELEASE_REASONS
 from kvtransfer.jobs import TransferReport
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -54,6 +55,17 @@ class TransferMetrics:
         self.migrations = Counter(
             "baton_request_migrations", "Requests moved to another decode worker after theirs was lost", registry=None
         )
+        # KV-preserving failover: a migrated request's context (prompt + tokens already sent)
+        # fetched from a copy -- another worker's ("peer": the prefill worker's retained copy, or
+        # any worker the index named) or the new decode worker's own tiers ("own") -- or recomputed
+        self.migrated_tokens = Counter(
+            "baton_migration_context_tokens", "Context tokens of migrated requests, fetched or recomputed",
+            ["outcome", "source"], registry=None,
+        )
+        self.resume_seconds = Histogram(
+            "baton_migration_resume_seconds", "A migrated request's wait from its worker's loss to its next token",
+            buckets=_SECONDS + (30, 60), registry=None,
+        )  # fmt: skip
         self.stalls = Counter(
             "baton_worker_stalls", "Workers that answered nothing within the watchdog (their requests moved)",
             ["role"], registry=None,
@@ -82,7 +94,7 @@ class TransferMetrics:
 
     def register(self, registry: CollectorRegistry, workers: Workers) -> None:
         for metric in (self.transfers, self.bytes, self.seconds, self.size, self.failures, self.redispatches,
-                       self.migrations, self.stalls, self.restarts,
+                       self.migrations, self.migrated_tokens, self.resume_seconds, self.stalls, self.restarts,
                        self.placements, self.inflight, self.given_up, self.saturated):
             registry.register(metric)
         registry.register(_WorkerCollector(workers))
@@ -109,14 +121,23 @@ class _WorkerCollector(Collector):
                                       labels=["node", "reason"])  # fmt: skip
         changes = CounterMetricFamily("baton_membership_changes", "Membership events the gateway followed",
                                       labels=["kind"])  # fmt: skip
+        retained = GaugeMetricFamily("baton_kv_retained_pages", "Prefill pages held as retained copies of "
+                                     "pushed prompts (KV-preserving failover)", labels=["node"])  # fmt: skip
+        let_go = CounterMetricFamily("baton_kv_retained_released", "Retained copies released, by why",
+                                     labels=["node", "reason"])  # fmt: skip
+        # A dead worker's last report is not what it holds: its pages went with it (gauges 0).
         for p in self.workers.prefills:
             if p.stats is not None:
-                pinned.add_metric([p.name], p.stats.num_pinned_pages)
-                pushing.add_metric([p.name], p.stats.num_inflight_transfers)
+                alive = p.is_alive
+                pinned.add_metric([p.name], p.stats.num_pinned_pages if alive else 0)
+                pushing.add_metric([p.name], p.stats.num_inflight_transfers if alive else 0)
                 lease.add_metric([p.name, "prefill"], p.stats.num_lease_expired)
+                retained.add_metric([p.name], p.stats.num_retained_pages if alive else 0)
+                for reason in RELEASE_REASONS:
+                    let_go.add_metric([p.name, reason], p.stats.retained_released.get(reason, 0))
         for d in self.workers.decodes:
             if (s := d.stats) is not None:
-                reserved.add_metric([d.name], s.num_reserved_pages)
+                reserved.add_metric([d.name], s.num_reserved_pages if d.is_alive else 0)
                 expired.add_metric([d.name], s.num_expired)
                 lease.add_metric([d.name, "decode"], s.num_lease_expired)
                 for reason, n in (("token", s.refused_bad_token), ("epoch", s.refused_stale_epoch),
@@ -124,4 +145,4 @@ class _WorkerCollector(Collector):
                     refused.add_metric([d.name, reason], n)
         for kind, n in self.workers.num_member_events.items():
             changes.add_metric([kind], n)
-        yield from (pinned, pushing, lease, reserved, expired, refused, changes)
+        yield from (pinned, pushing, lease, reserved, expired, refused, changes, retained, let_go)

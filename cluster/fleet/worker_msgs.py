@@ -42,6 +42,9 @@ class PrefillStats:
     num_preempted: int = 0  # requests its engine preempted since start
     pid: int = 0  # its process: another one than before means Ray restarted the actor
     pushes_ended: dict[str, int] = field(default_factory=dict)  # how its pushes ended (prefill.pushes.END_REASONS)
+    num_retained_pages: int = 0  # pages held as retained copies of pushed prompts (kvcache.retained)
+    num_retained_copies: int = 0
+    retained_released: dict[str, int] = field(default_factory=dict)  # copies let go, by kvcache.retained.RELEASE_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,8 @@ class DecodeStats:
     num_hit_tokens: int = 0
     cache: CacheReport = CacheReport()  # read at most every CACHE_REPORT_S (it walks the cache)
     num_preempted: int = 0
+    pid: int = 0  # its process
+    handing_off: bool = False  # draining: its requests should move to the other decode workers
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 class WorkerLost(EdgeError):
     """The worker died or its output stream broke; the message is safe to show a client."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, worker: str = "") -> None:
         super().__init__(Kind.UNAVAILABLE, message, None, 1.0)
+        self.worker = worker  # the decode worker it was lost with
 
 
 class _Failed(NamedTuple):
@@ -106,6 +107,8 @@ class DecodeHandle:
         self.is_stalled = False
         self.trouble = asyncio.Event()  # set while stalled or dead: calls waiting on it give up
         self.on_stall: Callable[[], None] | None = None  # RayFront counts stalls
+        # whether its requests may move elsewhere now (the Fleet: another decode worker routable)
+        self.may_hand_off: Callable[[], bool] = lambda: False
         self._queues: dict[str, Outputs] = {}
         self._task: asyncio.Task[None] | None = None
         self.num_batches = 0
@@ -137,7 +140,7 @@ class DecodeHandle:
 
     def subscribe(self, req_id: str) -> Outputs:
         if not self.is_alive:
-            raise WorkerLost(f"decode worker {self.name} is not available")
+            raise WorkerLost(f"decode worker {self.name} is not available", self.name)
         queue: Outputs = asyncio.Queue()
         self._queues[req_id] = queue
         return queue
@@ -180,20 +183,31 @@ class DecodeHandle:
                 call.cancel()
                 raise
             except Exception as exc:
-                self._fail_all(WorkerLost(f"decode worker {self.name} failed"), exc)
+                self._fail_all(WorkerLost(f"decode worker {self.name} failed", self.name), exc)
                 return
             if self.is_stalled:
                 logger.warning("decode worker %s answers again: re-admitted", self.name)
                 self.is_stalled = False
                 self.trouble.clear()
             if batch.first_seq > after + 1:  # the feed dropped steps we never saw
-                self._fail_all(WorkerLost(f"decode worker {self.name}'s output stream lost steps"), None)
+                self._fail_all(WorkerLost(f"decode worker {self.name}'s output stream lost steps", self.name), None)
             after = max(after, batch.last_seq)
             self.stats, self.heartbeat = batch.stats, time.monotonic()
             self.num_batches += bool(batch.outputs)
             self.num_outputs += len(batch.outputs)
             for out in batch.outputs:
                 self._deliver(out)
+            if batch.stats.handing_off:
+                self._hand_off()
+
+    def _hand_off(self) -> None:
+        """The worker drains and hands its requests off: nothing new goes there, and what runs
+        there moves (each stream's WorkerLost migrates it; its abort frees it there), unless no
+        other decode worker could take it -- then it finishes here."""
+        self.is_member = False
+        if self._queues and self.may_hand_off():
+            logger.info("decode worker %s drains: its %d requests move", self.name, len(self._queues))
+            self._fail_all(WorkerLost(f"decode worker {self.name} is draining: its requests move", self.name), None)
 
     def _deliver(self, out: StepOutput) -> None:
         queue = self._queues.get(out.req_id)
@@ -218,7 +232,7 @@ class DecodeHandle:
         self.trouble.set()
         if self.on_stall is not None:
             self.on_stall()
-        self._fail_all(WorkerLost(f"decode worker {self.name} stalled"), None)
+        self._fail_all(WorkerLost(f"decode worker {self.name} stalled", self.name), None)
 
     def fail_all(self, error: WorkerLost) -> None:
         """End every subscribed stream with `error` (a drain's abandoned requests)."""

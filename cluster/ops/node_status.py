@@ -48,6 +48,8 @@ class NodeStatus:
     age_s: float = 0.0  # since its last report
     preemptions: int = 0  # requests its engine preempted (recomputed later) since start
     host: str = ""  # its node's address (Ray's node IP); "" in one process
+    pid: int = 0  # its process, as it last said (0: not known)
+    retained_pages: int = 0  # prefill: held as retained copies of pushed prompts (KV-preserving failover)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -24,7 +24,7 @@ def test_short_soak_counts_every_request_and_returns_every_page(tmp_path: Path, 
         pytest.fail(INSTALL_HINT, pytrace=False)
     out = tmp_path / "soak"
     code = main(["--minutes", "0.4", "--kill-every", "18", "--sample-every", "2", "--concurrency", "6",
-                 "--recover-timeout", "60", "--idle-timeout", "30", "--out-dir", str(out)])  # fmt: skip
+                 "--recover-timeout", "60", "--idle-timeout", "30", "--retain", "5", "--out-dir", str(out)])  # fmt: skip
     report = json.loads((out / "soak.json").read_text())
 
     # the faults happened, in this order, and the cluster came back from each
@@ -45,6 +45,7 @@ def test_short_soak_counts_every_request_and_returns_every_page(tmp_path: Path, 
     assert client["ok"] <= server["ok"] <= client["ok"] + client["cancelled"] + client["timeout"]
     for node in report["idle"]:
         assert node["health"] == "ok" and node["reserved"] == node["pinned"] == node["running"] == 0, node
+        assert node["retained"] == 0, node  # the prefill worker's copies went when their lease ended
         assert all(used == 0 for used, _, _ in node["pages_used_cached_total"].values()), node
 
 
@@ -74,4 +75,7 @@ def test_the_checks_fail_on_a_miscount_and_on_pages_left_behind() -> None:
     assert idle_problems(status, {"baton_kv_reserved_pages": 2.0}, {}) == [
         "gateway: inflight 1", "/metrics baton_kv_reserved_pages = 2",
         "decode-0: reserved_pages 2", "decode-0 device: 3 pages used at idle, 0 at baseline"]  # fmt: skip
+    held = {**node, "name": "prefill-0", "reserved_pages": 0, "retained_pages": 3}  # copies past their lease
+    assert idle_problems({"gateway": {"waiting": 0, "inflight": 0}, "nodes": [held]}, {}, {("prefill-0", "device"): 3}) == [
+        "prefill-0: retained_pages 3"]  # fmt: skip
     assert slope_per_min([(0.0, 1.0), (30.0, 2.0), (60.0, 3.0)]) == pytest.approx(2.0)  # per minute

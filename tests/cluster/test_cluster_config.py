@@ -24,6 +24,8 @@ def test_the_example_parses_to_the_defaults_it_documents() -> None:
     assert cfg.disagg.ray_address is None and cfg.disagg.membership.backend == "ray"
     assert cfg.engine.model == "baton-tiny" and cfg.engine.max_model_len == 2048
     assert cfg.http.host == "127.0.0.1" and cfg.grpc_port == 50051
+    d = cfg.disagg
+    assert d is not None and (d.preserve_kv, d.retain_share, d.retain_s, d.drain_hand_off) == (True, 0.25, 30.0, True)
 
 
 def test_an_empty_file_is_baton_up() -> None:
@@ -46,6 +48,7 @@ placement: {policy: round_robin, local_prefill_tokens: 0}
 membership: {backend: etcd, lease_ttl_s: 3, etcd: {host: etcd.baton, port: 2380}}
 api: {host: 0.0.0.0, port: 9000, grpc_port: 0, api_keys_file: /keys}
 admission: {max_waiting_requests: 10}
+recovery: {preserve_kv: false, retain_share: 0.1, retain_s: 5, drain_hand_off: false}
 """)
     cfg = to_server_config(f)
     d = cfg.disagg
@@ -55,6 +58,7 @@ admission: {max_waiting_requests: 10}
     assert d.decode_resources.options()["resources"] == {"baton_decode": 1.0}
     assert d.ray_address == "10.0.0.1:6379" and d.transport == "grpc" and d.placement == "round_robin"
     assert d.membership.backend == "etcd" and d.membership.cluster == "prod-a"
+    assert (d.preserve_kv, d.retain_share, d.retain_s, d.drain_hand_off) == (False, 0.1, 5.0, False)
     assert (d.membership.etcd_host, d.membership.etcd_port, d.membership.lease_ttl_s) == ("etcd.baton", 2380, 3)
     e = cfg.engine
     assert (e.page_size, e.num_pages, e.max_num_seqs, e.max_prefill_chunk) == (32, 4096, 128, 1024)
@@ -87,6 +91,8 @@ admission: {max_waiting_requests: 10}
         ("- just\n- a list", "top level must be a mapping"),
         ("model: {path: [unclosed", "not valid YAML"),
         ("workers: {prefill: {count: 1}, decode: {count: 0}}", "workers.decode.count"),
+        ("recovery: {retain_share: 0.9}", "recovery.retain_share"),  # copies may not crowd out prompts
+        ("recovery: {preserve_kv: 'yes'}", "recovery.preserve_kv"),
     ],
 )
 def test_bad_files_name_the_key(text: str, where: str) -> None:

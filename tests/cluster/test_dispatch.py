@@ -16,7 +16,7 @@ from cluster.fleet.dispatch import Handed, PrefillSide, Redispatch, Started, dis
 from cluster.ops.tracing import NO_TRACE, RequestTrace, Span
 from engine.job import Job
 from engine.outputs import StepOutput
-from engine.request import NOT_CACHED
+from engine.request import NOT_CACHED, CachedTokens
 from engine.sampling import SamplingParams
 from kvtransfer.transport import KVDestination
 
@@ -38,6 +38,7 @@ def _dest(n: int) -> KVDestination:
 @dataclass
 class Log:
     calls: list[str] = field(default_factory=list)
+    computed: list[tuple[str, str | None, int]] = field(default_factory=list)  # (decode, prefill, cached tokens)
 
 
 @dataclass
@@ -106,6 +107,9 @@ class Tally:
     def redispatched(self, job: Job, to: str) -> None:
         self.log.calls.append(f"redispatched to {to}")
 
+    def computed(self, job: Job, cached: CachedTokens, decode: str, prefill: str | None) -> None:
+        self.log.computed.append((decode, prefill, cached.total))
+
 
 async def _run(decode: FakeDecode, paths: list[PrefillSide | None], log: Log) -> list[StepOutput]:
     got = []
@@ -121,6 +125,7 @@ def test_the_first_token_goes_out_before_the_pages_move() -> None:
     assert [o.token_ids for o in got] == [(7,), (8,), (9,)]
     assert log.calls == ["reserve t1 for epoch 3", "prefill p0 t1", "placed disaggregated", "yield (7,)",
                          "hand over t1 from p0", "outputs of t1", "yield (8,)", "yield (9,)"]  # fmt: skip
+    assert log.computed == [("decode-0", "p0", 0)]  # the context came from p0 once its pages arrived
 
 
 def test_a_failed_prefill_gives_its_pages_back_and_the_next_worker_runs_it() -> None:
@@ -140,6 +145,7 @@ def test_a_failed_hand_over_reruns_locally_without_sending_the_first_token_twice
     assert log.calls == ["reserve t1 for epoch 3", "prefill p0 t1", "placed disaggregated", "yield (7,)",
                          "hand over t1 from p0", "redispatched to local", "start local", "placed local",
                          "outputs local", "yield (8,)", "yield (9,)"]  # fmt: skip
+    assert log.computed == [("decode-0", None, 0)]  # p0's first token went out, but decode computed the context
 
 
 def test_a_local_rerun_that_ends_at_its_first_token_sends_only_the_finish() -> None:

@@ -95,7 +95,11 @@ async def test_a_reader_that_falls_behind_is_cancelled_without_stalling(sync_eng
     try:
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         slow = front.generate(Job("slow", tuple(range(20, 40)), params))
-        await anext(slow)  # then stop reading
+        try:
+            await anext(slow)  # then stop reading
+            cancelled = False
+        except SlowReaderError:  # the step thread ran max_buffered steps before this loop read the first
+            cancelled = True
         fast = await _collect(front, "fast", [11, 12, 13], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
         assert len(fast) == 30  # the batch kept stepping while "slow" did not read
         for _ in range(200):
@@ -103,8 +107,9 @@ async def test_a_reader_that_falls_behind_is_cancelled_without_stalling(sync_eng
                 break
             await asyncio.sleep(0.01)
         assert sync_engine.free_pages_at_idle() == sync_engine.pool.num_pages
-        with pytest.raises(SlowReaderError):
-            async for _ in slow:
-                pass
+        if not cancelled:
+            with pytest.raises(SlowReaderError):
+                async for _ in slow:
+                    pass
     finally:
         await front.stop()

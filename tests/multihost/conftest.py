@@ -28,6 +28,7 @@ from kvtransfer.tls import SERVER_NAME, KVTlsPaths
 from tests.multihost.gateway import Gateway
 
 REQUIRE_ENV = "BATON_REQUIRE_MULTIHOST"
+LONG_MODEL_LEN = 4608  # the spread cluster's context: 4,000 prompt tokens and a long stream
 TIMEOUT_S = 120  # per test, set-up included: the session's cluster comes up inside the first one
 HERE = Path(__file__).resolve().parent
 
@@ -98,8 +99,11 @@ def spread(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
         etcd = EtcdServer.launch(tmp_path_factory.mktemp("etcd-bridge"), host=etcd_ip)
         try:
             tls = kv_credential(tmp_path_factory.mktemp("kv-tls"))  # pages cross hosts over mutual TLS
+            # the prefix cache on and a 4,000-token context: a lost or drained decode worker's
+            # stream resumes from the prefill worker's retained copy (issue 26)
             extra = {"membership": {"backend": "etcd", "lease_ttl_s": 3, "etcd": {"host": etcd_ip, "port": etcd.port}},
-                     "transfer": {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}}  # fmt: skip
+                     "transfer": {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca},
+                     "model": {"max_model_len": LONG_MODEL_LEN}, "kv_cache": {"prefix_cache": True}}  # fmt: skip
             with Gateway.start(hosts, tmp_path_factory.mktemp("across"), tiny_model_dir, extra=extra) as gw:
                 yield Spread(hosts, gw, etcd, etcd_ip)
         finally:

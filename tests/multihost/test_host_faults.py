@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,7 +38,7 @@ from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.sampling import SamplingParams
-from tests.multihost.conftest import Spread
+from tests.multihost.conftest import LONG_MODEL_LEN, Spread
 from tests.multihost.gateway import Gateway
 
 DEADLINE_S = 5.0  # transfer.deadline_s in gateway.cluster_yaml
@@ -44,6 +46,8 @@ SLACK_S = 10.0  # a loaded 2-core machine: scheduling, not the bound, is what th
 RETURN_S = 120.0
 WATCHDOG_S = 5.0  # recovery.watchdog_s in gateway.cluster_yaml
 LONG_TOKENS = 400  # a stream still running when its host goes (killed right after its first token)
+CONTEXT = 4000  # F's stream's prompt: the context a migration fetches rather than recomputes
+DRAIN_TOKENS = 600  # a stream still running long after the SIGTERM that drains its worker
 LEASE_S = 3.0  # membership.lease_ttl_s in tests/multihost/conftest.py's spread
 WATCH_RESUME_S = 30.0  # keepalive (10 s + 5 s) finds a dead watch; then it resumes from the last revision
 PROBE = {"worker_id": "probe-0", "role": "decode", "address": "baton-nobody", "node_id": "nowhere",
@@ -57,8 +61,14 @@ def prompts(model_dir: Path, n: int, seed: int, lengths: tuple[int, int] = (40, 
 
 
 def reference(model_dir: Path, batch: list[list[int]], max_tokens: int) -> list[list[int]]:
-    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=512, enable_prefix_cache=False))
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=LONG_MODEL_LEN, enable_prefix_cache=False))
     return engine.generate(batch, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def migrated(gw: Gateway) -> tuple[float, float]:
+    """Context tokens of migrated requests so far: (fetched from a copy, recomputed)."""
+    return (gw.metric("baton_migration_context_tokens_total", outcome="fetched"),
+            gw.metric("baton_migration_context_tokens_total", outcome="recomputed"))  # fmt: skip
 
 
 def placed(gw: Gateway, hosts: DevHosts) -> tuple[str, str]:
@@ -92,8 +102,10 @@ def went_far(gw: Gateway, prompt: list[int]) -> bool:
     return gw.metric("baton_kv_transfers_total", outcome="ok", transport="grpc") > before
 
 
-def held_pages(gw: Gateway) -> float:
-    return gw.metric("baton_kv_reserved_pages") + gw.metric("baton_kv_pinned_pages")
+def held_pages(gw: Gateway, decode: str | None = None) -> float:
+    """Reserved (on every decode worker, or on `decode`) and pinned pages."""
+    on = {"node": decode} if decode else {}
+    return gw.metric("baton_kv_reserved_pages", **on) + gw.metric("baton_kv_pinned_pages")
 
 
 def connect_errno(hosts: DevHosts, host: int, ip: str, port: int = 9) -> int:
@@ -196,8 +208,11 @@ def test_a_decode_host_lost_mid_stream_then_back(spread: Spread, tiny_model_dir:
     hosts, gw = spread.hosts, spread.gw
     near, far = placed(gw, hosts)
     far_epoch = next(n["epoch"] for n in gw.status()["nodes"] if n["name"] == far)
-    batch = prompts(tiny_model_dir, 2, seed=41, lengths=(40, 60))
+    # N's stream short, F's with a 4,000-token context: it resumes from the prefill worker's copy
+    batch = prompts(tiny_model_dir, 1, seed=41, lengths=(40, 60)) + prompts(tiny_model_dir, 1, seed=46,
+                                                                            lengths=(CONTEXT, CONTEXT + 1))  # fmt: skip
     want = reference(tiny_model_dir, batch, LONG_TOKENS)
+    fetched0, recomputed0 = migrated(gw)
     moved0 = gw.metric("baton_request_migrations_total")
     leaves0 = gw.metric("baton_membership_changes_total", kind="leave")
     probes = iter(prompts(tiny_model_dir, 2, seed=44))
@@ -220,12 +235,16 @@ def test_a_decode_host_lost_mid_stream_then_back(spread: Spread, tiny_model_dir:
     assert got == want  # the stream on F moved to N and went on, token for token
     assert resumed_s is not None and resumed_s < WATCHDOG_S + 1.0 + SLACK_S  # + the long-poll
     assert gw.metric("baton_request_migrations_total") - moved0 == 1, "F's stream ended before its host did"
+    fetched, recomputed = (now - then for now, then in zip(migrated(gw), (fetched0, recomputed0), strict=True))
+    assert fetched == CONTEXT // 16 * 16 and fetched / (fetched + recomputed) >= 0.9  # only the tail recomputed
     health = {n["name"]: n["health"] for n in gw.status()["nodes"]}
     assert health[far] in ("down", "stalled") and health[near] == "ok"
     fresh = prompts(tiny_model_dir, 2, seed=42)
     assert [gw.complete(p, 6) for p in fresh] == reference(tiny_model_dir, fresh, 6)  # served by N
     wait_for("F's lease ran out", lambda: gw.metric("baton_membership_changes_total", kind="leave") > leaves0, 30)
-    wait_for("pages back on the survivors", lambda: held_pages(gw) == 0
+    # F's last report may show a reservation it held when it died (its 4,000-token push in
+    # flight): F is stalled, not known dead, so the survivors' pages are what is checked
+    wait_for("pages back on the survivors", lambda: held_pages(gw, near) == 0
              and gw.metric("baton_node_kv_pages", node=near, tier="device", state="used") == 0, 15)  # fmt: skip
 
     hosts.link_up(2)
@@ -238,3 +257,32 @@ def test_a_decode_host_lost_mid_stream_then_back(spread: Spread, tiny_model_dir:
     again = prompts(tiny_model_dir, 4, seed=43)
     assert [gw.complete(p, 6) for p in again] == reference(tiny_model_dir, again, 6)
     assert gw.metric("baton_kv_transfers_total", outcome="ok", transport="grpc") - ok0 == 2  # F gets work again
+
+
+@pytest.mark.timeout(180)
+def test_a_decode_worker_drained_by_sigterm_hands_its_stream_over(spread: Spread, tiny_model_dir: Path) -> None:
+    """Last: F drains for good. SIGTERM to F's process (a pod's termination) drains it with
+    hand-off: its stream, a 4,000-token context, moves to N at once and resumes from the
+    prefill worker's copy instead of finishing on F or being recomputed."""
+    hosts, gw = spread.hosts, spread.gw
+    near, far = placed(gw, hosts)
+    batch = prompts(tiny_model_dir, 1, seed=47, lengths=(CONTEXT, CONTEXT + 1))
+    want = reference(tiny_model_dir, batch, DRAIN_TOKENS)
+    moved0, (fetched0, recomputed0) = gw.metric("baton_request_migrations_total"), migrated(gw)
+    probes = iter(prompts(tiny_model_dir, 4, seed=48))
+    while went_far(gw, next(probes)):  # round robin: after one on N, the next request goes to F
+        pass
+    stream = gw.stream(batch[0], DRAIN_TOKENS)
+    got = next(stream)
+    pid = next(n["pid"] for n in gw.status()["nodes"] if n["name"] == far)
+    assert pid in hosts.pids(2)
+    os.kill(pid, signal.SIGTERM)  # the fault: a planned drain, as a pod's termination starts one
+    for ids in stream:
+        got += ids
+    assert got == want[0]
+    assert gw.metric("baton_request_migrations_total") - moved0 == 1, "the stream finished on F instead of moving"
+    fetched, recomputed = (now - then for now, then in zip(migrated(gw), (fetched0, recomputed0), strict=True))
+    assert fetched == CONTEXT // 16 * 16 and fetched / (fetched + recomputed) >= 0.9
+    wait_for("F gone", lambda: pid not in hosts.pids(2), 60)
+    health = {n["name"]: n["health"] for n in gw.status()["nodes"]}
+    assert health[near] == "ok" and health.get(far, "left") in ("left", "down")

@@ -17,11 +17,12 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.job import Job
 from engine.sampling import SamplingParams
+from kvcache.hashing import page_hashes
 from kvtransfer.codec import CodecLimits, DeviceChunk, WireChunk
 from kvtransfer.local import LocalSender, receive_all
 from kvtransfer.nccl import NcclReceiver
 from kvtransfer.transport import KVDestination
-from prefill.worker import PrefillDone, PrefillWorker
+from prefill.worker import PrefillDone, PrefillWorker, Retention
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 CHUNK = 64  # prefill tokens per step: 4 pages of 16
@@ -196,4 +197,40 @@ def test_an_aborted_prompt_hands_out_nothing_more(engines: tuple[Engine, Engine,
     prefill.abort("gone")
     assert not prefill.has_work() and prefill.take_ready() == []
     decode.cancel(dest)
+    assert p_engine.free_pages_at_idle() == p_engine.pool.num_pages
+
+
+async def test_a_pushed_prompt_is_retained_until_its_lease_and_a_no_reuse_job_computes_all(
+    engines: tuple[Engine, Engine, Engine],
+) -> None:
+    """KV-preserving failover's first half: the prompt a prefill worker pushed stays held here
+    (its pages can be neither evicted nor demoted) until a lease past the push's end, so a
+    request that moves after losing its decode worker finds it; a job that reuses nothing
+    (recovery.preserve_kv off) computes every page and still gets the same tokens."""
+    single, p_engine, d_engine = engines
+    retention = Retention(max_pages=32, lease_s=0.0, hold_s=60.0)
+    prefill, decode = PrefillWorker(p_engine, retention=retention), DecodeWorker(d_engine, address="decode-0")
+    prompt = _prompt(11, 150)  # 9 whole pages + 6 tokens
+    done, dest, _ = await _prefill_streaming(prefill, decode, Job("kept", prompt, GREEDY))
+    tokens = _decode(decode, Job("kept", prompt, GREEDY), dest, done)
+    assert prefill.retained.num_held_pages == 9 and "kept" in prefill.retained
+    assert p_engine.prefix_cache is not None and p_engine.prefix_cache.evict(128) < 128  # held pages stay
+    assert all(h in p_engine.prefix_cache for h in page_hashes(list(prompt), 16, b"", p_engine.fingerprint))
+
+    moved = Job("kept@1", prompt + tuple(tokens[:5]), replace(GREEDY, max_tokens=GREEDY.max_tokens - 5))
+    done, dest, _ = await _prefill_streaming(prefill, decode, moved)
+    assert done.output.num_cached_tokens == 9 * 16  # the whole retained prompt; only 15 tokens computed
+    assert _decode(decode, moved, dest, done) == tokens[5:]
+
+    prefill.pushed("kept")  # its push ended: the lease (0 s here) runs from now
+    assert prefill.retained.expire() >= 1 and "kept" not in prefill.retained
+    prefill.abort("kept@1")  # a request whose caller left lets its copy go at once
+    assert prefill.retained.num_held_pages == 0 and prefill.retained.released["released"] == 1
+
+    fresh = replace(moved, req_id="recompute", reuse_cache=False)
+    done, dest, _ = await _prefill_streaming(prefill, decode, fresh)
+    assert done.output.num_cached_tokens == 0  # its prefix is cached, and computed anyway
+    assert _decode(decode, fresh, dest, done) == tokens[5:] == single.generate([list(moved.prompt_ids)], moved.sampling)[0]
+    prefill.retained.clear()
+    assert d_engine.free_pages_at_idle() == d_engine.pool.num_pages
     assert p_engine.free_pages_at_idle() == p_engine.pool.num_pages

@@ -222,8 +222,11 @@ def _cancelled(guarded: Guarded, expected: float | None = None) -> float:
 # session: the tenant-scoped session key; num_resumed: set by the gateway when a request
 # moves off a lost decode worker (cluster.fleet.front), never from a client's field; slo: a
 # class the client chooses only within what the server allows (the edge refuses LATENCY unless
-# the operator lets callers set scheduling, as for priority; BATCH only gives ground)
-ALLOWED_FIELDS = ["req_id", "prompt_ids", "sampling", "priority", "cache_salt", "session", "num_resumed", "slo"]
+# the operator lets callers set scheduling, as for priority; BATCH only gives ground);
+# reuse_cache: off only for a moved request when the operator turned recovery.preserve_kv off
+# (cluster.fleet.front), never from a client's field -- and it only ever gives reuse up
+ALLOWED_FIELDS = ["req_id", "prompt_ids", "sampling", "priority", "cache_salt", "session", "num_resumed", "slo",
+                  "reuse_cache"]  # fmt: skip
 
 
 def test_the_engine_side_and_the_placer_take_no_hint() -> None:
