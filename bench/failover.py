@@ -26,7 +26,7 @@ resume   one stream at a time, a unique `--context`-token prompt per repeat (the
 goodput  `--workload` (bench.workloads; default `burst-agent`, issue 21's agent fan-out, replayed
          on its own arrival times; a closed-loop one such as `agent` runs at `--concurrency`) for
          `--duration` s (the run's time cap; requests still running then are "cut", not failed),
-         one decode worker (the one running most) SIGKILLed at half time. goodput = requests
+         one decode worker SIGKILLed at half time (the one running most, once one runs any). goodput = requests
          that finished with TTFT <= `--ttft-slo` and ITL p99 <= `--itl-slo` (issue 21's: 2 s,
          0.2 s) / duration; failed = requests that ended in an error before the cap.
 
@@ -70,6 +70,7 @@ MODES = {"preserve": True, "recompute": False}  # mode -> recovery.preserve_kv
 TARGET = 5.0  # median resume gap, recompute / preserve
 NUM_NODES = 3  # 1 prefill + 2 decode
 POLL_S = 0.2
+BUSY_WAIT_S = 20.0  # goodput: from half time, how long to wait for a decode worker with requests running
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,7 +370,7 @@ def gap_ratio(summaries: list[Summary]) -> float | None:
 async def kill_at(client: httpx.AsyncClient, server: BatonProcess, at: float, begin: float,
                   recover_timeout: float) -> tuple[Kill | None, bool, float | None]:  # fmt: skip
     await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
-    kill = await kill_decode(client, server.pid, busy_only=False)
+    kill = await kill_decode(client, server.pid, busy_only=True, timeout_s=BUSY_WAIT_S)  # a worker with streams
     if kill is None:
         return None, False, None
     took_effect = await wait_gone(kill.pid)
