@@ -44,6 +44,9 @@ warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserW
 INT_VIEWS = {2: torch.int16, 4: torch.int32}  # same-width integer views: numpy has no bfloat16
 
 
+CHECKSUM_MISMATCH = "checksum mismatch"  # a chunk's bytes changed on the way: the sender's copy is still good
+
+
 class TransferError(Exception):
     """A chunk or transfer that must not be used; `reason` is safe to show the sender."""
 
@@ -252,7 +255,7 @@ def decode_chunk(chunk: WireChunk, limits: CodecLimits) -> torch.Tensor:
     if not _is_immutable(chunk.payload):
         data = data.copy()  # what is checked is what gets stored
     if _checksum(header, data.data.cast("B")) != header.checksum:
-        raise TransferError("checksum mismatch")
+        raise TransferError(CHECKSUM_MISMATCH)
     if not wire.isnative:
         data = data.astype(wire.newbyteorder("="))
     shape = (len(header.dest_page_ids), *header.shape)

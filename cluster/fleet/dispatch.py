@@ -11,7 +11,8 @@ request):
                                                   page arrived (tally.computed: where its
                                                   context came from)
       a side that fails raises Redispatch and the request goes down the next path (a failed
-      prefill's reservation is cancelled here; a failed hand-over has given its pages back)
+      prefill's reservation is cancelled here; a failed hand-over has given its pages back),
+      or once down the same path again when the pages were damaged in flight (Redispatch.again)
     decode.outputs(job, handed)                   the rest of the stream
     not finished (cancelled, failed): aborted on the decode side and on a prefill side it was on
 
@@ -38,7 +39,12 @@ from kvtransfer.transport import KVDestination
 
 
 class Redispatch(Exception):
-    """This path failed; the request goes down the next one."""
+    """This path failed; the request goes down the next one -- or, `again`, down the same one
+    once more first (its pages were damaged in flight: the copy they came from is still good)."""
+
+    def __init__(self, again: bool = False) -> None:
+        super().__init__()
+        self.again = again
 
 
 class Started(NamedTuple):
@@ -100,7 +106,8 @@ class Tally(Protocol):
         ...
 
     def redispatched(self, job: Job, to: str) -> None:
-        """A path failed; the next is "prefill" (another worker) or "local"."""
+        """A path failed; the next is "prefill" (another worker), "local" or "same" (the same
+        worker once more: its pages were damaged in flight)."""
         ...
 
     def computed(self, job: Job, cached: CachedTokens, decode: str, prefill: str | None) -> None:
@@ -129,8 +136,10 @@ async def dispatch(
     sent_first = finished = False
     prefilling = decoding = NO_SPAN  # the path's prefill; decode from the first token on
     num_tokens = 0
+    step, again = 0, False
     try:
-        for step, prefill in enumerate(paths):
+        while True:  # each path ends in a break, a return or a Redispatch (the last, decode-local, breaks)
+            prefill = paths[step]
             prefilling = trace.span("baton.prefill", req_id=req_id)
             try:
                 dest = await decode.reserve(job, prefill)
@@ -162,9 +171,14 @@ async def dispatch(
                 handed = Handed(dest, started)
                 tally.computed(job, started.first.cached, decode.name, prefill.name)
                 break
-            except Redispatch:  # to the next path: another prefill worker, or decode-local
+            except Redispatch as failed:  # to the next path: another prefill worker, or decode-local
                 prefilling.end()
-                tally.redispatched(job, "local" if paths[step + 1] is None else "prefill")
+                if failed.again and not again:  # once a path: the same worker sends its copy again
+                    again = True
+                    tally.redispatched(job, "same")
+                    continue
+                step, again = step + 1, False
+                tally.redispatched(job, "local" if paths[step] is None else "prefill")
         prefill = None  # done with: a cancel from here on concerns decode only
         skip_first = handed is None and sent_first  # a local re-run's first token was already sent
         async for out in decode.outputs(job, handed):

@@ -58,6 +58,7 @@ from engine.pins import PinAnswer
 from engine.request import CachedTokens
 from engine.sampling import SamplingParams
 from kvcache.hashing import page_hashes
+from kvtransfer.codec import CHECKSUM_MISMATCH
 from kvtransfer.jobs import TransferReport
 from kvtransfer.transport import KVDestination
 
@@ -435,7 +436,8 @@ class _RayDecode(_Side):
                 transfer.fail(_reason(failed))
                 if push.prefill.is_alive:  # a dead worker is not its link's fault
                     front.pairs.failed(push.prefill.name, decode.name, failed)
-                raise Redispatch
+                # bytes damaged on the way: the worker's copy is good, so it sends it once more
+                raise Redispatch(again=failed == CHECKSUM_MISMATCH and push.prefill.is_routable)
             front.pairs.succeeded(push.prefill.name, decode.name)
             if report is not None:  # what the push measured of the link
                 front.placer.links.observe(push.prefill.name, decode.name, report.num_bytes, report.wire_seconds)

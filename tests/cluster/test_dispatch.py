@@ -66,6 +66,7 @@ class FakePrefill:
 class FakeDecode:
     log: Log
     hand_over_fails: int = 0  # how many hand-overs fail
+    damaged: int = 0  # how many of those fail with their pages damaged in flight (Redispatch.again)
     local_outputs: list[StepOutput] = field(default_factory=lambda: [FIRST, *REST])
     name: str = "decode-0"
     epoch: int = 5
@@ -83,7 +84,9 @@ class FakeDecode:
         self.log.calls.append(f"hand over {dest.transfer_id} from {started.ticket}")
         if self.hand_over_fails:
             self.hand_over_fails -= 1
-            raise Redispatch
+            again = self.damaged > 0
+            self.damaged -= again
+            raise Redispatch(again=again)
 
     async def outputs(self, job: Job, handed: Handed | None) -> AsyncIterator[StepOutput]:
         self.log.calls.append("outputs " + ("local" if handed is None else f"of {handed.dest.transfer_id}"))
@@ -146,6 +149,22 @@ def test_a_failed_hand_over_reruns_locally_without_sending_the_first_token_twice
                          "hand over t1 from p0", "redispatched to local", "start local", "placed local",
                          "outputs local", "yield (8,)", "yield (9,)"]  # fmt: skip
     assert log.computed == [("decode-0", None, 0)]  # p0's first token went out, but decode computed the context
+
+
+def test_pages_damaged_in_flight_are_sent_again_by_the_same_worker_once() -> None:
+    log = Log()
+    got = asyncio.run(_run(FakeDecode(log, hand_over_fails=1, damaged=1), [FakePrefill("p0", log), None], log))
+    assert [o.token_ids for o in got] == [(7,), (8,), (9,)]  # the re-run's first token is not sent again
+    assert log.calls == ["reserve t1 for epoch 3", "prefill p0 t1", "placed disaggregated", "yield (7,)",
+                         "hand over t1 from p0", "redispatched to same", "reserve t2 for epoch 3", "prefill p0 t2",
+                         "placed disaggregated", "hand over t2 from p0", "outputs of t2", "yield (8,)",
+                         "yield (9,)"]  # fmt: skip
+    assert log.computed == [("decode-0", "p0", 0)]  # fetched from p0 after all
+
+    log = Log()  # damaged twice: the same worker is not tried a third time
+    asyncio.run(_run(FakeDecode(log, hand_over_fails=2, damaged=2), [FakePrefill("p0", log), None], log))
+    assert [c for c in log.calls if c.startswith("redispatched")] == ["redispatched to same", "redispatched to local"]
+    assert log.computed == [("decode-0", None, 0)]
 
 
 def test_a_local_rerun_that_ends_at_its_first_token_sends_only_the_finish() -> None:

@@ -9,8 +9,8 @@ the no-fault tokens, and the migration's metrics say how much was fetched and re
 
     killed       >= 90% of the context fetched (from the prefill worker: "peer")
     part gone    the copy's tail evicted first: exactly the missing pages recomputed
-    damaged      the migrated push corrupted in flight: refused by its digest, the survivor
-                 recomputes the context itself -- 0 wrong tokens
+    damaged      the migrated push corrupted in flight: refused by its checksum, sent again from
+                 the copy; damaged twice, the survivor recomputes the context -- 0 wrong tokens
     off          recovery.preserve_kv false: the whole context recomputed (the baseline)
     drained      the drained worker's request moves at once (hand-off) and fetches as above
 """
@@ -195,19 +195,27 @@ def test_a_copy_missing_in_part_recomputes_exactly_the_missing_pages(
     assert recomputed >= CONTEXT - keep * PS
 
 
-def test_a_copy_damaged_in_flight_is_refused_and_recomputed_with_no_wrong_token(
-    preserving: ServerHandle, single: Engine, tiny_model_dir: Path
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_copy_damaged_in_flight_is_refused_sent_again_then_recomputed(
+    preserving: ServerHandle, single: Engine, tiny_model_dir: Path, times: int
 ) -> None:
+    """The migrated push's bytes damaged on the way (`times` pushes in a row): the decode side's
+    checksum refuses it; the prefill worker, whose copy is good, sends it once more; damaged
+    again, the survivor recomputes the context itself. Never a wrong token."""
     prefill = front_of(preserving).fleet.prefills[0]
     refused = _refused(prefill)
 
     def damaged(victim: DecodeHandle) -> None:
-        ray.get(prefill.actor.inject_fault.remote("transfer_corrupt"), timeout=30)  # the migrated push's bytes
+        ray.get(prefill.actor.inject_fault.remote("transfer_corrupt", times), timeout=30)  # the next pushes' bytes
         _sigkill(victim)
 
-    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, 3, damaged)
-    assert _refused(prefill) == refused + 1  # the decode side's digest check refused the push
-    assert moves == 1 and fetched == 0 and recomputed >= CONTEXT  # the survivor computed it itself
+    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, 2 + times, damaged)
+    assert _refused(prefill) == refused + times  # the decode side's checksum caught each
+    assert moves == 1
+    if times == 1:  # sent again from the copy: nothing more recomputed than without the damage
+        assert fetched == (CONTEXT // PS) * PS and recomputed < PS + MOVE_AT + STALL_AFTER
+    else:  # twice: the survivor computed it itself
+        assert fetched == 0 and recomputed >= CONTEXT
 
 
 def test_with_preservation_off_a_moved_request_recomputes_its_whole_context(
@@ -235,7 +243,7 @@ def test_a_drained_decode_worker_hands_its_stream_over_at_once(
     def drain(victim: DecodeHandle) -> None:
         reports.append((victim.name, on_loop(preserving, front.fleet.drain_worker(victim.name), 120)))
 
-    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, 4, drain)
+    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, 6, drain)
     [(name, report)] = reports
     assert report.abandoned == 0 and name not in front.fleet.decode_of
     assert moves == 1, "the drain let the stream finish there instead of moving it"
