@@ -96,7 +96,7 @@ class Repeat:
     output_tokens: int
     token_exact: bool | None  # against the same prompt without a fault (None: not compared)
     first_mismatch: int | None
-    recovered_s: float | None  # kill -> every node ok, none under the killed pid
+    recovered_s: float | None  # the faulted stream's end -> every node ok, none under the killed pid
     error: str | None
 
 

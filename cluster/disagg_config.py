@@ -106,13 +106,12 @@ class DisaggConfig:
     watchdog_s: float = 30.0  # a worker that answers nothing this long (past a long-poll) is stalled
     max_restarts: int = 3  # Ray restarts an actor whose process died (its engine failed) this often
     # KV-preserving failover: prefill workers keep the prompts they pushed (a share of their
-    # pool, a lease past each push), a migrated request reuses every copy the cost model
-    # finds, and a drained decode worker hands its requests over at once. Off: migrations
-    # recompute their context (the baseline it is measured against).
+    # pool, a lease past each push) and a migrated request reuses every copy the cost model
+    # finds. Off: migrations recompute their context (the baseline it is measured against).
     preserve_kv: bool = True
     retain_share: float = 0.25  # of a prefill worker's pool, at most, held as retained copies
     retain_s: float = 30.0  # a retained copy's lease past its push's end
-    drain_hand_off: bool = True  # a drained decode worker's requests move now (False: they finish there)
+    drain_hand_off: bool = True  # a drained decode worker's requests move now, as after a loss (False: they finish there)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:

@@ -150,3 +150,18 @@ def proc_state(pid: int) -> str:
     """The process's state letter from /proc (T: stopped)."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has)."""
+    try:
+        return proc_state(pid) != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def decode_pid(d: Any) -> int:
+    """A decode worker's process (its DecodeHandle's actor, asked)."""
+    import ray
+
+    return int(ray.get(d.actor.place_of.remote(), timeout=30).pid)

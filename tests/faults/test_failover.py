@@ -38,7 +38,7 @@ from engine.engine_config import EngineConfig
 from engine.job import Job
 from engine.sampling import SamplingParams
 from tests.cluster.conftest import ServerHandle
-from tests.faults.conftest import disaggregated, front_of, on_loop, wait_for
+from tests.faults.conftest import alive, decode_pid, disaggregated, front_of, on_loop, wait_for
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(180)
@@ -125,17 +125,9 @@ def _delta(before: tuple[float, float, float], front: RayFront) -> tuple[float, 
 
 def _sigkill(victim: DecodeHandle) -> None:
     """SIGKILL the worker's process (Ray restarts it) and wait until Ray says it died."""
-    pid = ray.get(victim.actor.place_of.remote(), timeout=30).pid
+    pid = decode_pid(victim)
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not _alive(pid), "the killed process is gone", 30)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    wait_for(lambda: not alive(pid), "the killed process is gone", 30)
 
 
 def _refused(prefill: PrefillHandle) -> int:

@@ -31,7 +31,9 @@ from tests.faults.conftest import (
     MODEL,
     WATCHDOG_S,
     Streams,
+    alive,
     counter,
+    decode_pid,
     front_of,
     node,
     proc_state,
@@ -44,11 +46,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.timeout(180)
 
 MAX_TOKENS = 48
-
-
-def _pid(d: DecodeHandle) -> int:
-    place = ray.get(d.actor.place_of.remote(), timeout=30)
-    return int(place.pid)
 
 
 def _stats(d: DecodeHandle) -> DecodeStats:
@@ -70,7 +67,7 @@ def test_a_stopped_decode_worker_is_passed_over_then_readmitted(recovering: Serv
     streams = Streams(recovering, texts, MAX_TOKENS)
     streams.wait_started()
     victim = max(front.fleet.decodes, key=lambda d: d.num_active)
-    on_victim, pid = victim.num_active, _pid(victim)
+    on_victim, pid = victim.num_active, decode_pid(victim)
     os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: proc_state(pid) == "T", "the decode process is stopped", 5)  # the fault happened
@@ -106,7 +103,7 @@ def test_a_failed_forward_pass_restarts_the_worker_and_it_rejoins(
         streams.wait_started()
         handle: Any = max(front.fleet.decodes, key=lambda d: d.num_active)
         assert handle.num_active > 0
-        epoch, pid = handle.epoch, _pid(handle)
+        epoch, pid = handle.epoch, decode_pid(handle)
         _inject(handle.actor)  # its next step raises
     else:
         handle = front.fleet.prefills[0]
@@ -115,14 +112,14 @@ def test_a_failed_forward_pass_restarts_the_worker_and_it_rejoins(
         streams = Streams(recovering, texts, MAX_TOKENS)
         streams.wait_started()
     failed_at = time.monotonic()
-    wait_for(lambda: not _alive(pid), "the worker's process exited", 15)  # the fault took effect
+    wait_for(lambda: not alive(pid), "the worker's process exited", 15)  # the fault took effect
     streams.join()
     assert streams.errors == [], streams.errors[:2]
     assert streams.got == want
     assert max(streams.finished_at) - failed_at < 30
     wait_for(lambda: counter(front, "restarts", role) == restarts + 1, "Ray restarted it and it rejoined", 90)
     assert handle.is_routable and handle.epoch > epoch and node(front, handle.name).health in ("ok", "starting")
-    new_pid = _pid(handle) if role == "decode" else ray.get(handle.actor.ping.remote(), timeout=30)
+    new_pid = decode_pid(handle) if role == "decode" else ray.get(handle.actor.ping.remote(), timeout=30)
     assert new_pid != pid
     again = Streams(recovering, prompts(3, f"after-{role}"), 8)  # it serves again
     again.wait_started()
@@ -137,15 +134,6 @@ def _inject(actor: Any) -> None:
         ray.get(actor.inject_fault.remote("forward"), timeout=30)
     except ray.exceptions.ActorUnavailableError:
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_fault_injection_is_refused_without_permission(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,7 +160,7 @@ def test_a_prefill_worker_killed_before_the_handoff_is_restarted(recovering: Ser
     streams = Streams(recovering, texts, MAX_TOKENS)
     wait_for(lambda: ray.get(prefill.actor.stats.remote(), timeout=30).num_running == 1, "the prompt is held there")
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not _alive(pid), "the prefill process is gone", 10)  # the fault happened
+    wait_for(lambda: not alive(pid), "the prefill process is gone", 10)  # the fault happened
     streams.wait_started()
     streams.join()
     assert streams.errors == [] and streams.got == want
@@ -220,10 +208,10 @@ def test_a_constrained_request_moves_and_its_output_still_parses(recovering: Ser
         call = pool.submit(ask, recovering.url)
         wait_for(lambda: ray.get(prefill.actor.stats.remote(), timeout=30).num_running == 1, "held at its prefill")
         [victim] = [d for d in front.fleet.decodes if _stats(d).num_open_reservations == 1]  # its pages go there
-        pid = _pid(victim)
+        pid = decode_pid(victim)
         ray.get(victim.actor.inject_fault.remote("forward", 1, steps), timeout=30)
         ray.get(prefill.actor.stall.remote(0), timeout=30)
-        wait_for(lambda: not _alive(pid), "the decode worker failed mid-stream and exited", 30)  # the fault happened
+        wait_for(lambda: not alive(pid), "the decode worker failed mid-stream and exited", 30)  # the fault happened
         got = call.result(90).choices[0]
     assert front.metrics.migrations._value.get() > moved  # noqa: SLF001  (it moved, not failed)
     assert got.finish_reason == "stop" and got.message.content == want.message.content
