@@ -3,7 +3,8 @@ what that costs a loaded cluster, with the lost context fetched (recovery.preser
 against recomputed (false).
 
     python -m bench.failover [--part resume|goodput|both] [--model baton-small] [--context 4000]
-                             [--after 8] [--repeats 3] [--workload burst-agent] [--duration 60]
+                             [--after 8] [--repeats 3] [--fault kill|drain]
+                             [--workload burst-agent] [--duration 60]
                              [--ttft-slo 2] [--itl-slo 0.2] [--out failover.json] [--smoke]
 
 Each (part, mode) gets its own `baton up --config cluster.yaml` child on 127.0.0.1 (1 prefill +
@@ -23,6 +24,9 @@ resume   one stream at a time, a unique `--context`-token prompt per repeat (the
          recomputed, and the gateway's own loss -> next token (baton_migration_resume_seconds,
          which starts when the gateway learns of the loss: gap - it = detect_s, how long that took).
          Summary per mode: median gap; the ratio recompute / preserve (target >= 5x).
+         `--fault drain`: SIGTERM instead (a pod's termination: the worker drains, hands the
+         stream off with its pages -- decode.handoff -- and leaves for good); once the stream
+         ended, POST /admin/scale {"decode": 2} brings the pool back before the reference run.
 goodput  `--workload` (bench.workloads; default `burst-agent`, issue 21's agent fan-out, replayed
          on its own arrival times; a closed-loop one such as `agent` runs at `--concurrency`) for
          `--duration` s (the run's time cap; requests still running then are "cut", not failed),
@@ -79,6 +83,7 @@ class Repeat:
 
     mode: str
     repeat: int
+    fault: str  # kill (SIGKILL) or drain (SIGTERM)
     context_tokens: int
     killed_node: str | None  # None: no decode worker was found running the stream
     killed_pid: int | None
@@ -164,7 +169,7 @@ def cluster_yaml(model: str, served: str, port: int, max_model_len: int, preserv
 model: {{path: {model}, served_name: {served}, dtype: float32, max_model_len: {max_model_len}}}
 workers: {{prefill: {{count: 1}}, decode: {{count: 2}}, pin_cores: {str(pin).lower()}}}
 recovery: {{preserve_kv: {str(preserve).lower()}, max_restarts: 100}}
-api: {{host: 127.0.0.1, port: {port}, grpc_port: 0}}
+api: {{host: 127.0.0.1, port: {port}, grpc_port: 0, enable_admin: true}}
 """
 
 
@@ -206,9 +211,11 @@ async def migrations(client: httpx.AsyncClient) -> Migrations:
     return Migrations(**got)
 
 
-async def kill_decode(client: httpx.AsyncClient, root_pid: int, busy_only: bool, timeout_s: float = 5.0) -> Kill | None:
-    """SIGKILL the decode worker /status shows running the most (with `busy_only`, at least one
-    request), if its pid is an actor process of our baton child; None if none was found in time."""
+async def kill_decode(client: httpx.AsyncClient, root_pid: int, busy_only: bool, timeout_s: float = 5.0,
+                      sig: signal.Signals = signal.SIGKILL) -> Kill | None:  # fmt: skip
+    """SIGKILL (or `sig`) the decode worker /status shows running the most (with `busy_only`, at
+    least one request), if its pid is an actor process of our baton child; None if none was found
+    in time."""
     begin = time.perf_counter()
     while time.perf_counter() - begin < timeout_s:
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
@@ -217,7 +224,7 @@ async def kill_decode(client: httpx.AsyncClient, root_pid: int, busy_only: bool,
             decodes = [n for n in decodes if n["pid"] in ours and (n["running"] > 0 or not busy_only)]
             if decodes:
                 node = max(decodes, key=lambda n: n["running"])
-                os.kill(node["pid"], signal.SIGKILL)  # a decode actor of the baton this run started
+                os.kill(node["pid"], sig)  # a decode actor of the baton this run started
                 return Kill(node["name"], node["pid"], time.perf_counter(), time.time())
         await asyncio.sleep(0.02)
     return None
@@ -294,10 +301,13 @@ async def resume_once(client: httpx.AsyncClient, server: BatonProcess, args: arg
     task = asyncio.create_task(stream(client, args.served, prompt, args.output, args.request_timeout, arrivals,
                                       reached, args.after))  # fmt: skip
     await reached.wait()  # stream() sets it at the end whatever happens, so this is bounded
-    kill = await kill_decode(client, server.pid, busy_only=True) if not task.done() else None
+    sig = signal.SIGTERM if args.fault == "drain" else signal.SIGKILL
+    kill = await kill_decode(client, server.pid, busy_only=True, sig=sig) if not task.done() else None
     killed_after = len(arrivals)
     error = await task
-    took_effect = kill is not None and await wait_gone(kill.pid)
+    took_effect = kill is not None and await wait_gone(kill.pid, 60.0 if args.fault == "drain" else 10.0)
+    if took_effect and args.fault == "drain":  # it left for good: the pool back to two decode workers
+        await client.post("/admin/scale", json={"decode": 2}, timeout=args.recover_timeout)
     recovered = await all_ok(client, args.recover_timeout, kill.pid if kill else None) if took_effect else None
     delta = (await migrations(client)).minus(before)
     times, ids = [t for t, _ in arrivals], [i for _, i in arrivals]
@@ -321,7 +331,7 @@ async def resume_once(client: httpx.AsyncClient, server: BatonProcess, args: arg
     if kill is None and error is None:
         error = "no decode worker showed the stream running (or it finished first)"
     return Repeat(
-        mode, repeat, len(prompt), kill.node if kill else None, kill.pid if kill else None,
+        mode, repeat, args.fault, len(prompt), kill.node if kill else None, kill.pid if kill else None,
         round(kill.unix, 3) if kill else None, killed_after,
         took_effect, _r(gap), in_flight, _r(percentile(pre, 50)), _r(resume), _r(detect), int(delta.migrations),
         int(delta.fetched), int(delta.recomputed), len(ids), exact, mismatch, _r(recovered), error,
@@ -481,6 +491,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", type=int, default=64, help="resume: output tokens per stream")
     p.add_argument("--after", type=int, default=8, help="resume: streamed tokens before the kill")
     p.add_argument("--repeats", type=int, default=3, help="resume: faulted streams per mode")
+    p.add_argument("--fault", choices=["kill", "drain"], default="kill",
+                   help="resume: SIGKILL the decode worker, or SIGTERM it (a drain that hands the stream off)")
     p.add_argument("--workload", default="burst-agent", help="goodput: a bench.workloads name")
     p.add_argument("--concurrency", type=int, default=4, help="goodput: requests in flight (closed-loop workloads)")
     p.add_argument("--duration", type=float, default=60.0, help="goodput: seconds of load (the kill at half)")

@@ -174,6 +174,10 @@ class Scheduler:
         """Tokens still to compute across every request (a prefill worker's queue)."""
         return sum(r.num_pending for r in self._by_id.values())
 
+    def req_ids(self) -> list[str]:
+        """Every request here, running or waiting."""
+        return list(self._by_id)
+
     def get(self, req_id: str) -> Request | None:
         return self._by_id.get(req_id)
 

@@ -174,21 +174,28 @@ class PrefillWorker:
         return self.engine.pool.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def _chunks(self, dest: KVDestination, kv: torch.Tensor, first_page: int, on_device: bool) -> tuple[Chunk, ...]:
-        """`kv` (page-major: kv[i] is dest page first_page + i) in chunks of pages_per_chunk;
-        the chunk holding the reservation's last page is flagged last."""
-        if on_device:
-            return tuple(device_chunks(dest, kv, self.epoch, first_page, self.pages_per_chunk))
-        chunks: list[Chunk] = []
-        for start in range(0, len(kv), self.pages_per_chunk):
-            end = min(start + self.pages_per_chunk, len(kv))
-            pages = dest.dest_page_ids[first_page + start : first_page + end]
-            is_last = first_page + end == len(dest.dest_page_ids)
-            meta = ChunkMeta(dest.req_id, dest.transfer_id, dest.token, self.epoch, pages, is_last=is_last)
-            chunks.append(encode_chunk(meta, kv[start:end]))
-        return tuple(chunks)
+        return page_chunks(dest, kv, first_page, self.epoch, self.pages_per_chunk, on_device)
 
     @staticmethod
     def ends_here(job: Job, reason: FinishReason) -> bool:
         # LENGTH is only real when the client asked for one token; STOP (EOS, a stop id or
         # a stop string on the first token) always ends the request.
         return reason != FinishReason.LENGTH or job.sampling.max_tokens == 1
+
+
+def page_chunks(
+    dest: KVDestination, kv: torch.Tensor, first_page: int, epoch: int, pages_per_chunk: int, on_device: bool
+) -> tuple[Chunk, ...]:
+    """`kv` (page-major: kv[i] is dest page first_page + i) in chunks of `pages_per_chunk`,
+    sent under `epoch`: on the pool's device (the nccl transport) or encoded for the wire; the
+    chunk holding the reservation's last page is flagged last."""
+    if on_device:
+        return tuple(device_chunks(dest, kv, epoch, first_page, pages_per_chunk))
+    chunks: list[Chunk] = []
+    for start in range(0, len(kv), pages_per_chunk):
+        end = min(start + pages_per_chunk, len(kv))
+        pages = dest.dest_page_ids[first_page + start : first_page + end]
+        is_last = first_page + end == len(dest.dest_page_ids)
+        meta = ChunkMeta(dest.req_id, dest.transfer_id, dest.token, epoch, pages, is_last=is_last)
+        chunks.append(encode_chunk(meta, kv[start:end]))
+    return tuple(chunks)

@@ -98,8 +98,8 @@ def test_no_import_crosses_a_layer(unit: str) -> None:
 
 def test_a_crossing_is_found_and_named(tmp_path: Path) -> None:
     (tmp_path / "decode").mkdir()
-    (tmp_path / "decode" / "worker.py").write_text("import engine\n\ndef f():\n    from prefill.worker import X\n")
-    assert crossings("decode", RULES, tmp_path) == ["decode/worker.py:4 -> prefill.worker"]
+    (tmp_path / "decode" / "worker.py").write_text("import engine\n\ndef f():\n    from prefill.pushes import X\n")
+    assert crossings("decode", RULES, tmp_path) == ["decode/worker.py:4 -> prefill.pushes"]
     ops = tmp_path / "cluster" / "ops"
     ops.mkdir(parents=True)
     (ops / "metrics.py").write_text("from cluster.errors import EdgeError\nfrom cluster.fleet import front\n")

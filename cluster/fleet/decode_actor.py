@@ -10,6 +10,10 @@
     next_batch(after, wait_s)        the output stream: every step after `after` (long-poll)
     abort(req_id) / cancel(dest)     the request or its reservation lets go of its pages
     stall(seconds, after_steps)      drills only: no step for that long, after that many more
+    hand_off(job, dest, moved)       draining: a moved request's context, pushed to another
+                                     decode worker's reservation (decode.handoff) -> its first
+                                     token; push_result(transfer_id) says how the push went;
+                                     route(address, transport) says how to reach that worker
 
 The engine steps run on the actor's event loop between awaits, so pushes land between two
 steps, never inside one. Reservations that are never completed expire at their deadline;
@@ -29,9 +33,10 @@ import torch
 from cluster.fleet.cpu import between_steps, core_for, idle, pin_process
 from cluster.fleet.output_feed import OutputFeed
 from cluster.fleet.registration import Registration, WorkerActor
-from cluster.fleet.worker_msgs import DecodeStats, OutputBatch
+from cluster.fleet.worker_msgs import DecodeStats, OutputBatch, PrefillResult
 from cluster.membership.protocol import Role
 from cluster.placement.kv_log import KVEventLog
+from decode.handoff import HandOffs
 from decode.worker import DecodeWorker
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
@@ -44,6 +49,7 @@ from engine.pins import PinView, pin_in_loop
 from kvcache.report import CacheReport, cache_report
 from kvtransfer.codec import chunk_pages
 from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.jobs import TransferReport
 from kvtransfer.listen import LOOPBACK, listen_address
 from kvtransfer.nccl_comm import nccl_usable
 from kvtransfer.nccl_link import NcclEndpoint, nccl_handler
@@ -51,6 +57,8 @@ from kvtransfer.select import WorkerPlace
 from kvtransfer.shm import ShmRegion, shm_handler
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
+from prefill.pushes import Pushes
+from prefill.worker import PrefillDone
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +128,12 @@ class DecodeActor(WorkerActor):
         self._acked = 0  # the last output step the gateway confirmed (a drain waits for all)
         self._stall: tuple[int, float] | None = None  # drills only: (steps first, then seconds without one)
         self._stalled_until = 0.0  # time.monotonic()
+        # a drain's hand-offs: this worker pushes its moved requests' pages (decode.handoff)
+        engine = self.worker.engine
+        page_bytes = engine.pool.kv[:, :, 0].numel() * engine.pool.kv.element_size()
+        self.hand_offs = HandOffs(engine, chunk_pages(page_bytes, shm_slot_pages))
+        self.pushes = Pushes(engine.device, engine.faults, self.tls, admit_lease_s, reservation_ttl_s + admit_lease_s)
+        self._firsts: dict[str, asyncio.Future[PrefillDone | tuple[str, str]]] = {}
 
     async def start(self) -> str:
         """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
@@ -192,7 +206,49 @@ class DecodeActor(WorkerActor):
 
     async def abort(self, req_id: str) -> None:
         self.worker.abort(req_id)
+        self.hand_offs.abort(req_id)
+        future = self._firsts.pop(req_id, None)
+        if future is not None and not future.done():
+            future.cancel()
+        self.pushes.abort(req_id)
         self._settled.fire()
+
+    async def route(self, address: str, transport: str, rendezvous: tuple[str, bytes] | None = None) -> str:
+        """Push hand-offs to the decode worker at `address` by `transport` (prefill.pushes)."""
+        return await self.pushes.route(address, transport, rendezvous)
+
+    async def hand_off(self, job: Job, dest: KVDestination, moved: str) -> PrefillResult:
+        """Draining: `job` (the request that ran here as `moved`, with the tokens it emitted now
+        part of its prompt) prefilled from this worker's cached pages, its pages pushed to
+        `dest`; its first token once sampled (push_result says how the push went)."""
+        self._check_started()
+        if not self.registration.draining:
+            raise RuntimeError("only a draining decode worker hands requests off")
+        self._stall, self._stalled_until = None, 0.0  # a drill's stall does not hold the drain's last work
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[PrefillDone | tuple[str, str]] = loop.create_future()
+        self._firsts[job.req_id] = future
+        push = self.pushes.open(job.req_id, dest)
+        try:
+            self.hand_offs.submit(job, dest, moved, on_device=self.pushes.transport_to(dest.address) == "nccl")
+            self._wake.set()
+            done = await future
+        except BaseException:
+            self.pushes.drop(dest.transfer_id)
+            raise
+        finally:
+            self._firsts.pop(job.req_id, None)
+        if isinstance(done, tuple):
+            self.pushes.drop(dest.transfer_id)
+            raise RuntimeError(f"hand-off of {moved} failed: {done[1]}")
+        if done.finish_reason is not None:  # the first token ends the request: nothing more moves
+            self.pushes.drop(dest.transfer_id)
+            return PrefillResult(done.output, "")
+        self.pushes.first_token(push, done.chunks)
+        return PrefillResult(done.output, dest.transfer_id)
+
+    async def push_result(self, transfer_id: str) -> TransferReport:
+        return await self.pushes.result(transfer_id)
 
     async def stall(self, seconds: float, after_steps: int = 0) -> None:
         """Drills and tests only: after `after_steps` more steps, take none for `seconds` (calls,
@@ -236,13 +292,17 @@ class DecodeActor(WorkerActor):
         stats say so from the next batch on, and the gateway moves this worker's requests to
         the others (which resume them from copies of their pages), aborting them here."""
         self.handing_off = self.hand_off_on_drain
+        if self.handing_off:  # the drain waits for their hand-offs (or their end here)
+            self.hand_offs.expect(self.worker.engine.scheduler.req_ids())
 
     def _is_idle(self) -> bool:
         engine = self.worker.engine
-        return not engine.has_unfinished() and not self.worker.book.num_open and self._acked >= self.feed.seq
+        return (not engine.has_unfinished() and not self.worker.book.num_open and self._acked >= self.feed.seq
+                and not self.pushes.num_running and not self.hand_offs.is_waiting())  # fmt: skip
 
     def _num_unfinished(self) -> int:
-        return len(self.worker.engine.scheduler.running) + self.worker.engine.scheduler.num_waiting
+        return (len(self.worker.engine.scheduler.running) + self.worker.engine.scheduler.num_waiting
+                + self.pushes.num_running)  # fmt: skip
 
     async def close(self) -> None:
         await self.registration.leave()
@@ -250,6 +310,7 @@ class DecodeActor(WorkerActor):
             self._loop.cancel()
         if self._server is not None:
             await self._server.stop(None)
+        await self.pushes.close()
         if self._region is not None:
             self._region.close()
         self.nccl.close()
@@ -262,6 +323,7 @@ class DecodeActor(WorkerActor):
         try:
             while True:
                 self.worker.expire()
+                self.pushes.expire_leases()  # a hand-off's push past its lease lets go
                 if (pause := self._stalled_until - time.monotonic()) > 0:  # drills only (stall)
                     await asyncio.sleep(min(pause, IDLE_WAIT_S))
                     continue
@@ -270,6 +332,8 @@ class DecodeActor(WorkerActor):
                     await idle(self._wake, IDLE_WAIT_S)
                     continue
                 outputs = engine.step()
+                if self.hand_offs or self.registration.draining:
+                    outputs = self._handed_off(outputs)
                 if outputs:
                     self.feed.publish(outputs)
                 self._count_stall_step()
@@ -280,6 +344,15 @@ class DecodeActor(WorkerActor):
             logger.exception("decode step loop died")
             self.error = repr(exc)
             self.registration.engine_failed(exc)
+
+    def _handed_off(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """The step's outputs less the hand-offs' (whose first tokens go to their callers)."""
+        kept, done = self.hand_offs.take(outputs)
+        for result in done:
+            future = self._firsts.get(result[0] if isinstance(result, tuple) else result.req_id)
+            if future is not None and not future.done():
+                future.set_result(result)
+        return kept
 
     def _count_stall_step(self) -> None:
         if self._stall is None:

@@ -22,7 +22,9 @@ draining -- are the Fleet's (cluster.fleet.fleet).
     an unseeded sampled request gets a seed here, so a re-run draws the same stream), so it is
     not sent twice. Cancellation aborts the request on every worker it touched. A decode worker
     lost mid-stream: the request moves to another pair with the tokens it emitted, a
-    constraint's grammar resumed after them (generate).
+    constraint's grammar resumed after them (generate). Its context comes from wherever it still
+    exists (docs/architecture.md, KV-preserving failover): a drained worker pushes it itself
+    (_RayHandOff, decode.handoff), else the prefill worker's retained copy, else it is computed.
 
 `ray` is imported after cluster.fleet.ray_runtime (which sets Ray's environment first).
 """
@@ -43,6 +45,7 @@ from cluster.fleet import ray_runtime  # noqa: F401  (before `ray`)
 from cluster.fleet.calls import Stalled, abandonable, decode_call, prefill_call, ray_await
 from cluster.fleet.dispatch import Handed, PrefillSide, Redispatch, Started, dispatch, replayable
 from cluster.fleet.fleet import Fleet, StartsWorkers
+from cluster.fleet.routes import route
 from cluster.fleet.transfer_metrics import TransferMetrics
 from cluster.fleet.worker_msgs import PrefillResult
 from cluster.fleet.workers import DecodeHandle, Outputs, PrefillHandle, WorkerLost
@@ -67,6 +70,7 @@ import ray  # isort: skip
 logger = logging.getLogger(__name__)
 
 PIN_CALL_S = 10.0  # a worker's answer to a pin call, past the wait for its pages it was given
+ROUTE_CALL_S = 30.0  # a drained worker told how to reach a survivor (an nccl channel opens within it)
 
 
 class RayFront:
@@ -89,6 +93,7 @@ class RayFront:
                            membership, registry, registry_name, spawner, routes)  # fmt: skip
         self._turn = 0  # the round_robin placement's (DisaggConfig.placement)
         self._moving: dict[str, tuple[_Lost, RequestTrace]] = {}  # migrated attempts until computed()
+        self._hand_off_routes: dict[tuple[str, str], asyncio.Task[bool]] = {}  # (drained, survivor) -> routed
 
     # -- the surface the Frontend uses --------------------------------------------------------
 
@@ -190,7 +195,7 @@ class RayFront:
                 if attempt == self.cfg.max_migrations:
                     raise
                 self.metrics.migrations.inc()
-                lost = _Lost(exc.worker, time.monotonic())
+                lost = _Lost(exc.worker, time.monotonic(), this.req_id if exc.handing_off else "")
                 logger.warning("%s: %s; moving it with %d tokens emitted (attempt %d)", req_id, exc, emitted,
                                attempt + 2)  # fmt: skip
             finally:
@@ -199,15 +204,16 @@ class RayFront:
     def computed(self, job: Job, cached: CachedTokens, decode: str, prefill: str | None) -> None:
         """Tally: a migrated request's context is on its new decode worker. How much of it was
         fetched from a copy -- another worker's ("peer": the prefill worker that pushed it,
-        from its retained copy or any tier the index named) or the decode worker's own tiers
-        ("own") -- and how much recomputed, in metrics and a baton.migration span."""
+        from its retained copy or any tier the index named), the drained worker's it left
+        ("drained": its hand-off) or the decode worker's own tiers ("own") -- and how much
+        recomputed, in metrics and a baton.migration span."""
         moving = self._moving.pop(job.req_id, None)
         if moving is None:
             return
         lost, trace = moving
         context = len(job.prompt_ids)
         fetched = min(cached.total, context)
-        source = "own" if prefill is None else "peer"
+        source = "own" if prefill is None else "drained" if prefill == lost.decode else "peer"
         self.metrics.migrated_tokens.labels("fetched", source).inc(fetched)
         self.metrics.migrated_tokens.labels("recomputed", "").inc(context - fetched)
         with trace.span("baton.migration", req_id=job.req_id) as span:
@@ -228,12 +234,15 @@ class RayFront:
                         recompute_tokens=placement.num_recompute_tokens, fallbacks=len(placement.fallbacks))
         handle = self.fleet.decode_of[placement.decode_id or ""]
         try:
+            paths = self._paths(placement, handle.name)
+            if (source := await self._hand_off_source(lost, handle)) is not None:
+                paths.insert(0, source)  # the drained worker holds all of the context
             decode = _RayDecode(self, handle, handle.subscribe(req_id))  # before it starts: no output unseen
         except BaseException:
             self.placer.finish(req_id)
             raise
         try:
-            async for out in dispatch(job, decode, self._paths(placement, handle.name), trace, self):
+            async for out in dispatch(job, decode, paths, trace, self):
                 if lost is not None:
                     self.metrics.resume_seconds.observe(time.monotonic() - lost.at)
                     lost = None
@@ -297,12 +306,41 @@ class RayFront:
         return [*(_RayPrefill(self, h) for h in named if h.is_routable and self.pairs.can_route(h.name, decode)),
                 None]  # fmt: skip
 
-    def prefill_failed(self, prefill: PrefillHandle, job: Job, exc: BaseException) -> str:
-        """Why a call to `prefill` failed (counted, its request aborted there; a dead worker marked)."""
+    async def _hand_off_source(self, lost: _Lost | None, target: DecodeHandle) -> _RayHandOff | None:
+        """The drained decode worker a moved request left, as the first path to `target`: it
+        pushes the request's whole context, generated tokens included. None when the request
+        was lost otherwise, preservation is off, or that worker cannot reach `target`."""
+        if lost is None or not lost.moved or not self.cfg.preserve_kv:
+            return None
+        source = self.fleet.decode_of.get(lost.decode)
+        if source is None or source is target or not source.is_alive:
+            return None
+        pair = (source.name, target.name)
+        routed = self._hand_off_routes.get(pair)
+        if routed is None:  # once a pair, however many requests move at once
+            routed = self._hand_off_routes[pair] = asyncio.ensure_future(self._route_hand_off(source, target))
+        return _RayHandOff(self, source, lost.moved) if await asyncio.shield(routed) else None
+
+    async def _route_hand_off(self, source: DecodeHandle, target: DecodeHandle) -> bool:
+        """Tell the drained worker how to reach `target` (cluster.fleet.routes): whether it can."""
+        try:
+            [got] = await asyncio.wait_for(route([(source.name, source.actor)],
+                                                 [(target.name, target.actor, target.address)], self.cfg.transport),
+                                           ROUTE_CALL_S)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 -- no hand-off: the request takes the other paths
+            logger.warning("drained decode worker %s cannot reach %s: %r", source.name, target.name, exc)
+            return False
+        if got.error:
+            logger.warning("drained decode worker %s cannot reach %s: %s", source.name, target.name, got.error)
+        return not got.error
+
+    def prefill_failed(self, prefill: PrefillHandle | DecodeHandle, job: Job, exc: BaseException) -> str:
+        """Why a call to `prefill` (a prefill worker, or a drained decode worker handing a
+        request off) failed (counted, its request aborted there; a dead worker marked)."""
         if isinstance(exc, ray.exceptions.RayActorError):
             prefill.mark_dead(exc)
             reason = "prefill worker died"
-        elif isinstance(exc, Stalled):
+        elif isinstance(exc, Stalled | WorkerLost):  # WorkerLost: a drained worker handing off
             reason = "prefill worker stalled"
         elif isinstance(exc, TimeoutError):
             reason = "deadline"
@@ -332,13 +370,25 @@ def _reason(text: str) -> str:
 class _Lost(NamedTuple):
     decode: str  # the worker it was lost with
     at: float  # time.monotonic() when the gateway learned it
+    moved: str = ""  # the request's id there, when that worker drains and hands it off
 
 
 class _Push(NamedTuple):
-    """A Ray prefill side's ticket: which worker pushes the pages, under which transfer."""
+    """A Ray prefill side's ticket: which worker pushes the pages (a prefill worker, or a
+    drained decode worker handing a request off), under which transfer."""
 
-    prefill: PrefillHandle
+    prefill: PrefillHandle | DecodeHandle
     transfer_id: str
+
+    @property
+    def is_pair(self) -> bool:
+        """A prefill -> decode pair, whose health and link the gateway keeps."""
+        return isinstance(self.prefill, PrefillHandle)
+
+    @property
+    def can_resend(self) -> bool:
+        """Its sender may send its copy once more (damaged in flight)."""
+        return self.prefill.is_routable if self.is_pair else self.prefill.is_alive
 
 
 class _Named(Protocol):
@@ -379,6 +429,29 @@ class _RayPrefill(_Side):
             raise Redispatch from None
         finally:
             handle.num_inflight -= 1
+        return Started(result.output, _Push(handle, result.transfer_id))
+
+    def abort(self, req_id: str) -> None:
+        self.front.fleet.pending.fire(self.handle.actor.abort.remote(req_id))
+
+
+class _RayHandOff(_Side):
+    """A draining decode worker as dispatch() sees a prefill side: it pushes the context of the
+    request that ran there as `moved` from its own cached pages (decode.handoff)."""
+
+    handle: DecodeHandle
+
+    def __init__(self, front: RayFront, handle: DecodeHandle, moved: str) -> None:
+        self.front, self.handle, self.moved = front, handle, moved
+
+    async def prefill(self, job: Job, dest: KVDestination, span: Span) -> Started:
+        handle = self.handle
+        try:
+            result: PrefillResult = await decode_call(
+                handle, handle.actor.hand_off.remote(job, dest, self.moved), self.front.cfg.reservation_ttl_s)
+        except Exception as exc:
+            span.fail(self.front.prefill_failed(handle, job, exc))
+            raise Redispatch from None
         return Started(result.output, _Push(handle, result.transfer_id))
 
     def abort(self, req_id: str) -> None:
@@ -434,10 +507,12 @@ class _RayDecode(_Side):
                     front.metrics.failures.labels(failed).inc()
                 logger.info("%s: transfer %s failed (%s); re-dispatching", job.req_id, push.transfer_id, failed)
                 transfer.fail(_reason(failed))
-                if push.prefill.is_alive:  # a dead worker is not its link's fault
+                if push.prefill.is_alive and push.is_pair:  # a dead worker is not its link's fault
                     front.pairs.failed(push.prefill.name, decode.name, failed)
                 # bytes damaged on the way: the worker's copy is good, so it sends it once more
-                raise Redispatch(again=failed == CHECKSUM_MISMATCH and push.prefill.is_routable)
+                raise Redispatch(again=failed == CHECKSUM_MISMATCH and push.can_resend)
+            if not push.is_pair:
+                return
             front.pairs.succeeded(push.prefill.name, decode.name)
             if report is not None:  # what the push measured of the link
                 front.placer.links.observe(push.prefill.name, decode.name, report.num_bytes, report.wire_seconds)

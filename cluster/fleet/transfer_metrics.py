@@ -57,7 +57,8 @@ class TransferMetrics:
         )
         # KV-preserving failover: a migrated request's context (prompt + tokens already sent)
         # fetched from a copy -- another worker's ("peer": the prefill worker's retained copy, or
-        # any worker the index named) or the new decode worker's own tiers ("own") -- or recomputed
+        # any worker the index named), the drained worker's it left ("drained": its hand-off) or
+        # the new decode worker's own tiers ("own") -- or recomputed
         self.migrated_tokens = Counter(
             "baton_migration_context_tokens", "Context tokens of migrated requests, fetched or recomputed",
             ["outcome", "source"], registry=None,

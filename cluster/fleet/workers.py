@@ -30,9 +30,10 @@ logger = logging.getLogger(__name__)
 class WorkerLost(EdgeError):
     """The worker died or its output stream broke; the message is safe to show a client."""
 
-    def __init__(self, message: str, worker: str = "") -> None:
+    def __init__(self, message: str, worker: str = "", handing_off: bool = False) -> None:
         super().__init__(Kind.UNAVAILABLE, message, None, 1.0)
         self.worker = worker  # the decode worker it was lost with
+        self.handing_off = handing_off  # that worker drains and lives on: it hands the context over
 
 
 class _Failed(NamedTuple):
@@ -207,7 +208,8 @@ class DecodeHandle:
         self.is_member = False
         if self._queues and self.may_hand_off():
             logger.info("decode worker %s drains: its %d requests move", self.name, len(self._queues))
-            self._fail_all(WorkerLost(f"decode worker {self.name} is draining: its requests move", self.name), None)
+            lost = WorkerLost(f"decode worker {self.name} is draining: its requests move", self.name, handing_off=True)
+            self._fail_all(lost, None)
 
     def _deliver(self, out: StepOutput) -> None:
         queue = self._queues.get(out.req_id)
@@ -221,7 +223,9 @@ class DecodeHandle:
             return
         queue.put_nowait(out)
 
-    def mark_dead(self) -> None:
+    def mark_dead(self, why: object = None) -> None:
+        if self.is_alive and why is not None:
+            logger.warning("decode worker %s is gone: %s", self.name, why)
         self.is_alive = False
         self.trouble.set()
 

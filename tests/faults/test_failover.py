@@ -12,7 +12,8 @@ the no-fault tokens, and the migration's metrics say how much was fetched and re
     damaged      the migrated push corrupted in flight: refused by its checksum, sent again from
                  the copy; damaged twice, the survivor recomputes the context -- 0 wrong tokens
     off          recovery.preserve_kv false: the whole context recomputed (the baseline)
-    drained      the drained worker's request moves at once (hand-off) and fetches as above
+    drained      the drained worker's request moves at once and its context -- prompt and
+                 generated tokens -- comes from the drained worker itself (decode.handoff)
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ class Stream:
     `running_on` names that worker once the client holds MOVE_AT tokens; the others step
     again (`release_others`)."""
 
-    def __init__(self, handle: ServerHandle, job: Job) -> None:
+    def __init__(self, handle: ServerHandle, job: Job, stall_after: int = STALL_AFTER, move_at: int = MOVE_AT) -> None:
         self.front = front_of(handle)
         both_up(handle)  # an earlier test's killed worker is back
         for d in self.front.fleet.decodes:
-            ray.get(d.actor.stall.remote(STALL_S, after_steps=STALL_AFTER), timeout=30)
+            ray.get(d.actor.stall.remote(STALL_S, after_steps=stall_after), timeout=30)
+        self.move_at = move_at
         self.tokens: list[int] = []
         self.reached = threading.Event()
         self.future = asyncio.run_coroutine_threadsafe(self._run(job), handle.loop)
@@ -93,7 +95,7 @@ class Stream:
     async def _run(self, job: Job) -> None:
         async for out in self.front.generate(job):
             self.tokens += out.token_ids
-            if len(self.tokens) >= MOVE_AT:
+            if len(self.tokens) >= self.move_at:
                 self.reached.set()
 
     def running_on(self) -> DecodeHandle:
@@ -114,7 +116,7 @@ class Stream:
 def _migrated(front: RayFront) -> tuple[float, float, float]:
     """(moves, fetched, recomputed) so far."""
     tokens = front.metrics.migrated_tokens
-    fetched = sum(tokens.labels("fetched", s)._value.get() for s in ("peer", "own"))  # noqa: SLF001
+    fetched = sum(tokens.labels("fetched", s)._value.get() for s in ("peer", "drained", "own"))  # noqa: SLF001
     return front.metrics.migrations._value.get(), fetched, tokens.labels("recomputed", "")._value.get()  # noqa: SLF001
 
 
@@ -144,15 +146,17 @@ def both_up(handle: ServerHandle) -> None:
 
 
 def moved(handle: ServerHandle, single: Engine, model_dir: Path, seed: int,
-          fault: Callable[[DecodeHandle], None] = _sigkill) -> tuple[float, float, float]:
-    """A stream of a fresh 4,000-token prompt, caught mid-way on its decode worker, then `fault`
-    done to that worker (the others step again first). It must still end token-exact at
-    temperature 0, moved once; its migration's (moves, fetched, recomputed) context tokens."""
+          fault: Callable[[DecodeHandle], None] = _sigkill, sampling: SamplingParams = GREEDY,
+          stall_after: int = STALL_AFTER, move_at: int = MOVE_AT) -> tuple[float, float, float]:
+    """A stream of a fresh 4,000-token prompt, caught mid-way on its decode worker (after
+    `stall_after` steps there, `move_at` tokens at the client), then `fault` done to that worker
+    (the others step again first). It must still end token-exact at temperature 0, moved once;
+    its migration's (moves, fetched, recomputed) context tokens."""
     front = front_of(handle)
     prompt = _prompt(model_dir, seed)
-    want = single.generate([list(prompt)], GREEDY)[0]
+    want = single.generate([list(prompt)], sampling)[0]
     before = _migrated(front)
-    stream = Stream(handle, Job(f"moved-{seed}", prompt, GREEDY))
+    stream = Stream(handle, Job(f"moved-{seed}", prompt, sampling), stall_after, move_at)
     victim = stream.running_on()
     stream.release_others(victim)
     fault(victim)
@@ -224,19 +228,27 @@ def test_with_preservation_off_a_moved_request_recomputes_its_whole_context(
     assert moves == 1 and fetched == 0 and recomputed >= CONTEXT
 
 
-def test_a_drained_decode_worker_hands_its_stream_over_at_once(
+def test_a_drained_decode_worker_hands_its_stream_over_with_its_pages(
     preserving: ServerHandle, single: Engine, tiny_model_dir: Path
 ) -> None:
     """Last in the module: the drained worker is gone for good. It is stalled with the stream
-    on it, so without a hand-off the drain would wait for the stream to finish there."""
+    on it, 40 tokens in, so without a hand-off the drain would wait for the stream to finish
+    there. It hands the stream over with its pages: the prompt and the generated tokens' whole
+    pages -- which only it had -- are fetched from it, only the partial last page recomputed."""
     front = front_of(preserving)
     reports = []
 
     def drain(victim: DecodeHandle) -> None:
         reports.append((victim.name, on_loop(preserving, front.fleet.drain_worker(victim.name), 120)))
 
-    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, 6, drain)
+    longer = replace(GREEDY, max_tokens=64)
+    drained = front.metrics.migrated_tokens.labels("fetched", "drained")
+    drained_before = drained._value.get()  # noqa: SLF001
+    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, 6, drain, longer, stall_after=40,
+                                       move_at=38)  # fmt: skip
     [(name, report)] = reports
     assert report.abandoned == 0 and name not in front.fleet.decode_of
     assert moves == 1, "the drain let the stream finish there instead of moving it"
-    assert fetched == (CONTEXT // PS) * PS and fetched / (fetched + recomputed) >= 0.9
+    assert fetched >= CONTEXT + 2 * PS, "the generated tokens' pages did not come from the drained worker"
+    assert drained._value.get() - drained_before == fetched  # noqa: SLF001 -- all of it from there
+    assert recomputed < PS
