@@ -183,12 +183,14 @@ def start(args: argparse.Namespace, label: str, preserve: bool, max_model_len: i
     return server
 
 
-async def all_ok(client: httpx.AsyncClient, timeout_s: float, gone_pid: int | None = None) -> float | None:
-    """Seconds until every node is ok (and none runs under `gone_pid`), None at the timeout."""
+async def all_ok(client: httpx.AsyncClient, timeout_s: float, gone_pid: int | None = None,
+                 left: frozenset[str] = frozenset()) -> float | None:  # fmt: skip
+    """Seconds until every node is ok (and none runs under `gone_pid`; those `left`, drained and
+    gone for good, are not counted), None at the timeout."""
     begin = time.perf_counter()
     while time.perf_counter() - begin < timeout_s:
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-            now = await nodes(client)
+            now = [n for n in await nodes(client) if n["name"] not in left]
             if (len(now) == NUM_NODES and all(n["health"] == "ok" for n in now)
                     and all(n.get("pid") != gone_pid for n in now)):  # fmt: skip
                 return time.perf_counter() - begin
@@ -293,8 +295,9 @@ def resume_gap(times: Sequence[float], killed_at: float) -> tuple[float | None, 
 
 
 async def resume_once(client: httpx.AsyncClient, server: BatonProcess, args: argparse.Namespace, mode: str,
-                      repeat: int, prompt: list[int]) -> Repeat:  # fmt: skip
-    """One faulted stream, then the same prompt without a fault (after the cluster recovered)."""
+                      repeat: int, prompt: list[int], left: set[str]) -> Repeat:  # fmt: skip
+    """One faulted stream, then the same prompt without a fault (after the cluster recovered;
+    `left`: the nodes drained so far, gone for good)."""
     before = await migrations(client)
     arrivals: list[tuple[float, int]] = []
     reached = asyncio.Event()
@@ -306,9 +309,13 @@ async def resume_once(client: httpx.AsyncClient, server: BatonProcess, args: arg
     killed_after = len(arrivals)
     error = await task
     took_effect = kill is not None and await wait_gone(kill.pid, 60.0 if args.fault == "drain" else 10.0)
+    scaled = None
     if took_effect and args.fault == "drain":  # it left for good: the pool back to two decode workers
-        await client.post("/admin/scale", json={"decode": 2}, timeout=args.recover_timeout)
-    recovered = await all_ok(client, args.recover_timeout, kill.pid if kill else None) if took_effect else None
+        got = await client.post("/admin/scale", json={"decode": 2}, timeout=args.recover_timeout)
+        scaled = None if got.status_code == 200 else f"POST /admin/scale: HTTP {got.status_code} {got.text[:200]}"
+    if kill and args.fault == "drain":
+        left.add(kill.node)
+    recovered = await all_ok(client, args.recover_timeout, kill.pid if kill else None, frozenset(left)) if took_effect else None
     delta = (await migrations(client)).minus(before)
     times, ids = [t for t, _ in arrivals], [i for _, i in arrivals]
     gap, in_flight = resume_gap(times, kill.at) if kill and error is None else (None, 0)
@@ -330,6 +337,7 @@ async def resume_once(client: httpx.AsyncClient, server: BatonProcess, args: arg
             error = f"reference run: {ref_error}"
     if kill is None and error is None:
         error = "no decode worker showed the stream running (or it finished first)"
+    error = error or scaled
     return Repeat(
         mode, repeat, args.fault, len(prompt), kill.node if kill else None, kill.pid if kill else None,
         round(kill.unix, 3) if kill else None, killed_after,
@@ -346,12 +354,13 @@ async def resume_mode(server: BatonProcess, args: argparse.Namespace, mode: str,
         warm = [segment_ids(f"{args.seed}/failover/warmup/{k}", 64, vocab) for k in range(2)]
         await asyncio.gather(*(stream(client, args.served, p, 8, args.request_timeout, [], asyncio.Event(), 8)
                                for p in warm))  # fmt: skip
+        left: set[str] = set()
         for repeat in range(args.repeats):
             prompt = segment_ids(f"{args.seed}/failover/{repeat}", args.context, vocab)  # the same in both modes
-            result = await resume_once(client, server, args, mode, repeat, prompt)
+            result = await resume_once(client, server, args, mode, repeat, prompt, left)
             print(json.dumps(asdict(result)), flush=True)
             out.append(result)
-            if result.recovered_s is None and await all_ok(client, args.recover_timeout) is None:
+            if result.recovered_s is None and await all_ok(client, args.recover_timeout, None, frozenset(left)) is None:
                 break  # the cluster did not come back: the next repeat would measure nothing
     return out
 

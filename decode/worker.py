@@ -12,6 +12,9 @@ A reservation ends in exactly one of: admitted (start_prefilled), cancelled (can
 expired while open (its transfer deadline passed), or expired once complete but never admitted
 (its admission lease, from the moment the last page arrived, passed). Every ending but
 admission returns the pages to the pool; `on_settle` hears of every completion and failure.
+The leading pages that had arrived verified are offered to the prefix cache first
+(Engine.keep_pages): a transfer damaged or cut part-way costs a re-run here only the pages from
+the first one that did not arrive (`num_kept_pages` counts them).
 
 A plain class: cluster/ wraps it in a Ray actor; tests drive it directly.
 """
@@ -81,6 +84,8 @@ class DecodeWorker:
         self.receiver = _Receiver(PoolReceiver(engine.pool, self.book), self)
         self.completed_at: dict[str, float] = {}  # transfer_id -> when its last page arrived
         self._dests: dict[str, KVDestination] = {}  # req_id -> its reservation, until it ends
+        self._jobs: dict[str, Job] = {}  # transfer_id -> the job its pages are for, until it ends
+        self.num_kept_pages = 0  # verified pages of failed transfers offered to the prefix cache
         # a placement that arrives after its abort (Ray does not order an async actor's calls;
         # a constraint compiles between them) takes nothing; it comes within the reservation TTL
         self._aborted = AbortedIds(reservation_ttl_s, clock)
@@ -129,6 +134,7 @@ class DecodeWorker:
             return None
         dest = self.book.reserve(self.address, job.req_id, pages, sender_epoch, self.reservation_ttl_s)
         self._dests[job.req_id] = dest
+        self._jobs[dest.transfer_id] = job
         self.num_reserved_pages += len(pages)
         return dest
 
@@ -192,12 +198,21 @@ class DecodeWorker:
         self.expire()
         return self.engine.step()
 
-    def _forget(self, res: Reservation) -> None:
+    def _forget(self, res: Reservation) -> Job | None:
         self.num_reserved_pages -= len(res.page_ids)
         self.completed_at.pop(res.transfer_id, None)
         if (dest := self._dests.get(res.req_id)) is not None and dest.transfer_id == res.transfer_id:
             del self._dests[res.req_id]
+        return self._jobs.pop(res.transfer_id, None)
 
     def _release(self, res: Reservation) -> None:
-        self._forget(res)
+        job = self._forget(res)
+        if job is not None and job.reuse_cache:  # what arrived verified stays reusable here
+            self.num_kept_pages += self.engine.keep_pages(job, self._verified(res))
         self.engine.release_pages(list(res.page_ids))
+
+    def _verified(self, res: Reservation) -> tuple[int, ...]:
+        """The reservation's leading pages whose every layer arrived (checked and stored)."""
+        full = (1 << self.book.num_layers) - 1
+        n = next((i for i, page in enumerate(res.page_ids) if res.layers.get(page) != full), len(res.page_ids))
+        return res.page_ids[:n]

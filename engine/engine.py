@@ -479,6 +479,20 @@ class Engine:
         """Give back a reservation that will not be used (a failed or expired transfer)."""
         self.pool.pages.free(page_ids)
 
+    def keep_pages(self, job: Job, page_ids: Sequence[int]) -> int:
+        """Offer to the prefix cache reserved pages that hold `job`'s leading prompt KV, moved
+        here and verified before its transfer failed part-way (the caller still releases the
+        reservation: the cache keeps its own reference). A re-run of the prompt here then
+        computes only the rest. How many of them the cache did not have yet."""
+        n = min(len(page_ids), len(job.prompt_ids) // self.cfg.page_size)
+        if self.prefix_cache is None or n == 0:
+            return 0
+        request = Request(job.req_id, list(job.prompt_ids), job.sampling, job.priority, 0, job.slo)
+        request.cache_salt, request.in_session = job.cache_salt.encode(), bool(job.session)
+        request.num_shared_pages = self._shared_pages(request.prompt_ids)  # hashed as its own run would
+        hashes = self.scheduler.prefix_hashes(request, n)
+        return self.prefix_cache.insert(hashes, list(page_ids[:n]), 0, request.cache_salt, request.in_session)
+
     def add_prefilled(self, job: Job, first_token: int, page_ids: list[int], cached: CachedTokens = NOT_CACHED) -> None:
         """Join the running batch with a prompt whose KV already fills `page_ids` (reserved
         with `reserve_pages`; ownership passes to the request) and whose first token was

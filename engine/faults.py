@@ -11,10 +11,11 @@ engine raises InjectedFault the next `times` times it is reached.
                                            armed, costs one dict lookup when not
 
 Points: "forward" (Engine.step, in place of the model's forward pass); and a prefill
-worker's next push (prefill.pushes, the points of TRANSFER): "transfer_corrupt" (a payload byte
-flipped in flight; the in-process P/D's local transfer honours it too, cluster.fleet.pd),
-"transfer_truncate" (the stream ends before its last chunk), "transfer_stall" (the push stops
-sending past its deadline).
+worker's next push (prefill.pushes, the points of TRANSFER; a draining decode worker's
+hand-off pushes too): "transfer_corrupt" (a payload byte of its first chunk flipped in flight;
+the in-process P/D's local transfer honours it too, cluster.fleet.pd), "transfer_corrupt_last"
+(the same in its last chunk: the pages before it arrive verified), "transfer_truncate" (the
+stream ends before its last chunk), "transfer_stall" (the push stops sending past its deadline).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 
 from engine.env import FAULT_INJECTION_ENV, fault_injection_allowed
 
-TRANSFER = ("transfer_corrupt", "transfer_truncate", "transfer_stall")
+TRANSFER = ("transfer_corrupt", "transfer_corrupt_last", "transfer_truncate", "transfer_stall")
 POINTS = frozenset({"forward", *TRANSFER})
 
 

@@ -220,14 +220,15 @@ class PrefixCache:
 
     def insert(
         self, hashes: Sequence[bytes], page_ids: Sequence[int], start: int, salt: bytes = b"", session: bool = False
-    ) -> None:
+    ) -> int:
         """Cache device pages `start ..` of a sequence (hashes[i] is the hash of page_ids[i]);
-        `session`: a session's request computed them (they are kept longer: `_lru`)."""
+        `session`: a session's request computed them (they are kept longer: `_lru`). How many
+        pages were new to the cache."""
         self._clock += 1
         stored: list[bytes] = []
         parent = self._nodes.get(hashes[start - 1]) if start > 0 else None
         if start > 0 and (parent is None or parent.tier != Tier.DEVICE):
-            return  # the prefix left the device meanwhile; its pages will be offered again
+            return 0  # the prefix left the device meanwhile; its pages will be offered again
         for page_hash, page_id in zip(hashes[start:], page_ids[start:], strict=False):
             node = self._nodes.get(page_hash)
             if node is None:
@@ -244,6 +245,7 @@ class PrefixCache:
         if stored:
             self.stats.inserted_pages += len(stored)
             self._emit(EventKind.STORED, stored, Tier.DEVICE)
+        return len(stored)
 
     def allocate(self, n: int) -> list[int] | None:
         """Fresh device pages, evicting (writing back) cached pages when that is what it takes."""

@@ -290,20 +290,14 @@ class Pushes:
         held: Chunk | None = None
         async for chunk in chunks:
             if fault == "transfer_corrupt" and held is None:  # a byte flipped after the checksum
-                if isinstance(chunk, DeviceChunk):
-                    block = chunk.block.clone()
-                    raw = block.view(-1).view(torch.uint8)
-                    raw[raw.numel() // 2] ^= 0x40
-                    chunk = DeviceChunk(chunk.header, block)
-                else:
-                    chunk = damaged(chunk)
+                chunk = _damaged(chunk)
             elif fault == "transfer_stall" and held is not None:
                 await asyncio.sleep(self.push_deadline_s + 1)  # the deadline passes first
             if held is not None:
                 yield held
             held = chunk
         if held is not None and fault != "transfer_truncate":  # truncated: the last chunk never goes
-            yield held
+            yield _damaged(held) if fault == "transfer_corrupt_last" else held
 
     async def _paced(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         async for chunk in chunks:
@@ -317,6 +311,16 @@ class Pushes:
                 await self._flowing.wait()  # hold(False)
             first = False
             yield chunk
+
+
+def _damaged(chunk: Chunk) -> Chunk:
+    """`chunk` with one byte flipped after its checksum (drills only)."""
+    if not isinstance(chunk, DeviceChunk):
+        return damaged(chunk)
+    block = chunk.block.clone()
+    raw = block.view(-1).view(torch.uint8)
+    raw[raw.numel() // 2] ^= 0x40
+    return DeviceChunk(chunk.header, block)
 
 
 def _end_of(error: str) -> str:

@@ -126,6 +126,10 @@ class _WorkerCollector(Collector):
                                      "pushed prompts (KV-preserving failover)", labels=["node"])  # fmt: skip
         let_go = CounterMetricFamily("baton_kv_retained_released", "Retained copies released, by why",
                                      labels=["node", "reason"])  # fmt: skip
+        kept = CounterMetricFamily("baton_kv_kept_pages", "Verified pages of failed transfers a decode worker "
+                                   "kept in its prefix cache", labels=["node"])  # fmt: skip
+        handed = CounterMetricFamily("baton_kv_handed_off", "Requests a draining decode worker pushed to another "
+                                     "with their pages", labels=["node"])  # fmt: skip
         # A dead worker's last report is not what it holds: its pages went with it (gauges 0).
         for p in self.workers.prefills:
             if p.stats is not None:
@@ -141,9 +145,11 @@ class _WorkerCollector(Collector):
                 reserved.add_metric([d.name], s.num_reserved_pages if d.is_alive else 0)
                 expired.add_metric([d.name], s.num_expired)
                 lease.add_metric([d.name, "decode"], s.num_lease_expired)
+                kept.add_metric([d.name], s.num_kept_pages)
+                handed.add_metric([d.name], s.num_handed_off)
                 for reason, n in (("token", s.refused_bad_token), ("epoch", s.refused_stale_epoch),
                                   ("page", s.refused_bad_page)):  # fmt: skip
                     refused.add_metric([d.name, reason], n)
         for kind, n in self.workers.num_member_events.items():
             changes.add_metric([kind], n)
-        yield from (pinned, pushing, lease, reserved, expired, refused, changes, retained, let_go)
+        yield from (pinned, pushing, lease, reserved, expired, refused, changes, retained, let_go, kept, handed)

@@ -70,6 +70,8 @@ class DecodeStats:
     num_preempted: int = 0
     pid: int = 0  # its process
     handing_off: bool = False  # draining: its requests should move to the other decode workers
+    num_kept_pages: int = 0  # verified pages of failed transfers it kept cached (decode.worker)
+    num_handed_off: int = 0  # requests it pushed to another decode worker while draining (decode.handoff)
 
 
 @dataclass(frozen=True, slots=True)

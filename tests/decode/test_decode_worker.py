@@ -155,4 +155,30 @@ def test_a_placement_arriving_after_its_abort_takes_nothing(worker: DecodeWorker
     clock.now += 5.0  # past the reservation TTL: no placement of it can still be in flight
     worker.expire()
     assert not worker.was_aborted("late")
-    assert worker.reserve(job, 1) is not None  # (an id is never reused; this shows the mark went)
+    dest = worker.reserve(job, 1)  # (an id is never reused; this shows the mark went)
+    assert dest is not None
+    worker.cancel(dest)
+
+
+def test_a_transfer_cut_part_way_leaves_its_verified_pages_cached(worker: DecodeWorker) -> None:
+    """The leading pages that arrived whole and verified before a transfer failed are offered to
+    the prefix cache as the reservation's pages go back: a re-run here (decode-local, after the
+    sender failed) computes only the pages from the first one missing."""
+    import torch
+
+    job = Job("cut", PROMPT, GREEDY)
+    dest = worker.reserve(job, sender_epoch=1)
+    assert dest is not None
+    lay = worker.engine.pool.layout
+    kv = torch.ones(len(dest.dest_page_ids), lay.num_layers, 2, lay.page_size, lay.num_kv_heads, lay.head_dim,
+                    dtype=worker.engine.pool.kv.dtype)
+    first = build_chunks(dest, kv, dest.epoch, pages_per_chunk=3)[0]  # pages 0-2 arrive; 3-4 never do
+    assert receive_all(worker.receiver, [first], CodecLimits()) == "transfer incomplete"  # released
+    assert worker.is_settled(dest) and worker.num_reserved_pages == 0
+    assert worker.num_kept_pages == 3 and worker.cached_tokens(job) == 3 * 16
+    assert _whole(worker)  # kept pages are cached (evictable), not held
+    worker.start_local(job)
+    first_out = worker.step()[0]
+    assert first_out.cached.total == 3 * 16
+    while worker.engine.has_unfinished():
+        worker.step()

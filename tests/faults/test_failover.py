@@ -10,7 +10,9 @@ the no-fault tokens, and the migration's metrics say how much was fetched and re
     killed       >= 90% of the context fetched (from the prefill worker: "peer")
     part gone    the copy's tail evicted first: exactly the missing pages recomputed
     damaged      the migrated push corrupted in flight: refused by its checksum, sent again from
-                 the copy; damaged twice, the survivor recomputes the context -- 0 wrong tokens
+                 the copy; damaged twice, the survivor recomputes what did not arrive verified
+                 (all of it when the first chunk was hit, only the last chunk's pages when that
+                 one was) -- 0 wrong tokens
     off          recovery.preserve_kv false: the whole context recomputed (the baseline)
     drained      the drained worker's request moves at once and its context -- prompt and
                  generated tokens -- comes from the drained worker itself (decode.handoff)
@@ -50,8 +52,10 @@ MOVE_AT = 3  # the fault strikes once the client has this many ...
 STALL_AFTER = 4  # ... and its decode worker has stopped stepping after this many steps
 STALL_S = 60.0
 PS = 16
+CHUNK_PAGES = 32  # a push of the 251-page context: 7 chunks of 32 pages, then the last of 27
 PRESERVING = DisaggConfig(num_prefill=1, num_decode=2, transport="grpc", watchdog_s=1.5, max_restarts=4,
-                          poll_wait_s=0.5, local_prefill_tokens=0, membership=MembershipConfig(lease_ttl_s=2))  # fmt: skip
+                          poll_wait_s=0.5, local_prefill_tokens=0, pages_per_chunk=CHUNK_PAGES,
+                          membership=MembershipConfig(lease_ttl_s=2))  # fmt: skip
 GREEDY = SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
 
 
@@ -132,6 +136,10 @@ def _sigkill(victim: DecodeHandle) -> None:
     wait_for(lambda: not alive(pid), "the killed process is gone", 30)
 
 
+def _decode_stats(decode: DecodeHandle) -> Any:
+    return ray.get(decode.actor.stats.remote(), timeout=30)
+
+
 def _refused(prefill: PrefillHandle) -> int:
     """The prefill worker's pushes the decode side refused."""
     return int(ray.get(prefill.actor.stats.remote(), timeout=30).pushes_ended.get("refused", 0))
@@ -191,27 +199,40 @@ def test_a_copy_missing_in_part_recomputes_exactly_the_missing_pages(
     assert recomputed >= CONTEXT - keep * PS
 
 
-@pytest.mark.parametrize("times", [1, 2])
+@pytest.mark.parametrize(("drill", "times"), [("transfer_corrupt", 1), ("transfer_corrupt", 2),
+                                              ("transfer_corrupt_last", 2)])  # fmt: skip
 def test_a_copy_damaged_in_flight_is_refused_sent_again_then_recomputed(
-    preserving: ServerHandle, single: Engine, tiny_model_dir: Path, times: int
+    preserving: ServerHandle, single: Engine, tiny_model_dir: Path, drill: str, times: int
 ) -> None:
-    """The migrated push's bytes damaged on the way (`times` pushes in a row): the decode side's
-    checksum refuses it; the prefill worker, whose copy is good, sends it once more; damaged
-    again, the survivor recomputes the context itself. Never a wrong token."""
-    prefill = front_of(preserving).fleet.prefills[0]
+    """The migrated push's bytes damaged on the way (`times` pushes in a row, in the first chunk
+    or the last): the decode side's checksum refuses it; the prefill worker, whose copy is good,
+    sends it once more; damaged again, the survivor computes the context itself -- all of it
+    after a damaged first chunk, only the last chunk's pages when the chunks before it arrived
+    verified (the survivor kept them: decode.worker). Never a wrong token."""
+    front = front_of(preserving)
+    prefill = front.fleet.prefills[0]
     refused = _refused(prefill)
+    both_up(preserving)  # an earlier test's killed worker is back: its stats answer
+    kept = {d.name: _decode_stats(d).num_kept_pages for d in front.fleet.decodes}
+    victims = []
 
     def damaged(victim: DecodeHandle) -> None:
-        ray.get(prefill.actor.inject_fault.remote("transfer_corrupt", times), timeout=30)  # the next pushes' bytes
+        ray.get(prefill.actor.inject_fault.remote(drill, times), timeout=30)  # the next pushes' bytes
+        victims.append(victim.name)
         _sigkill(victim)
 
-    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, 2 + times, damaged)
+    seed = 2 + times + 3 * (drill == "transfer_corrupt_last")  # a prompt of its own: 3, 4, 7
+    moves, fetched, recomputed = moved(preserving, single, tiny_model_dir, seed, damaged)
     assert _refused(prefill) == refused + times  # the decode side's checksum caught each
     assert moves == 1
     if times == 1:  # sent again from the copy: nothing more recomputed than without the damage
         assert fetched == (CONTEXT // PS) * PS and recomputed < PS + MOVE_AT + STALL_AFTER
-    else:  # twice: the survivor computed it itself
+    elif drill == "transfer_corrupt":  # twice, nothing verified: the survivor computed it all
         assert fetched == 0 and recomputed >= CONTEXT
+    else:  # twice, the first 7 chunks verified: exactly the last chunk's pages computed
+        assert fetched == 7 * CHUNK_PAGES * PS and recomputed <= CONTEXT - fetched + PS
+        [survivor] = [d for d in front.fleet.decodes if d.name not in victims]
+        assert _decode_stats(survivor).num_kept_pages - kept[survivor.name] == 7 * CHUNK_PAGES  # kept, once
 
 
 def test_with_preservation_off_a_moved_request_recomputes_its_whole_context(

@@ -154,3 +154,18 @@ async def test_a_corrupt_drill_is_refused_by_the_receiver(decode: tuple[Decode, 
     assert pushes.ended == {"refused": 1}  # the decode side's answer, not this side's deadline
     # nothing stored; the reservation waits for the gateway's cancel (an unproven chunk frees nothing)
     assert _stored(side, dest) == 0 and side.book.num_open == 1
+
+
+async def test_a_corrupt_last_chunk_drill_lets_the_pages_before_it_arrive(
+    decode: tuple[Decode, str], pushes: Pushes
+) -> None:
+    """transfer_corrupt_last: the pages of every chunk but the last arrive verified (a decode
+    worker keeps them, decode.worker), the last is refused by its checksum."""
+    side, address = decode
+    dest = side.reserve(address, 3)
+    pushes.faults.arm("transfer_corrupt_last")
+    push = pushes.open("req-1", dest)
+    pushes.first_token(push, tuple(build_chunks(dest, _kv(3), EPOCH, pages_per_chunk=1)))
+    report = await pushes.result(dest.transfer_id)
+    assert not report.accepted and report.error == "checksum mismatch"
+    assert [bool(side.pool.read_page(p).any()) for p in dest.dest_page_ids] == [True, True, False]

@@ -4,10 +4,13 @@ A real DecodeWorker (baton-tiny engine, prefix cache warm with another prompt's 
 KV pushes on a real gRPC server with its shm region beside it. Each forgery arrives over gRPC
 and over shm and must be refused with its reason counted, leaving:
 
-- the prefix cache exactly as it was (no hash from a forged header ever enters it),
+- no hash from a forged header in the prefix cache, ever; the cache exactly as it was when the
+  forgery failed before proving the token,
 - every page outside the open reservation bit-for-bit as it was (cached pages included),
 - the reservation open and untouched when the forgery failed before proving the token, or
-  released (its pages back in the pool) when the token's holder sent a broken transfer.
+  released (its pages back in the pool) when the token's holder sent a broken transfer -- the
+  leading pages that arrived whole and verified stay cached under the hashes the decode worker
+  computes itself, as they would have after a complete transfer (decode.worker keeps them).
 
 The reservation still completes for its real sender afterwards, its pages are cached under
 hashes the decode worker computes itself (prompt, tenant salt, model), and its spent token
@@ -30,6 +33,7 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.job import Job
 from engine.sampling import SamplingParams
+from kvcache.events import Tier
 from kvcache.hashing import page_hashes
 from kvtransfer.codec import ChunkMeta, WireChunk, encode_chunk
 from kvtransfer.grpc_transport import GrpcSender, start_kv_server
@@ -128,10 +132,14 @@ FORGERIES: dict[str, tuple[Forgery, str | None, bool]] = {
     "corrupt payload": (lambda d, o, p, c: [_corrupt(_chunk(d, p))], None, True),
     "page count off by one": (lambda d, o, p, c: [_short_payload(_chunk(d, p[:4]))], None, True),
     # the token's holder sending a broken transfer: it is released, not left half-written
+    # (its verified leading pages are kept: KEPT)
     "too few pages": (lambda d, o, p, c: [_chunk(d, p[:4])], None, False),
     "a page twice": (lambda d, o, p, c: [_chunk(d, p[:3], is_last=False), _chunk(d, p[2:3], dest_page_ids=[d.dest_page_ids[2]])],
                      "refused_bad_page", False),  # fmt: skip
 }
+
+
+KEPT = {"too few pages": 4, "a page twice": 3}  # leading pages that arrived whole before the transfer broke
 
 
 def _cache_state(engine: Engine) -> list[tuple[bytes, Any]]:
@@ -159,8 +167,12 @@ async def test_a_forged_push_is_refused_and_changes_no_cache(side: Side, transpo
     assert not result.accepted and result.error, result
     for c in COUNTERS:
         assert getattr(worker.book, c) == counts[c] + (c == counter), (c, counts)
-    # and no cache changed: no hash entered, no page outside the reservation was written
-    assert _cache_state(engine) == cache and FORGED_HASH not in engine.prefix_cache  # type: ignore[operator]
+    # and no forged hash entered the cache, no page outside the reservation was written, and
+    # the cache changed only by the verified pages of a broken transfer, under this worker's hashes
+    assert FORGED_HASH not in engine.prefix_cache  # type: ignore[operator]
+    own = page_hashes(list(PROMPT), engine.cfg.page_size, b"", engine.fingerprint)
+    kept = sorted((h, Tier.DEVICE) for h in own[: KEPT.get(name, 0)])
+    assert _cache_state(engine) == sorted(cache + kept)
     outside = [p for p in range(engine.pool.num_pages) if p not in dest.dest_page_ids]
     assert torch.equal(engine.pool.kv[:, :, outside], kv[:, :, outside])
     worker.cancel(other)
@@ -169,7 +181,7 @@ async def test_a_forged_push_is_refused_and_changes_no_cache(side: Side, transpo
         assert torch.equal(engine.pool.kv, kv)
     else:  # the token holder broke its own transfer: released, its pages back in the pool
         assert worker.is_settled(dest) and not worker.is_complete(dest)
-        assert engine.pool.pages.num_free == free_before
+        assert engine.pool.pages.num_free == free_before - len(kept) and worker.num_kept_pages == len(kept)
         engine.check_integrity()
         return
     # When the real sender then pushes, the transfer completes; the spent token is refused
