@@ -20,7 +20,7 @@ value of the wrong type or out of its range. An example with every key is exampl
                 shm_slots, bind_host (auto, node or an IP), advertise_host, pair_failures, pair_retry_s,
                 tls_cert, tls_key, tls_ca (mutual TLS between the workers' KV ports)
     recovery:   max_migrations, watchdog_s, max_restarts, preserve_kv, retain_share, retain_s,
-                drain_hand_off
+                drain_hand_off, write_back_pages
     placement:  policy (cache, round_robin), local_prefill_tokens
     membership: backend (ray, etcd), lease_ttl_s, etcd: {host, port, tls_ca, tls_cert, tls_key,
                 server_name, username, password_file}
@@ -139,6 +139,9 @@ class RecoverySection(_Section):
     retain_share: float = Field(default=0.25, ge=0, le=0.5)  # of a prefill worker's pool, for retained copies
     retain_s: float = Field(default=30.0, ge=0, le=3600)  # a retained copy's lease past its push's end
     drain_hand_off: bool = True  # a drained decode worker's requests move at once (false: they finish there)
+    # > 0: decode workers also write their sequences' pages to their disk tier, this many at a time,
+    # so a worker that dies leaves them on its disk for its restarted self (needs kv_cache.disk_pages)
+    write_back_pages: int = Field(default=0, ge=0, le=1 << 20)
 
 
 class PlacementSection(_Section):
@@ -322,6 +325,8 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         raise ConfigError("api.tls_cert", "tls_cert and tls_key go together")
     if kv.disk_pages and not kv.disk_dir:
         raise ConfigError("kv_cache.disk_dir", "a disk tier (disk_pages > 0) needs disk_dir")
+    if f.recovery.write_back_pages and not kv.disk_pages:
+        raise ConfigError("recovery.write_back_pages", "writing pages back needs the disk tier: kv_cache.disk_pages > 0")
     if f.ray.address is not None and w.prefill.count == 0:
         raise ConfigError("workers.prefill.count", "attaching to a Ray cluster runs prefill actors: count >= 1")
     if w.prefill.count and w.decode.count < 1:
@@ -335,7 +340,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         model=f.model.path, device=f.model.device, dtype=f.model.dtype, max_model_len=f.model.max_model_len,
         page_size=kv.page_size, num_pages=kv.device_pages,
         kv_memory_bytes=int(kv.device_memory_gb * (1 << 30)) if kv.device_memory_gb else None,
-        enable_prefix_cache=kv.prefix_cache, kv_cache_dtype=kv.dtype, tiers=TierConfig(kv.host_pages, kv.disk_pages, kv.disk_dir),
+        enable_prefix_cache=kv.prefix_cache, kv_cache_dtype=kv.dtype, tiers=TierConfig(kv.host_pages, kv.disk_pages, kv.disk_dir, write_back_pages=f.recovery.write_back_pages),
         max_num_seqs=f.scheduler.max_num_seqs, max_num_batched_tokens=f.scheduler.max_batched_tokens,
         max_prefill_chunk=f.scheduler.max_prefill_chunk, num_threads=threads,
         async_scheduling=ASYNC_SCHEDULING[f.scheduler.async_scheduling],

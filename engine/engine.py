@@ -83,7 +83,8 @@ class Engine:
         if cfg.enable_prefix_cache:
             host, disk = build_tiers(cfg.tiers, layout, self.kv_dtype, self.fingerprint, self.device.type == "cuda")
             self.prefix_cache = PrefixCache(
-                self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk, ttl_s=cfg.tiers.page_ttl_s
+                self.pool.pages, cfg.page_size, device=self.pool, host=host, disk=disk, ttl_s=cfg.tiers.page_ttl_s,
+                write_back_pages=cfg.tiers.write_back_pages,
             )
             if host is not None:
                 self._fence = host.fence

@@ -69,6 +69,7 @@ class CacheStats:
     demoted_pages: int = 0  # written back down a tier
     promoted_pages: int = 0  # copied up to the device
     failed_reads: int = 0  # lower-tier pages that could not be read back (a miss)
+    written_back_pages: int = 0  # copied to disk while they stay on the device (write_back_pages)
 
 
 class PrefixCache:
@@ -83,6 +84,7 @@ class PrefixCache:
         host: HostTier | None = None,
         disk: DiskTier | None = None,
         ttl_s: float | None = None,
+        write_back_pages: int = 0,
     ) -> None:
         if (host is not None or disk is not None) and device is None:
             raise ValueError("lower tiers need the device pool to copy pages")
@@ -95,6 +97,7 @@ class PrefixCache:
         self.host = host
         self.disk = disk
         self.ttl_s = ttl_s  # pages older than this are not reused (and are dropped when idle)
+        self.write_back_pages = write_back_pages if disk is not None else 0  # kvcache.tiers.TierConfig
         self._nodes: dict[bytes, Node] = {}
         # Tenants of pages this process wrote to disk (records carry no salt), for purges.
         self._disk_salts: dict[bytes, bytes] = {}
@@ -245,7 +248,35 @@ class PrefixCache:
         if stored:
             self.stats.inserted_pages += len(stored)
             self._emit(EventKind.STORED, stored, Tier.DEVICE)
+        if (n := self.write_back_pages) and len(hashes) // n > start // n:  # whole blocks, once each
+            self.write_back(hashes[start // n * n : len(hashes) // n * n])
         return len(stored)
+
+    def write_back(self, hashes: Sequence[bytes]) -> int:
+        """Write the device pages of `hashes` to the disk tier too; they stay on the device (a
+        copy, not a demotion: the index still has them on the device). Durable within the disk
+        tier's sync interval, so a worker that dies leaves them on its disk, where its restarted
+        self re-indexes them. How many records were written."""
+        if self.disk is None or self.device is None:
+            return 0
+        written, dropped = 0, []
+        for page_hash in hashes:
+            node = self._nodes.get(page_hash)
+            if node is None or node.tier != Tier.DEVICE or self.disk.contains(page_hash):
+                continue
+            lost = self.disk.put(page_hash, self.device.read_page(node.page_id))
+            dropped += [h for h in lost if h != page_hash]
+            if page_hash not in lost:  # (the write failed: it is only on the device, as before)
+                self._disk_salts[page_hash] = node.salt  # a purge of its tenant removes it from disk too
+                written += 1
+        gone = [h for h in dropped if h not in self._nodes]  # disk-only pages the tier let go
+        for page_hash in dropped:
+            self._disk_salts.pop(page_hash, None)
+        if gone:
+            self.stats.evicted_pages += len(gone)
+            self._emit(EventKind.REMOVED, gone, Tier.DISK)
+        self.stats.written_back_pages += written
+        return written
 
     def allocate(self, n: int) -> list[int] | None:
         """Fresh device pages, evicting (writing back) cached pages when that is what it takes."""
@@ -494,6 +525,7 @@ class PrefixCache:
             self.host.free(node.page_id)
         if self.disk is not None:
             self.disk.remove(node.hash)
+            self._disk_salts.pop(node.hash, None)  # a copy written back went with it
 
     # -- events -----------------------------------------------------------------------------
 
@@ -505,8 +537,8 @@ class PrefixCache:
     def snapshot(self) -> tuple[int, list[tuple[bytes, Tier]]]:
         """(last event seq, every cached page and its tier) for a scheduler rebuilding its index."""
         pages = [(h, n.tier) for h, n in self._nodes.items()]
-        if self.disk is not None:
-            pages += [(h, Tier.DISK) for h in self.disk.hashes()]
+        if self.disk is not None:  # a page written back is on the device, as far as anyone reads it
+            pages += [(h, Tier.DISK) for h in self.disk.hashes() if h not in self._nodes]
         return self._seq, pages
 
     # -- invariants -------------------------------------------------------------------------

@@ -19,12 +19,18 @@ class TierConfig:
     disk_dir: str | None = None  # required when disk_pages > 0; survives restarts
     disk_segment_bytes: int = 64 << 20  # records are appended to segment files of this size
     page_ttl_s: float | None = None  # cached pages older than this are not reused
+    # > 0: a sequence's pages are also written to the disk tier, this many at a time, as they are
+    # cached (they stay on the device): a worker that dies leaves them on its disk, where its
+    # restarted self re-indexes them (recovery.write_back_pages; 0: only eviction writes back)
+    write_back_pages: int = 0
 
     def __post_init__(self) -> None:
-        if self.host_pages < 0 or self.disk_pages < 0:
-            raise ValueError("tier capacities must be >= 0")
+        if self.host_pages < 0 or self.disk_pages < 0 or self.write_back_pages < 0:
+            raise ValueError("tier capacities and write_back_pages must be >= 0")
         if self.disk_pages and not self.disk_dir:
             raise ValueError("disk_pages needs disk_dir")
+        if self.write_back_pages and not self.disk_pages:
+            raise ValueError("write_back_pages needs the disk tier (disk_pages, disk_dir)")
 
 
 def build_tiers(

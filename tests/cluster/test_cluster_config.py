@@ -48,7 +48,7 @@ placement: {policy: round_robin, local_prefill_tokens: 0}
 membership: {backend: etcd, lease_ttl_s: 3, etcd: {host: etcd.baton, port: 2380}}
 api: {host: 0.0.0.0, port: 9000, grpc_port: 0, api_keys_file: /keys}
 admission: {max_waiting_requests: 10}
-recovery: {preserve_kv: false, retain_share: 0.1, retain_s: 5, drain_hand_off: false}
+recovery: {preserve_kv: false, retain_share: 0.1, retain_s: 5, drain_hand_off: false, write_back_pages: 8}
 """)
     cfg = to_server_config(f)
     d = cfg.disagg
@@ -62,6 +62,7 @@ recovery: {preserve_kv: false, retain_share: 0.1, retain_s: 5, drain_hand_off: f
     assert (d.membership.etcd_host, d.membership.etcd_port, d.membership.lease_ttl_s) == ("etcd.baton", 2380, 3)
     e = cfg.engine
     assert (e.page_size, e.num_pages, e.max_num_seqs, e.max_prefill_chunk) == (32, 4096, 128, 1024)
+    assert (e.tiers.disk_pages, e.tiers.write_back_pages) == (1000, 8)
     assert e.async_scheduling is False  # YAML's off
     on = to_server_config(parse_cluster_file("scheduler: {async_scheduling: true}")).engine
     assert on.async_scheduling is True
@@ -93,6 +94,7 @@ recovery: {preserve_kv: false, retain_share: 0.1, retain_s: 5, drain_hand_off: f
         ("workers: {prefill: {count: 1}, decode: {count: 0}}", "workers.decode.count"),
         ("recovery: {retain_share: 0.9}", "recovery.retain_share"),  # copies may not crowd out prompts
         ("recovery: {preserve_kv: 'yes'}", "recovery.preserve_kv"),
+        ("recovery: {write_back_pages: 8}", "recovery.write_back_pages"),  # no disk tier to write to
     ],
 )
 def test_bad_files_name_the_key(text: str, where: str) -> None:

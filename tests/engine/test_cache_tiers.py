@@ -129,6 +129,48 @@ def test_a_restarted_process_serves_hits_from_disk(
     assert [r["tokens"] for r in second["result"]] == [reference[tuple(p)] for p in prompts]  # type: ignore[index]
 
 
+CRASH = """
+import json, os, sys
+from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.sampling import SamplingParams
+from kvcache.tiers import TierConfig
+model, disk, prompt, write_back = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+engine = Engine(EngineConfig(model=model, dtype="float32", num_pages=64,
+                             tiers=TierConfig(disk_pages=256, disk_dir=disk, write_back_pages=write_back)))
+engine.add_request("long", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+out = []
+while engine.has_unfinished():
+    for step in engine.step():
+        out += step.token_ids
+engine.flush_cache()  # what an idle worker does between requests
+print(json.dumps({"tokens": out, "written": engine.prefix_cache.stats.written_back_pages}), flush=True)
+os._exit(0)  # then it dies: no close, nothing demoted, the device pages gone with it
+"""
+
+
+@pytest.mark.parametrize("write_back", [0, 2])
+def test_a_dead_workers_written_back_pages_serve_its_restarted_self(
+    tiny_model_dir: Path, tmp_path: Path, write_back: int
+) -> None:
+    """recovery.write_back_pages: a long sequence's pages (prompt and generated) are written to
+    the disk tier as they are cached, so a worker that dies leaves them behind; the process
+    that replaces it serves the sequence's next turn from them. Without write-back only
+    eviction writes pages down, and a death leaves nothing."""
+    prompt = _prompts(1, seed=31)[0]  # 70 tokens
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", CRASH, str(tiny_model_dir), str(tmp_path / "kv"), json.dumps(prompt),
+                           str(write_back)], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first["written"] == (6 if write_back else 0)  # 110 tokens: 6 whole pages, in blocks of 2
+    turn = prompt + first["tokens"]  # the conversation's next turn starts with all of it
+    second = _process(tiny_model_dir, tmp_path / "kv", [turn])["result"][0]  # type: ignore[index]
+    assert second["cached"] == (6 * 16 if write_back else 0)
+    engine = _engine(tiny_model_dir, cache=False, num_pages=64)
+    assert second["tokens"] == engine.generate([turn], GREEDY)[0]
+
+
 def _records(directory: Path, record_len: int) -> dict[bytes, tuple[Path, int]]:
     """page hash -> (segment file, offset), read straight from the record headers."""
     found = {}

@@ -1,5 +1,6 @@
 """The prefix cache over device, host and disk tiers, driven by random sequences: invariants hold
-after every operation, and every page handed back has exactly the contents written for it."""
+after every operation, and every page handed back has exactly the contents written for it --
+with and without pages written back to disk as they are cached (write_back_pages)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ def _content(page_hash: bytes) -> torch.Tensor:
     return torch.tensor(list(page_hash[:16]), dtype=torch.float32).view(SHAPE)
 
 
-def _cache(directory: Path) -> tuple[PrefixCache, DevicePool]:
+def _cache(directory: Path, write_back: int = 0) -> tuple[PrefixCache, DevicePool]:
     device = DevicePool(LAYOUT, 6, torch.float32)
     host = HostTier(LAYOUT, 3, torch.float32)
     disk = DiskTier(directory, FP, SHAPE, torch.float32, capacity_pages=6, sync_every_pages=1)
-    return PrefixCache(device.pages, 4, device=device, host=host, disk=disk), device
+    return PrefixCache(device.pages, 4, device=device, host=host, disk=disk, write_back_pages=write_back), device
 
 
 ops = st.lists(
@@ -41,10 +42,10 @@ ops = st.lists(
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops)
-def test_random_sequences_over_three_tiers(sequence: list[tuple[str, int, int]]) -> None:
+@given(ops, st.sampled_from([0, 0, 1, 2]))
+def test_random_sequences_over_three_tiers(sequence: list[tuple[str, int, int]], write_back: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        cache, device = _cache(Path(tmp))
+        cache, device = _cache(Path(tmp), write_back)
         pool = device.pages
         held: list[list[int]] = []
         for op, which, n in sequence:
@@ -69,6 +70,7 @@ def test_random_sequences_over_three_tiers(sequence: list[tuple[str, int, int]])
                 cache.evict(n)
             elif op == "purge":
                 cache.purge(salt)
+                assert salt not in cache._disk_salts.values()  # its written-back copies went too
             cache.check_integrity()
             pool.check_integrity()
             assert cache.disk is not None
@@ -77,7 +79,34 @@ def test_random_sequences_over_three_tiers(sequence: list[tuple[str, int, int]])
             pool.free(pages)
         cache.clear()
         assert pool.num_free == pool.num_pages
+        if not write_back:
+            assert cache.stats.written_back_pages == 0
         cache.disk.close()
+
+
+def test_written_back_pages_stay_on_the_device_and_are_on_disk(tmp_path: Path) -> None:
+    """write_back_pages=2: each whole block of two cached pages is copied to disk as it is
+    inserted; the pages are still device pages (a match reads them there, the snapshot says
+    so once), the records are on disk for a restarted process, and a purge removes both."""
+    cache, device = _cache(tmp_path, write_back=2)
+    hashes = page_hashes(list(range(12)), 4, b"a", FP)  # 3 pages
+    pages = cache.allocate(3)
+    assert pages is not None
+    for page_hash, page_id in zip(hashes, pages, strict=True):
+        device.write_page(page_id, _content(page_hash))
+    cache.insert(hashes[:1], pages[:1], 0, b"a")  # one page: no whole block yet
+    assert cache.stats.written_back_pages == 0
+    cache.insert(hashes, pages, 1, b"a")  # pages 1-2: the block 0-1 is whole
+    assert cache.stats.written_back_pages == 2 and cache.disk is not None
+    cache.disk.flush()
+    assert cache.disk.hashes() == hashes[:2] and [cache.tier_of(h) for h in hashes] == [Tier.DEVICE] * 3
+    assert dict(cache.snapshot()[1]) == dict.fromkeys(hashes, Tier.DEVICE)
+    record = cache.disk.get(hashes[1])
+    assert record is not None and torch.equal(record, _content(hashes[1]))
+    device.pages.free(pages)
+    assert cache.purge(b"a") == 3 and cache.disk.hashes() == []
+    cache.check_integrity()
+    cache.disk.close()
 
 
 def test_a_page_travels_down_and_back_up(tmp_path: Path) -> None:
