@@ -31,6 +31,7 @@ import grpc
 import torch
 
 from cluster.fleet.cpu import between_steps, core_for, idle, pin_process
+from cluster.fleet.first_tokens import FirstTokens
 from cluster.fleet.output_feed import OutputFeed
 from cluster.fleet.registration import Registration, WorkerActor
 from cluster.fleet.worker_msgs import DecodeStats, OutputBatch, PrefillResult
@@ -58,7 +59,6 @@ from kvtransfer.shm import ShmRegion, shm_handler
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
 from prefill.pushes import Pushes
-from prefill.worker import PrefillDone
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class DecodeActor(WorkerActor):
         page_bytes = engine.pool.kv[:, :, 0].numel() * engine.pool.kv.element_size()
         self.hand_offs = HandOffs(engine, chunk_pages(page_bytes, shm_slot_pages))
         self.pushes = Pushes(engine.device, engine.faults, self.tls, admit_lease_s, reservation_ttl_s + admit_lease_s)
-        self._firsts: dict[str, asyncio.Future[PrefillDone | tuple[str, str]]] = {}
+        self.firsts = FirstTokens(self.pushes)  # the hand-offs' first tokens
 
     async def start(self) -> str:
         """Serve KV pushes and start stepping; returns the address reservations name. Idempotent."""
@@ -207,9 +207,7 @@ class DecodeActor(WorkerActor):
     async def abort(self, req_id: str) -> None:
         self.worker.abort(req_id)
         self.hand_offs.abort(req_id)
-        future = self._firsts.pop(req_id, None)
-        if future is not None and not future.done():
-            future.cancel()
+        self.firsts.cancel(req_id)
         self.pushes.abort(req_id)
         self._settled.fire()
 
@@ -224,28 +222,17 @@ class DecodeActor(WorkerActor):
         self._check_started()
         if not self.registration.draining:
             raise RuntimeError("only a draining decode worker hands requests off")
+        if job.sampling.constraint is not None:  # its first token here is sampled under its mask
+            await asyncio.to_thread(self.worker.engine.prepare, job.sampling)
+        if self.worker.was_aborted(job.req_id):  # its abort came first: the caller is gone
+            raise RuntimeError(f"{job.req_id} was aborted before its hand-off")
         self._stall, self._stalled_until = None, 0.0  # a drill's stall does not hold the drain's last work
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[PrefillDone | tuple[str, str]] = loop.create_future()
-        self._firsts[job.req_id] = future
-        push = self.pushes.open(job.req_id, dest)
-        try:
-            self.hand_offs.submit(job, dest, moved, on_device=self.pushes.transport_to(dest.address) == "nccl")
+
+        def submit(on_device: bool) -> None:
+            self.hand_offs.submit(job, dest, moved, on_device)
             self._wake.set()
-            done = await future
-        except BaseException:
-            self.pushes.drop(dest.transfer_id)
-            raise
-        finally:
-            self._firsts.pop(job.req_id, None)
-        if isinstance(done, tuple):
-            self.pushes.drop(dest.transfer_id)
-            raise RuntimeError(f"hand-off of {moved} failed: {done[1]}")
-        if done.finish_reason is not None:  # the first token ends the request: nothing more moves
-            self.pushes.drop(dest.transfer_id)
-            return PrefillResult(done.output, "")
-        self.pushes.first_token(push, done.chunks)
-        return PrefillResult(done.output, dest.transfer_id)
+
+        return await self.firsts.prefill(job, dest, submit)
 
     async def push_result(self, transfer_id: str) -> TransferReport:
         return await self.pushes.result(transfer_id)
@@ -349,9 +336,11 @@ class DecodeActor(WorkerActor):
         """The step's outputs less the hand-offs' (whose first tokens go to their callers)."""
         kept, done = self.hand_offs.take(outputs)
         for result in done:
-            future = self._firsts.get(result[0] if isinstance(result, tuple) else result.req_id)
-            if future is not None and not future.done():
-                future.set_result(result)
+            if isinstance(result, tuple):
+                req_id, why = result
+                self.firsts.done(req_id, RuntimeError(f"hand-off {req_id} failed: {why}"))
+            else:
+                self.firsts.done(result.req_id, result)
         return kept
 
     def _count_stall_step(self) -> None:

@@ -27,6 +27,7 @@ import time
 import torch
 
 from cluster.fleet.cpu import between_steps, core_for, idle, pin_process
+from cluster.fleet.first_tokens import FirstTokens
 from cluster.fleet.registration import Registration, WorkerActor
 from cluster.fleet.worker_msgs import PrefillResult, PrefillStats
 from cluster.membership.protocol import Role
@@ -45,7 +46,7 @@ from kvtransfer.select import WorkerPlace
 from kvtransfer.tls import NO_TLS, KVTls, KVTlsPaths
 from kvtransfer.transport import DEFAULT_DEADLINE_S, KVDestination
 from prefill.pushes import Pushes
-from prefill.worker import PrefillDone, PrefillWorker, Retention
+from prefill.worker import PrefillWorker, Retention
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class PrefillActor(WorkerActor):
         super().__init__(registration, kv_log, self.worker.engine)
         self.pushes = Pushes(self.worker.engine.device, self.worker.engine.faults, self.tls, push_deadline_s,
                              stream_limit_s, chunk_pause_s, on_end=self.worker.pushed)  # fmt: skip
-        self._firsts: dict[str, asyncio.Future[PrefillDone]] = {}
+        self.firsts = FirstTokens(self.pushes)
         self._aborted = AbortedIds(stream_limit_s)  # a prefill arriving after its abort computes nothing
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -119,24 +120,12 @@ class PrefillActor(WorkerActor):
             await asyncio.to_thread(self.worker.engine.prepare, job.sampling)
         if job.req_id in self._aborted:  # its abort came first: the caller is gone
             raise RuntimeError(f"{job.req_id} was aborted before its prefill")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[PrefillDone] = loop.create_future()
-        self._firsts[job.req_id] = future
-        push = self.pushes.open(job.req_id, dest)
-        try:
-            self.worker.submit(job, dest, on_device=self.pushes.transport_to(dest.address) == "nccl")
+
+        def submit(on_device: bool) -> None:
+            self.worker.submit(job, dest, on_device=on_device)
             self._wake.set()
-            done = await future
-        except BaseException:
-            self.pushes.drop(dest.transfer_id)
-            raise
-        finally:
-            self._firsts.pop(job.req_id, None)
-        if done.finish_reason is not None:  # the first token ends the request: nothing more moves
-            self.pushes.drop(dest.transfer_id)
-            return PrefillResult(done.output, "")
-        self.pushes.first_token(push, done.chunks)
-        return PrefillResult(done.output, dest.transfer_id)
+
+        return await self.firsts.prefill(job, dest, submit)
 
     async def pin_prefix(
         self, pin_id: str, prompt_ids: tuple[int, ...], cache_salt: str, ttl_s: float, wait_s: float
@@ -156,9 +145,7 @@ class PrefillActor(WorkerActor):
     async def abort(self, req_id: str) -> None:
         self._aborted.add(req_id)
         self.worker.abort(req_id)
-        future = self._firsts.pop(req_id, None)
-        if future is not None and not future.done():
-            future.cancel()
+        self.firsts.cancel(req_id)
         self.pushes.abort(req_id)
 
     async def stall(self, seconds: float) -> None:
@@ -203,7 +190,7 @@ class PrefillActor(WorkerActor):
         self.worker.epoch = epoch  # its pushes carry it: decode refuses pages of a stale one
 
     def _is_idle(self) -> bool:
-        busy = self.worker.engine.scheduler.num_requests or self._firsts
+        busy = self.worker.engine.scheduler.num_requests or len(self.firsts)
         return not busy and not self.pushes.num_running
 
     def _num_unfinished(self) -> int:
@@ -239,9 +226,7 @@ class PrefillActor(WorkerActor):
                 continue
             self._measure(pending - scheduler.num_pending_tokens, time.perf_counter() - start)
             for done in finished:
-                future = self._firsts.get(done.req_id)
-                if future is not None and not future.done():
-                    future.set_result(done)
+                self.firsts.done(done.req_id, done)
             for ready in self.worker.take_ready():  # pages of prompts still computing
                 self.pushes.feed(ready.dest.transfer_id, ready.chunks)
             await between_steps()  # pushes and new calls run between steps
@@ -255,7 +240,6 @@ class PrefillActor(WorkerActor):
             self.s_per_token = rate if not self.s_per_token else 0.8 * self.s_per_token + 0.2 * rate
 
     def _fail_all(self, exc: Exception) -> None:
-        for req_id, future in list(self._firsts.items()):
+        for req_id in self.firsts.waiting():
             self.worker.abort(req_id)
-            if not future.done():
-                future.set_exception(RuntimeError(f"prefill failed: {exc!r}"))
+            self.firsts.done(req_id, RuntimeError(f"prefill failed: {exc!r}"))

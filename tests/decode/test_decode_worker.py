@@ -18,17 +18,10 @@ from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits
 from kvtransfer.local import receive_all
 from kvtransfer.transport import KVDestination, build_chunks
+from tests.clock import Clock
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = tuple(range(100, 180))  # 80 tokens: 5 pages
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,11 @@ from engine.sampling import SamplingParams
 from kvtransfer.codec import CodecLimits
 from kvtransfer.local import receive_all
 from prefill.worker import PrefillDone
+from tests.clock import Clock
 
 OUT = 40
 GREEDY = SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
 PS = 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture(scope="module")

@@ -272,4 +272,4 @@ def test_a_drained_decode_worker_hands_its_stream_over_with_its_pages(
     assert moves == 1, "the drain let the stream finish there instead of moving it"
     assert fetched >= CONTEXT + 2 * PS, "the generated tokens' pages did not come from the drained worker"
     assert drained._value.get() - drained_before == fetched  # noqa: SLF001 -- all of it from there
-    assert recomputed < PS
+    assert recomputed <= PS  # the partial last page: 1 to 16 tokens
