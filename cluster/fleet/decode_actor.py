@@ -101,9 +101,11 @@ class DecodeActor(WorkerActor):
         exit_on_failure: bool = False,  # a failed engine ends the process (Ray restarts it)
         tls: KVTlsPaths = NO_TLS,  # mutual TLS on the KV server (kvtransfer.tls)
         hand_off_on_drain: bool = False,  # a drain asks the gateway to move its requests (recovery.drain_hand_off)
+        hand_off_pages: bool = True,  # and they take their pages from here (recovery.preserve_kv)
     ) -> None:
         self.tls = KVTls.load(tls)
         self.hand_off_on_drain = hand_off_on_drain
+        self.hand_off_pages = hand_off_pages
         self.handing_off = False  # draining, and its requests should move: the gateway reads it in the stats
         self.core = pin_process(core_for(pin_slot)) if pin_slot is not None else None
         torch.set_num_threads(num_threads)
@@ -277,9 +279,10 @@ class DecodeActor(WorkerActor):
     def _on_drain(self) -> None:
         """A drain started (the gateway's, the planner's or SIGTERM's): with hand-off, the
         stats say so from the next batch on, and the gateway moves this worker's requests to
-        the others (which resume them from copies of their pages), aborting them here."""
+        the others (which resume them from copies of their pages: from this worker's, which it
+        pushes them, unless preservation is off), aborting them here."""
         self.handing_off = self.hand_off_on_drain
-        if self.handing_off:  # the drain waits for their hand-offs (or their end here)
+        if self.handing_off and self.hand_off_pages:  # the drain waits for their hand-offs (or their end here)
             self.hand_offs.expect(self.worker.engine.scheduler.req_ids())
 
     def _is_idle(self) -> bool:

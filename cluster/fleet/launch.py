@@ -122,7 +122,7 @@ class Spawner:
             num_threads=cfg.decode_threads or cfg.num_threads, shm_slots=0 if cfg.transport in ("grpc", "nccl") else cfg.shm_slots,
             shm_slot_pages=cfg.pages_per_chunk, pin_slot=pin_slot, max_restarts=cfg.max_restarts,
             bind_host=cfg.bind_host, advertise_host=cfg.advertise_host, tls=cfg.kv_tls,
-            hand_off_on_drain=cfg.drain_hand_off,
+            hand_off_on_drain=cfg.drain_hand_off, hand_off_pages=cfg.preserve_kv,
         )  # fmt: skip
 
     def prefill(self, index: int, pin_slot: int | None = None) -> Any:
