@@ -61,11 +61,11 @@ class HandOffs:
         PrefillWorker.start(self.engine, job)
         self._jobs[job.req_id] = (job, dest, on_device)
 
-    def take(self, outputs: Iterable[StepOutput]) -> tuple[list[StepOutput], list[PrefillDone | tuple[str, str]]]:
-        """The outputs that are not hand-offs', and each hand-off that finished: a PrefillDone,
-        or (req_id, why it cannot be pushed)."""
+    def take(self, outputs: Iterable[StepOutput]) -> tuple[list[StepOutput], list[tuple[str, PrefillDone | Exception]]]:
+        """The outputs that are not hand-offs', and each hand-off that finished, by request id:
+        its PrefillDone, or why it cannot be pushed."""
         kept: list[StepOutput] = []
-        done: list[PrefillDone | tuple[str, str]] = []
+        done: list[tuple[str, PrefillDone | Exception]] = []
         for out in outputs:
             entry = self._jobs.get(out.req_id)
             if entry is None:
@@ -80,12 +80,13 @@ class HandOffs:
             exported = self.engine.take_exported(out.req_id)
             if exported is None or len(exported.kv) != len(dest.dest_page_ids):
                 pages = len(exported.kv) if exported is not None else 0
-                done.append((out.req_id, f"{pages} pages for {len(dest.dest_page_ids)} reserved"))
+                why = f"hand-off {out.req_id} failed: {pages} pages for {len(dest.dest_page_ids)} reserved"
+                done.append((out.req_id, RuntimeError(why)))
                 continue
             finished = out.finish_reason if PrefillWorker.ends_here(job, out.finish_reason) else None
             chunks = () if finished else page_chunks(dest, exported.kv, 0, dest.epoch, self.pages_per_chunk, on_device)
             first = replace(out, finish_reason=finished)  # LENGTH of the 1-token prefill is not the request's
-            done.append(PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks, first))
+            done.append((out.req_id, PrefillDone(out.req_id, exported.first_token, out.text, finished, dest, chunks, first)))
             self.num_handed_off += not finished
         return kept, done
 

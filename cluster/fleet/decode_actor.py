@@ -338,12 +338,8 @@ class DecodeActor(WorkerActor):
     def _handed_off(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """The step's outputs less the hand-offs' (whose first tokens go to their callers)."""
         kept, done = self.hand_offs.take(outputs)
-        for result in done:
-            if isinstance(result, tuple):
-                req_id, why = result
-                self.firsts.done(req_id, RuntimeError(f"hand-off {req_id} failed: {why}"))
-            else:
-                self.firsts.done(result.req_id, result)
+        for req_id, result in done:
+            self.firsts.done(req_id, result)
         return kept
 
     def _count_stall_step(self) -> None:

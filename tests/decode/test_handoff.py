@@ -38,10 +38,10 @@ def _prompt(seed: int, n: int) -> tuple[int, ...]:
     return tuple(np.random.default_rng(seed).integers(100, 16_384, size=n).tolist())
 
 
-def _steps(engine: Engine, hand: HandOffs, until: int) -> tuple[list[StepOutput], list[PrefillDone | tuple[str, str]]]:
+def _steps(engine: Engine, hand: HandOffs, until: int) -> tuple[list[StepOutput], list[tuple[str, PrefillDone | Exception]]]:
     """Step until `until` outputs or hand-offs came out (bounded); what `take` kept and handed."""
     kept: list[StepOutput] = []
-    done: list[PrefillDone | tuple[str, str]] = []
+    done: list[tuple[str, PrefillDone | Exception]] = []
     for _ in range(200):
         if len(kept) + len(done) >= until or not engine.has_unfinished():
             break
@@ -77,7 +77,8 @@ def test_a_moved_request_takes_its_whole_context_from_the_drained_worker(
     hand.submit(job, dest, moved="r")
     kept, done = _steps(drained, hand, 1)
     assert kept == []  # nobody streams a hand-off's token from here
-    [result] = done
+    [(req_id, result)] = done
+    assert req_id == "r@1"
     assert isinstance(result, PrefillDone) and result.finish_reason is None
     # every whole page of the context, generated ones included, came from the cache
     assert result.output.cached.total == (len(context) - 1) // PS * PS
