@@ -204,6 +204,8 @@ class Frontend:
         self.started_at = time.time()
         self._compiler: GrammarCompiler | None = None  # the gateway's, when the engines are elsewhere
         self.pins = PinBook()  # prefixes pinned through this gateway (cluster.edge.pins)
+        if isinstance(self.engine, PinsPrefixes):
+            self.engine.follow_pins(self.pins.answered)
         self.gateway: Gateway | None = None  # set when cluster.yaml names external pools (cluster.gateway)
 
     # -- operations -----------------------------------------------------------------------------

@@ -7,16 +7,17 @@ RAG corpus header) resident on every worker of a role until a TTL (engine.pins o
     gRPC UnpinPrefix / DELETE /admin/pins/{tenant}/{pin_id}   every worker releases it
 
 The book bounds pins per tenant (MAX_PINS_PER_TENANT, MAX_PINNED_TOKENS_PER_TENANT); each
-worker bounds the pages its pins hold (half its pool). A pin lives on the workers that held it
-when it was made, and the book says what each worker answered then: a worker that joins
-later, or restarts, does not have it (pin again).
+worker bounds the pages its pins hold (half its pool). On Ray a pin stands until its TTL: a
+worker of its role that joins later (the planner's, `baton scale`'s, adopted) or that Ray
+restarted gets it too, for what is left of the TTL (cluster.fleet.pins), and the book adds
+what that worker answered. A colocated or one-process gateway has no workers that join.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +42,9 @@ class PinsPrefixes(Protocol):
     ) -> list[PinAnswer]: ...
 
     async def unpin_prefix(self, pin_id: str) -> int: ...
+
+    def follow_pins(self, answered: Callable[[str, PinAnswer], None]) -> None:
+        """`answered(worker pin id, answer)` for each pin re-applied to a worker that joined."""
 
 
 def worker_pin_id(tenant: str, pin_id: str) -> str:
@@ -101,6 +105,14 @@ class PinBook:
         else:
             self._pins.pop((tenant, pin_id), None)
         return rec
+
+    def answered(self, worker_pin: str, answer: PinAnswer) -> None:
+        """A worker that joined later answered a standing pin (cluster.fleet.pins)."""
+        tenant, _, pin_id = worker_pin.rpartition(":")  # a pin id has no ':' (PIN_ID)
+        rec = self._pins.get((tenant, pin_id))
+        if rec is not None and rec.expires_at > time.time():
+            worker, said = answer
+            rec.workers[worker] = said.state if isinstance(said, PinView) else said
 
     def forget(self, tenant: str, pin_id: str) -> None:
         self._pins.pop((tenant, pin_id), None)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -100,6 +100,9 @@ class Fleet:
         self._retired: set[str] = set()  # drained or dead for good: never reused, adopted or revived
         self._reviving: set[str] = set()  # dead workers being brought back (_revive)
         self._spawned: dict[str, Any] = {}  # add_worker's actors: the creator's handles keep them alive
+        # Told of each worker that starts serving after launch with an empty engine: one adopted
+        # (the planner's, another gateway's) or one Ray restarted (RayFront re-applies pins).
+        self.on_join: Callable[[PrefillHandle | DecodeHandle], None] = lambda handle: None
 
     @property
     def is_alive(self) -> bool:
@@ -337,6 +340,7 @@ class Fleet:
         self.index.add_worker(handle.name, epoch)  # its cache is empty: stale until its snapshot
         self.metrics.restarts.labels(role).inc()
         logger.warning("%s worker %s restarted and rejoined (epoch %d)", role, handle.name, epoch)
+        self.on_join(handle)
 
     def _live_decodes(self) -> list[tuple[str, Any, str]]:
         return [(d.name, d.actor, d.address) for d in self.decodes if d.is_alive]
@@ -391,13 +395,14 @@ class Fleet:
 
     async def _adopt(self, info: WorkerInfo) -> None:
         """A worker that joined on its own: find its actor by name and route pages to and from it."""
+        joined: PrefillHandle | DecodeHandle
         try:
             actor = ray.get_actor(info.address)
             if info.role == MemberRole.PREFILL:
                 self.routed(await route([(info.worker_id, actor)], self._live_decodes(), self.cfg.transport))
                 prefill = PrefillHandle(info.worker_id, actor, info.epoch)
                 self.prefills.append(prefill)
-                self.prefill_of[info.worker_id] = prefill
+                self.prefill_of[info.worker_id] = joined = prefill
             else:
                 address: str = await asyncio.wait_for(ray_await(actor.start.remote()), STOP_S)
                 self.routed(await route([(p.name, p.actor) for p in self.prefills if p.is_alive],
@@ -405,7 +410,7 @@ class Fleet:
                 decode = DecodeHandle(info.worker_id, actor, address, self.cfg.poll_wait_s, epoch=info.epoch,
                                       watchdog_s=self.cfg.watchdog_s)  # fmt: skip
                 self.decodes.append(decode)
-                self.decode_of[info.worker_id] = decode
+                self.decode_of[info.worker_id] = joined = decode
                 self._watch_decode(decode)
                 decode.start()
         except Exception as exc:
@@ -413,6 +418,7 @@ class Fleet:
             return
         self.index.add_worker(info.worker_id, info.epoch)
         logger.info("adopted %s worker %s (epoch %d)", info.role, info.worker_id, info.epoch)
+        self.on_join(joined)
 
     # -- scaling (the planner's) -----------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple, Protocol
 
@@ -42,9 +42,10 @@ from cluster.disagg_config import DisaggConfig
 from cluster.edge.frontend import ModelView, PoolUsage
 from cluster.errors import EdgeError, Kind
 from cluster.fleet import ray_runtime  # noqa: F401  (before `ray`)
-from cluster.fleet.calls import Stalled, abandonable, decode_call, prefill_call, ray_await
+from cluster.fleet.calls import Stalled, decode_call, prefill_call, ray_await
 from cluster.fleet.dispatch import Handed, PrefillSide, Redispatch, Started, dispatch, replayable
 from cluster.fleet.fleet import Fleet, StartsWorkers
+from cluster.fleet.pins import StandingPin, StandingPins, pin_worker, pins_decode, unpin_worker
 from cluster.fleet.routes import route
 from cluster.fleet.transfer_metrics import TransferMetrics
 from cluster.fleet.worker_msgs import PrefillResult
@@ -69,7 +70,6 @@ import ray  # isort: skip
 
 logger = logging.getLogger(__name__)
 
-PIN_CALL_S = 10.0  # a worker's answer to a pin call, past the wait for its pages it was given
 ROUTE_CALL_S = 30.0  # a drained worker told how to reach a survivor (an nccl channel opens within it)
 
 
@@ -94,6 +94,8 @@ class RayFront:
         self._turn = 0  # the round_robin placement's (DisaggConfig.placement)
         self._moving: dict[str, tuple[_Lost, RequestTrace]] = {}  # migrated attempts until computed()
         self._hand_off_routes: dict[tuple[str, str], asyncio.Task[bool]] = {}  # (drained, survivor) -> routed
+        self.pins = StandingPins(self.metrics.pins_reapplied)
+        self.fleet.on_join = self._joined
 
     # -- the surface the Frontend uses --------------------------------------------------------
 
@@ -134,32 +136,31 @@ class RayFront:
     ) -> list[PinAnswer]:
         """Pin on every routable worker of `role` ("": the prefill workers, or the decode
         workers when there are none; one that left or stalls gets no work, nor pins): each
-        one's answer (a worker that fails to answer says why)."""
+        one's answer. The pin stands (cluster.fleet.pins): workers that join later get it too."""
         prefills: list[PrefillHandle | DecodeHandle] = [p for p in self.fleet.prefills if p.is_routable]
-        use_decode = role == "decode" or (role == "" and not prefills)
-        targets = [d for d in self.fleet.decodes if d.is_routable] if use_decode else prefills
-
-        async def one(handle: PrefillHandle | DecodeHandle) -> PinAnswer:
-            try:
-                call = handle.actor.pin_prefix.remote(pin_id, prompt_ids, cache_salt, ttl_s, wait_s)
-                return handle.name, await asyncio.wait_for(abandonable(ray_await(call)), wait_s + PIN_CALL_S)
-            except Exception as exc:  # noqa: BLE001 -- one worker's failure is its answer, not the call's
-                return handle.name, f"the worker did not answer: {type(exc).__name__}"
-
-        return list(await asyncio.gather(*(one(h) for h in targets)))
+        if pins_decode(role, bool(prefills)):
+            targets: list[PrefillHandle | DecodeHandle] = [d for d in self.fleet.decodes if d.is_routable]
+        else:
+            targets = prefills
+        expires_at = time.monotonic() + ttl_s
+        answers = list(await asyncio.gather(*(pin_worker(h, pin_id, prompt_ids, cache_salt, ttl_s, wait_s)
+                                              for h in targets)))  # fmt: skip
+        self.pins.stand(pin_id, StandingPin(role, prompt_ids, cache_salt, expires_at, wait_s), answers)
+        return answers
 
     async def unpin_prefix(self, pin_id: str) -> int:
         """Release a pin on every live worker (of both roles); how many had it."""
+        self.pins.drop(pin_id)
         handles: list[PrefillHandle | DecodeHandle] = [*self.fleet.prefills, *self.fleet.decodes]
+        handles = [h for h in handles if h.is_alive]
+        return sum(await asyncio.gather(*(unpin_worker(h, pin_id) for h in handles)))
 
-        async def one(handle: PrefillHandle | DecodeHandle) -> bool:
-            try:
-                call = abandonable(ray_await(handle.actor.unpin_prefix.remote(pin_id)))
-                return bool(await asyncio.wait_for(call, PIN_CALL_S))
-            except Exception:  # noqa: BLE001 -- a dead worker holds nothing; the TTL ends it anyway
-                return False
+    def follow_pins(self, answered: Callable[[str, PinAnswer], None]) -> None:
+        self.pins.on_answer = answered
 
-        return sum(await asyncio.gather(*(one(h) for h in handles if h.is_alive)))
+    def _joined(self, handle: PrefillHandle | DecodeHandle) -> None:
+        if len(self.pins):
+            self.fleet.pending.fire(self.pins.reapply(handle, any(p.is_routable for p in self.fleet.prefills)))
 
     # -- one request ----------------------------------------------------------------------------
 
@@ -318,8 +319,16 @@ class RayFront:
         pair = (source.name, target.name)
         routed = self._hand_off_routes.get(pair)
         if routed is None:  # once a pair, however many requests move at once
+            self._forget_hand_off_routes()
             routed = self._hand_off_routes[pair] = asyncio.ensure_future(self._route_hand_off(source, target))
         return _RayHandOff(self, source, lost.moved) if await asyncio.shield(routed) else None
+
+    def _forget_hand_off_routes(self) -> None:
+        """Routes from drained workers that are gone: a draining worker's routes serve only
+        while it lives, so the map holds a few pairs, not one for each drain ever."""
+        decode_of = self.fleet.decode_of
+        for pair in [(s, t) for s, t in self._hand_off_routes if s not in decode_of or not decode_of[s].is_alive]:
+            del self._hand_off_routes[pair]
 
     async def _route_hand_off(self, source: DecodeHandle, target: DecodeHandle) -> bool:
         """Tell the drained worker how to reach `target` (cluster.fleet.routes): whether it can."""

@@ -108,6 +108,9 @@ class PDFront:
     async def unpin_prefix(self, pin_id: str) -> int:
         return sum([await unpin_on(self.prefill, pin_id), await unpin_on(self.decode, pin_id)])
 
+    def follow_pins(self, answered: Callable[[str, PinAnswer], None]) -> None:
+        """Its two engines are there from the start: no worker joins later."""
+
     async def prepare(self, sampling: SamplingParams) -> None:
         """Compile the request's constraint on both sides (the prefill side samples the first
         token under it, the decode side goes on from there); ConstraintError if refused."""

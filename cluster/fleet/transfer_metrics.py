@@ -74,6 +74,10 @@ class TransferMetrics:
         self.restarts = Counter(
             "baton_worker_restarts", "Workers that died, were restarted by Ray and rejoined", ["role"], registry=None
         )
+        self.pins_reapplied = Counter(
+            "baton_pins_reapplied", "Standing pins re-applied to a worker that joined, by what it answered",
+            ["role", "outcome"], registry=None,
+        )
         self.placements = Counter(
             "baton_placements_total", "Requests by where their prompt was prefilled", ["route"], registry=None
         )
@@ -96,7 +100,7 @@ class TransferMetrics:
     def register(self, registry: CollectorRegistry, workers: Workers) -> None:
         for metric in (self.transfers, self.bytes, self.seconds, self.size, self.failures, self.redispatches,
                        self.migrations, self.migrated_tokens, self.resume_seconds, self.stalls, self.restarts,
-                       self.placements, self.inflight, self.given_up, self.saturated):
+                       self.pins_reapplied, self.placements, self.inflight, self.given_up, self.saturated):
             registry.register(metric)
         registry.register(_WorkerCollector(workers))
 

@@ -31,6 +31,7 @@ from engine.job import Job
 from engine.sampling import SamplingParams
 from tests.cluster.conftest import ServerHandle, start_server
 from tests.cluster.test_planner import FakeCustomObjects, groups, raycluster, validate_raycluster
+from tests.cluster.test_ray_serving import metric
 
 ray = pytest.importorskip("ray")
 
@@ -204,11 +205,25 @@ def _running(pid: int) -> bool:
 
 
 def test_the_planners_add_and_drain_serve_every_request(pd3: ServerHandle) -> None:
+    """The planner adds a prefill worker: it is routed to, gets the prefix pinned before it
+    came (cluster.fleet.pins), serves, and drains away with nothing abandoned."""
     front = pd3.running.front
     assert isinstance(front, RayFront)
+    prefix = [random.Random(7).randrange(100, 1000) for _ in range(40)]  # 2 whole pages
+    pinned = httpx.post(pd3.url + "/admin/pins", json={"tenant": "acme", "pin_id": "sys", "token_ids": prefix,
+                                                       "ttl_s": 600}, timeout=60)  # fmt: skip
+    assert pinned.status_code == 200 and pinned.json()["workers"] == {"prefill-0": "held"}, pinned.text
     name = on_loop(pd3, front.fleet.add_worker("prefill"), 180)
     assert name == "prefill-1" and front.fleet.prefill_of[name].is_routable
     assert any(v.prefill == name and v.routable for v in front.pairs.views())  # the adopted worker is routed
+
+    def pin_workers() -> dict[str, str]:
+        [pin] = httpx.get(pd3.url + "/status", timeout=10).json()["pins"]
+        return dict(pin["workers"])
+
+    # "held" is the new worker's own answer: its engine holds the prefix's pages under the pin.
+    wait_for(lambda: pin_workers() == {"prefill-0": "held", name: "held"}, "the added worker did not get the pin", 60)
+    assert metric(pd3, "baton_pins_reapplied_total", role="prefill", outcome="held") == 1
     load = Load(pd3)
     try:
         wait_for(lambda: sum(p == name for _, _, p in load.placed) >= 2, "the new prefill worker got no work", 60)
@@ -220,6 +235,7 @@ def test_the_planners_add_and_drain_serve_every_request(pd3: ServerHandle) -> No
         wait_for(lambda: load.ok >= served_after + 6, "the load stopped after the drain")
     finally:
         load.finish()
+        httpx.delete(pd3.url + "/admin/pins/acme/sys", timeout=30)
     assert load.failed == [], load.failed[:3]
 
 

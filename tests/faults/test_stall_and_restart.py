@@ -36,6 +36,7 @@ from tests.faults.conftest import (
     decode_pid,
     front_of,
     node,
+    on_loop,
     proc_state,
     prompts,
     reference,
@@ -149,12 +150,16 @@ def test_a_prefill_worker_killed_before_the_handoff_is_restarted(recovering: Ser
     """Fault 2, before the handoff: SIGKILL the prefill worker's process while it holds a
     prompt (its loop held by the `stall` drill, so no first token and no page has moved):
     the request completes by decode-local prefill with the no-fault tokens, the reservation's
-    pages return, and Ray restarts the worker, which rejoins."""
+    pages return, and Ray restarts the worker, which rejoins and holds again the prefix pinned
+    before it died (cluster.fleet.pins)."""
     front = front_of(recovering)
     prefill = front.fleet.prefills[0]
     texts = prompts(1, "killed-before", scale=4)
     want = reference(server, texts, MAX_TOKENS)
     restarts = counter(front, "restarts", "prefill")
+    pin = ("", "acme:sys", tuple(range(100, 140)), "acme", 600.0, 30.0)  # 2 whole pages, on the prefill workers
+    assert [a.state for _, a in on_loop(recovering, front.pin_prefix(*pin))] == ["held"]  # type: ignore[union-attr]
+    reapplied = front.metrics.pins_reapplied.labels("prefill", "held")._value.get()  # noqa: SLF001
     pid = ray.get(prefill.actor.ping.remote(), timeout=30)
     ray.get(prefill.actor.stall.remote(30), timeout=30)
     streams = Streams(recovering, texts, MAX_TOKENS)
@@ -166,6 +171,9 @@ def test_a_prefill_worker_killed_before_the_handoff_is_restarted(recovering: Ser
     assert streams.errors == [] and streams.got == want
     wait_for(lambda: counter(front, "restarts", "prefill") == restarts + 1, "Ray restarted it and it rejoined", 90)
     assert prefill.is_routable and ray.get(prefill.actor.ping.remote(), timeout=30) != pid
+    wait_for(lambda: front.metrics.pins_reapplied.labels("prefill", "held")._value.get() == reapplied + 1,  # noqa: SLF001
+             "the restarted worker holds the pin again", 30)  # its own answer: the pin's pages are held there
+    assert on_loop(recovering, front.unpin_prefix("acme:sys")) == 1
     for d in front.fleet.decodes:
         wait_for(lambda d=d: _at_baseline(d), f"{d.name}'s pages back at baseline", 15)
 
