@@ -12,7 +12,9 @@ KV-preserving failover).
 A released copy's pages stay cached as any other page and leave by LRU (written back to the
 host and disk tiers on their way out), so a copy usually outlives its lease; the lease only
 guarantees it for the window a hand-over is likeliest to fail in. Budget: at most `max_pages`
-held at once, so prompts always have room. Each release is counted by why (RELEASE_REASONS).
+held at once, so prompts always have room; a page several copies hold (the system prompt or
+document header their prompts share) counts once. Each release is counted by why
+(RELEASE_REASONS).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ RELEASE_REASONS = ("lease", "budget", "released")
 @dataclass(slots=True)
 class _Copy:
     page_ids: list[int]
+    hashes: list[bytes]  # page_ids[i] is the cache's page of hashes[i]
     expires_at: float
 
 
@@ -47,8 +50,13 @@ class RetainedCopies:
         self.max_pages = max_pages if cache is not None else 0  # no cache: nothing to hold pages in
         self.clock = clock
         self._copies: OrderedDict[str, _Copy] = OrderedDict()  # oldest first
-        self.num_held_pages = 0
+        self._held: Counter[bytes] = Counter()  # page hash -> the copies holding its page
         self.released: Counter[str] = Counter()  # copies, by RELEASE_REASONS
+
+    @property
+    def num_held_pages(self) -> int:
+        """Pages the copies hold, each once however many copies hold it."""
+        return len(self._held)
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -63,13 +71,17 @@ class RetainedCopies:
         want = min(len(hashes), self.max_pages)
         if self.cache is None or want == 0:
             return 0
-        while self._copies and self.num_held_pages + want > self.max_pages:
+        while self._copies and self.num_held_pages + self._unheld(hashes[:want]) > self.max_pages:
             self.release(next(iter(self._copies)), "budget")
         page_ids = self.cache.match(hashes, want)
         if page_ids:
-            self._copies[key] = _Copy(page_ids, self.clock() + lease_s)
-            self.num_held_pages += len(page_ids)
+            held = list(hashes[: len(page_ids)])
+            self._copies[key] = _Copy(page_ids, held, self.clock() + lease_s)
+            self._held.update(held)
         return len(page_ids)
+
+    def _unheld(self, hashes: Sequence[bytes]) -> int:
+        return sum(h not in self._held for h in hashes)
 
     def lease(self, key: str, lease_s: float) -> None:
         """The copy is kept `lease_s` from now (no copy: nothing happens)."""
@@ -83,7 +95,11 @@ class RetainedCopies:
         if copy is None:
             return False
         self.pages.free(copy.page_ids)
-        self.num_held_pages -= len(copy.page_ids)
+        for h in copy.hashes:
+            if self._held[h] == 1:
+                del self._held[h]
+            else:
+                self._held[h] -= 1
         if why is not None:
             self.released[why] += 1
         return True

@@ -86,3 +86,33 @@ def test_without_a_cache_or_a_budget_nothing_is_held() -> None:
     assert RetainedCopies(cache, pool, max_pages=0).hold("a", _cached(cache, pool, 0, 2), 60) == 0
     with pytest.raises(ValueError):
         RetainedCopies(cache, pool, max_pages=-1)
+
+
+def test_a_prefix_copies_share_counts_once_in_the_budget() -> None:
+    """RAG and agent prompts share a long header: copies of such prompts hold its pages once,
+    and the budget counts them once, so it keeps as many copies as their distinct pages allow."""
+    pool, clock = PagePool(32), Clock()
+    cache = PrefixCache(pool, PS)
+    copies = RetainedCopies(cache, pool, max_pages=5, clock=clock)
+    header = list(range(3 * PS))  # 3 pages every prompt starts with
+
+    def prompt(tail: int) -> list[bytes]:
+        hashes = page_hashes(header + [tail] * PS, PS, b"", FP)
+        pages = pool.allocate(4)
+        assert pages is not None
+        taken = cache.insert(hashes, pages, 0)  # the header's pages are cached already after the first
+        pool.free(pages)
+        assert taken >= 1
+        return hashes
+
+    a, b, c = prompt(7001), prompt(7002), prompt(7003)
+    assert copies.hold("a", a, 60) == 4 and copies.hold("b", b, 60) == 4
+    assert len(copies) == 2 and copies.num_held_pages == 5  # 3 shared + 1 + 1: within the budget
+    assert copies.hold("c", c, 60) == 4  # 6 distinct > 5: the oldest goes, and only it
+    assert list(copies.released.elements()) == ["budget"] and "b" in copies and "c" in copies
+    assert copies.num_held_pages == 5
+    copies.release("b", "released")
+    assert copies.num_held_pages == 4 and cache.evict(32) == 2  # a's and b's own pages; c holds the rest
+    copies.clear()
+    assert copies.num_held_pages == 0 and pool.num_free + cache.num_cached_pages == 32
+    cache.check_integrity()
