@@ -182,14 +182,13 @@ def routes(path: str, summary: dict[str, Any], config: str | None, limit: int | 
             models.setdefault(key, Counter())[str(raw.get("model", ""))] += 1
     spec = None
     if config is not None:
-        from pathlib import Path
-
         from cluster.cluster_config import load_cluster_config
+        from cluster.server import served_names
 
         cfg = load_cluster_config(config)
         if cfg.gateway is None:
             raise SystemExit(f"{config} names no pools")
-        spec = cfg.gateway.with_own_models(cfg.served_model_name or Path(cfg.engine.model).name)
+        spec = cfg.gateway.with_own_models(served_names(cfg))
     out: dict[str, Any] = {}
     for key, row in summary["tenants"].items():
         entry: dict[str, Any] = {"requests": row["requests"], "overlap": row["hit_rate"]}

@@ -133,7 +133,8 @@ def _add_server_args(p: argparse.ArgumentParser, default_prefill: int) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0 disables gRPC")
     p.add_argument("--api-keys", type=Path, default=None, help="API key file (or BATON_API_KEYS)")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients call the model by; answers carry the first (default: the model's)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV pool budget (per engine)")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn KV prefix reuse off")
@@ -335,7 +336,7 @@ def _server_config(args: argparse.Namespace, ray_address: str | None):  # type: 
         http=HttpConfig(host=args.host, port=args.port, tls_certfile=args.tls_cert, tls_keyfile=args.tls_key),
         grpc_port=args.grpc_port or None,
         api_keys_file=args.api_keys,
-        served_model_name=args.served_model_name,
+        served_model_name=tuple(args.served_model_name) if args.served_model_name else None,
         shared_prefix_texts=tuple(args.shared_prefix),
         prefill_workers=args.prefill,
         local_prefill_tokens=args.local_prefill_tokens,

@@ -8,7 +8,8 @@ schema does not know is an error (a typo must not silently fall back to a defaul
 value of the wrong type or out of its range. An example with every key is examples/cluster.yaml.
 
     cluster: baton                 the name: etcd keys live under /{cluster}/workers/
-    model:      path, served_name, device, dtype, max_model_len, attention_backend
+    model:      path, served_name (a name, or a list: answers carry the first), device, dtype,
+                max_model_len, attention_backend
     ray:        address            null: a private Ray on this machine; host:port: attach
     workers:    prefill / decode: count, threads, num_cpus, num_gpus, resources, pin_cores
     kv_cache:   page_size, device_pages, device_memory_gb, host_pages, disk_pages, disk_dir,
@@ -59,7 +60,8 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     path: str = "baton-tiny"  # a built-in name or a Hugging Face checkpoint directory
-    served_name: str | None = None
+    # The names clients call the model by (the first is the one answers carry): a name or a list.
+    served_name: str | list[str] | None = None
     device: str = "cpu"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(default=None, ge=16)
@@ -222,6 +224,7 @@ class PoolSection(_Section):
     kind: Literal["baton", "vllm", "sglang", "llama.cpp", "openai-compatible"]
     endpoints: list[str] = Field(default_factory=list, max_length=256)
     models: list[str] = Field(default_factory=list, max_length=64)
+    upstream_models: dict[str, str] = Field(default_factory=dict, max_length=64)  # a name of models -> upstream's
     max_concurrency: int = Field(default=64, ge=1, le=1_000_000)
     api_key_file: str | None = None
     kv_events: list[str] = Field(default_factory=list, max_length=256)  # vLLM's publishers, one per endpoint
@@ -379,7 +382,7 @@ def to_server_config(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> Serv
         grpc_port=a.grpc_port or None,
         api_keys_file=Path(a.api_keys_file) if a.api_keys_file else None,
         request_timeout_s=a.request_timeout_s,
-        served_model_name=f.model.served_name,
+        served_model_name=tuple(names) if isinstance(names := f.model.served_name, list) else names,
         shared_prefix_texts=tuple(kv.shared_prefixes),
         prefill_workers=w.prefill.count,
         local_prefill_tokens=f.placement.local_prefill_tokens,
@@ -407,10 +410,11 @@ def _gateway(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> GatewaySpec 
     if not f.pools:
         return None
     pools = [PoolSpec(name=name, kind=p.kind, endpoints=tuple(p.endpoints), models=tuple(p.models),
-                      max_concurrency=p.max_concurrency, api_key_file=p.api_key_file, kv_events=tuple(p.kv_events),
-                      kv_events_topic=p.kv_events_topic, block_size=p.block_size,
-                      prefill_tokens_per_s=p.prefill_tokens_per_s, endpoint_policy=p.endpoint_policy,
-                      connect_timeout_s=p.connect_timeout_s, health=HealthSpec(**p.health.model_dump()))
+                      upstream_models=tuple(p.upstream_models.items()), max_concurrency=p.max_concurrency,
+                      api_key_file=p.api_key_file, kv_events=tuple(p.kv_events), kv_events_topic=p.kv_events_topic,
+                      block_size=p.block_size, prefill_tokens_per_s=p.prefill_tokens_per_s,
+                      endpoint_policy=p.endpoint_policy, connect_timeout_s=p.connect_timeout_s,
+                      health=HealthSpec(**p.health.model_dump()))
              for name, p in f.pools.items()]  # fmt: skip
     if not any(p.kind == OWN for p in pools):  # this gateway's own workers are always a pool
         pools.insert(0, PoolSpec(name=OWN, kind="baton"))

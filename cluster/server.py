@@ -35,7 +35,7 @@ from cluster.edge.http_api import HttpConfig, create_app
 from cluster.edge.tenants import ApiKeys
 from cluster.fleet.cpu import available_cores, core_for, pin_thread
 from cluster.fleet.pd import PDFront
-from cluster.gateway.config import GatewaySpec
+from cluster.gateway.config import MODEL_NAME, GatewaySpec
 from cluster.gateway.service import Gateway
 from cluster.ops.metrics import watch_loop_lag
 from cluster.ops.tracing import TracingConfig, configure
@@ -65,7 +65,9 @@ class ServerConfig:
     grpc_port: int | None = 50051  # None: no gRPC listener
     api_keys_file: Path | None = None
     request_timeout_s: float = 600.0
-    served_model_name: str | None = None
+    # The names the model is served under, the first the one answers carry (vLLM's
+    # --served-model-name NAME [NAME ...]); None: the model directory's name.
+    served_model_name: str | tuple[str, ...] | None = None
     prefill_workers: int = 0  # 0: colocated; 1 without `disagg`: a prefill engine beside the decode one
     disagg: DisaggConfig | None = None  # set: prefill and decode workers are Ray actors
     shared_prefix_texts: tuple[str, ...] = ()  # prompts every tenant may share (tokenized at start)
@@ -114,6 +116,8 @@ class Running:
 async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     """Build and start everything but the HTTP accept loop (`running.http.serve()`). With
     `cfg.disagg`, Ray must be up in this process already (`run` starts or connects it)."""
+    names = served_names(cfg)  # refused before anything starts, as a pool naming another is
+    gateway = cfg.gateway.with_own_models(names) if cfg.gateway is not None and cfg.gateway.has_external else None
     front: AsyncEngine | PDFront | RayFront
     ray_front: RayFront | None = None
     if cfg.disagg is not None:
@@ -126,13 +130,12 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     front.start()
     if cfg.pin_cores:
         await _pin_step_threads(front)
-    name = cfg.served_model_name or Path(cfg.engine.model).name
-    frontend = Frontend(front, name, cfg.admission, cfg.request_timeout_s, configure(cfg.tracing))
+    frontend = Frontend(front, names[0], cfg.admission, cfg.request_timeout_s, configure(cfg.tracing), names[1:])
     if ray_front is not None:
         ray_front.metrics.register(frontend.metrics.registry, ray_front.fleet)
         frontend.metrics.registry.register(PairCollector(ray_front.pairs))
-    if cfg.gateway is not None and cfg.gateway.has_external:
-        frontend.gateway = Gateway(cfg.gateway.with_own_models(name), frontend.metrics.registry, cfg.request_timeout_s)
+    if gateway is not None:
+        frontend.gateway = Gateway(gateway, frontend.metrics.registry, cfg.request_timeout_s)
         await frontend.gateway.start()
     keys = load_api_keys(cfg.api_keys_file)
     app = create_app(frontend, keys, cfg.http)
@@ -272,6 +275,25 @@ async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> A
     server = create_grpc_server(frontend, keys, grpc_cfg)
     await server.start()
     return server
+
+
+MAX_SERVED_NAMES = 16
+
+
+def served_names(cfg: ServerConfig) -> tuple[str, ...]:
+    """The names clients call the model by, the first the one answers carry; ConfigError
+    (model.served_name) for one a client could not send or two the same."""
+    given = cfg.served_model_name
+    names = (given,) if isinstance(given, str) else tuple(given or ()) or (Path(cfg.engine.model).name,)
+    if len(names) > MAX_SERVED_NAMES:
+        raise ConfigError("model.served_name", f"at most {MAX_SERVED_NAMES} names")
+    if len(set(names)) != len(names):
+        raise ConfigError("model.served_name", "each name once")
+    for name in names:
+        if not MODEL_NAME.fullmatch(name):
+            raise ConfigError("model.served_name", f"{name[:64]!r}: 1 to 256 characters, no spaces or control "
+                              "characters")  # fmt: skip
+    return names
 
 
 def _announce(cfg: ServerConfig, name: str, auth: bool, grpc_on: bool) -> None:

@@ -182,12 +182,14 @@ class Frontend:
         admission: AdmissionConfig | None = None,
         request_timeout_s: float = 600.0,
         tracing: Tracing = OFF,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.tracing = tracing
         # Colocated, the engine side writes no spans of its own: stream() writes its prefill and decode.
         self._engine_trace = isinstance(engine, AsyncEngine)
-        self.model_name = model_name
+        self.model_name = model_name  # the name answers carry
+        self.model_names = (model_name, *aliases)  # every name clients may call the model by
         model = engine.engine
         self.tokenizer: Tokenizer = model.tokenizer
         self.max_model_len = model.max_model_len

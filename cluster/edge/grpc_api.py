@@ -525,7 +525,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise invalid("model: required", "model")
         if len(model) > MAX_MODEL_NAME_CHARS:
             raise invalid(f"model: at most {MAX_MODEL_NAME_CHARS} characters", "model")
-        if model != self.frontend.model_name:
+        if model not in self.frontend.model_names:
             raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
 
     def _slo_class(self, request: pb.GenerateRequest) -> SloClass:

@@ -85,6 +85,7 @@ class HttpBackend:
     async def open(self, route: Route, tokens: Sequence[int], request: pb.GenerateRequest, stream: bool) -> Attempt:
         path, body = openai_body(request, stream)
         model = request.model
+        body["model"] = route.pool.spec.upstream_model(model)
 
         def route_for(tried: Sequence[Endpoint]) -> Route:
             if not tried:

@@ -140,15 +140,15 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        cards = [{"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "baton",
-                  "max_model_len": frontend.max_model_len}]  # fmt: skip
+        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "baton",
+                  "max_model_len": frontend.max_model_len} for name in frontend.model_names]  # fmt: skip
         if gateway is not None:  # and every external pool's, owned by the first pool serving it
             owners: dict[str, str] = {}
             for pool in gateway.router.pools.values():
                 for name in pool.spec.models:
                     owners.setdefault(name, pool.name)
             cards += [{"id": name, "object": "model", "created": 0, "owned_by": owner}
-                      for name, owner in owners.items() if name != frontend.model_name]  # fmt: skip
+                      for name, owner in owners.items() if name not in frontend.model_names]  # fmt: skip
         return {"object": "list", "data": cards}
 
     @app.get("/live")
@@ -283,7 +283,7 @@ async def _admit(
 ) -> tuple[list[GenerateRequest], list[Ticket], int, Any]:
     """Check, admit, tokenize and prepare every choice of one call (tickets released on failure);
     an output constraint is compiled before the response starts (a 400 if it does not)."""
-    if body.model != frontend.model_name:
+    if body.model not in frontend.model_names:
         raise EdgeError(Kind.NOT_FOUND, f"model {body.model!r} does not exist", "model")
     tenant: Tenant = request.state.tenant
     trace = _trace(request)

@@ -5,11 +5,15 @@ together: URLs, names, rules that name pools, one own pool).
     pools:
       baton:    {kind: baton}                    this gateway's own workers (model:, workers:)
       vllm:     {kind: vllm, endpoints: [http://10.0.0.5:8000], models: [llama-3-8b],
+                 upstream_models: {llama-3-8b: meta-llama/Meta-Llama-3-8B-Instruct},
                  max_concurrency: 64, kv_events: [tcp://10.0.0.5:5557]}
     routing:
       route_key: tenant                          tenant | user | header:<name>
       rules: [{overlap_at_least: 0.5, pool: baton}]
 
+A pool serves the names in its `models` (the own pool: the names the gateway's engine is
+served under, `model.served_name`); an external pool sends each upstream as `upstream_models`
+names it (unchanged where it does not), and answers carry whatever name the engine gives.
 A request's model picks the pools that serve it; among several, the first rule that matches
 (its models, its route keys, the route key's measured overlap) names one; else the cost rule
 picks the pool whose best endpoint has the lowest predicted TTFT.
@@ -37,6 +41,7 @@ HEALTH_PATHS: dict[str, str] = {"vllm": "/health", "sglang": "/health", "llama.c
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _HEADER = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+MODEL_NAME = re.compile(r"[!-~]{1,256}")  # a model's name: printable ASCII, no space (fullmatch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,8 @@ class PoolSpec:
     name: str
     kind: EngineKind
     endpoints: tuple[str, ...] = ()  # base URLs (http[s]://host:port[/prefix]); none for the own pool
-    models: tuple[str, ...] = ()  # names clients send; the own pool's default: its served name
+    models: tuple[str, ...] = ()  # names clients send; the own pool's default: its served names
+    upstream_models: tuple[tuple[str, str], ...] = ()  # (a name of models, the name sent upstream)
     max_concurrency: int = 64  # requests in flight across the pool; beyond, 429
     api_key_file: str | None = None  # sent upstream as `Authorization: Bearer` (engine.secrets)
     kv_events: tuple[str, ...] = ()  # one tcp://host:port per endpoint, in order (vLLM's publisher)
@@ -72,6 +78,10 @@ class PoolSpec:
     @property
     def health_path(self) -> str:
         return self.health.path or HEALTH_PATHS.get(self.kind, "/health")
+
+    def upstream_model(self, model: str) -> str:
+        """The name `model` is sent upstream as."""
+        return next((up for name, up in self.upstream_models if name == model), model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +149,19 @@ class GatewaySpec:
                 return rule.pool
         return None
 
-    def with_own_models(self, served_name: str) -> GatewaySpec:
-        """The own pool serves the gateway's model under its served name unless it lists names."""
-        pools = tuple(replace(p, models=(served_name,)) if p.is_own and not p.models else p for p in self.pools)
-        return GatewaySpec(pools, self.routing)
+    def with_own_models(self, served_names: tuple[str, ...]) -> GatewaySpec:
+        """The own pool serves the gateway's model under its served names, or under those of
+        them it lists (a name the engine is not served under would be routed there and refused)."""
+        pools = []
+        for p in self.pools:
+            if p.is_own:
+                unknown = [m for m in p.models if m not in served_names]
+                if unknown:
+                    raise ConfigError(f"pools.{p.name}.models", f"{unknown[0]!r} is not a name the gateway's model "
+                                      f"is served under ({', '.join(served_names)}; model.served_name)")  # fmt: skip
+                p = replace(p, models=p.models or tuple(served_names))
+            pools.append(p)
+        return GatewaySpec(tuple(pools), self.routing)
 
 
 def check(spec: GatewaySpec) -> GatewaySpec:
@@ -157,9 +176,9 @@ def check(spec: GatewaySpec) -> GatewaySpec:
         if not _NAME.match(p.name):
             raise ConfigError(key, "a pool's name is a word of letters, digits, '.', '_' or '-'")
         if p.is_own:
-            if p.endpoints or p.kv_events or p.api_key_file:
+            if p.endpoints or p.kv_events or p.api_key_file or p.upstream_models:
                 raise ConfigError(key, f"a {OWN} pool is this gateway's own workers: no endpoints, "
-                                       "kv_events or api_key_file")  # fmt: skip
+                                       "kv_events, api_key_file or upstream_models")  # fmt: skip
             continue
         if not p.endpoints:
             raise ConfigError(f"{key}.endpoints", "an external pool needs at least one endpoint URL")
@@ -169,6 +188,12 @@ def check(spec: GatewaySpec) -> GatewaySpec:
             check_url(url, f"{key}.endpoints")
         if not p.models:
             raise ConfigError(f"{key}.models", "name the models clients reach this pool by")
+        for name, upstream in p.upstream_models:
+            if name not in p.models:
+                raise ConfigError(f"{key}.upstream_models", f"{name!r} is not one of the pool's models")
+            if not MODEL_NAME.fullmatch(upstream):
+                raise ConfigError(f"{key}.upstream_models.{name}", "1 to 256 characters, no spaces or control "
+                                  "characters")  # fmt: skip
         if p.kv_events and len(p.kv_events) != len(p.endpoints):
             raise ConfigError(f"{key}.kv_events", "one publisher address per endpoint, in the endpoints' order")
         if p.kv_events and p.kind != "vllm":

@@ -5,9 +5,10 @@ guard (so the caller is authenticated and the body bounded before anything here 
       body read whole; route tokens (the gateway's tokenizer over the prompt or the chat template's
             rendering of the messages), the route key, the router's choice
         own pool  -> the app, with the body replayed
-        external  -> the endpoint (cluster.gateway.proxy): status, content type and body passed
-                     through as they arrive (SSE unbuffered); the client leaving closes the
-                     upstream request; errors before an answer are OpenAI-shaped JSON
+        external  -> the endpoint (cluster.gateway.proxy), the body as it came (its model
+                     renamed where the pool's upstream_models says); status, content type and
+                     body passed through as they arrive (SSE unbuffered); the client leaving
+                     closes the upstream request; errors before an answer are OpenAI-shaped JSON
 
 A body that is not a JSON object, or names a model no pool serves, goes to the app, which
 answers it as it answers any bad request (400, 404).
@@ -172,6 +173,9 @@ class GatewayRouting:
 
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
         stream = body.get("stream") is True
+        upstream = first.pool.spec.upstream_model(model)  # a pool's endpoints serve one name for it
+        if upstream != model:
+            raw = json.dumps({**body, "model": upstream}).encode()
         try:
             attempt = await self.upstreams.send(route_for, scope["path"], raw, headers, stream)
         except EdgeError as err:

@@ -142,3 +142,17 @@ def test_the_planner_section() -> None:
     assert to_server_config(parse_cluster_file("workers: {prefill: {count: 1}}")).planner is None
     with pytest.raises(ConfigError, match="planner.enabled"):
         to_server_config(parse_cluster_file("planner: {enabled: true}"))  # colocated: nothing to resize
+
+
+def test_several_served_names_from_the_flag_and_the_file() -> None:
+    from cluster.cli import _build_parser, _server_config
+    from cluster.server import served_names
+
+    args = _build_parser().parse_args(["up", "--served-model-name", "tiny", "tiny-chat", "--port", "9001"])
+    cfg = _server_config(args, None)
+    assert served_names(cfg) == ("tiny", "tiny-chat") and cfg.http.port == 9001
+    assert served_names(_server_config(_build_parser().parse_args(["up"]), None)) == ("baton-tiny",)
+    from_file = to_server_config(parse_cluster_file("model: {served_name: [a, b]}"))
+    assert served_names(from_file) == ("a", "b")
+    with pytest.raises(ConfigError, match="model.served_name"):
+        parse_cluster_file("model: {served_name: [a, 1]}")

@@ -33,7 +33,8 @@ def upstreams(tiny_engine_config: EngineConfig) -> Iterator[list[ServerHandle]]:
 def pool(name: str, urls: list[str], **kw: Any) -> PoolSpec:
     kw.setdefault("health", HealthSpec(period_s=3600.0, failures=1, eject_s=60.0))
     kw.setdefault("kind", "openai-compatible")
-    return PoolSpec(name=name, endpoints=tuple(urls), models=(EXT,), **kw)
+    kw.setdefault("models", (EXT,))
+    return PoolSpec(name=name, endpoints=tuple(urls), **kw)
 
 
 @pytest.fixture
@@ -42,9 +43,10 @@ def make_gateway(tiny_engine_config: EngineConfig) -> Iterator[Callable[..., Ser
     servers = _server_factory(tiny_engine_config)
     make_server = next(servers)
 
-    def make(pools: list[PoolSpec], routing: RoutingSpec | None = None, grpc_port: int | None = None) -> ServerHandle:
+    def make(pools: list[PoolSpec], routing: RoutingSpec | None = None, grpc_port: int | None = None,
+             served: tuple[str, ...] = ("baton-tiny",)) -> ServerHandle:  # fmt: skip
         spec = check(GatewaySpec((PoolSpec(name=OWN, kind="baton"), *pools), routing or RoutingSpec()))
-        return make_server(gateway=spec, grpc_port=grpc_port)
+        return make_server(gateway=spec, grpc_port=grpc_port, served_model_name=served)
 
     yield make
     next(servers, None)

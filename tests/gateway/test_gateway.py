@@ -63,18 +63,27 @@ def count(url: str, family: str, **labels: str) -> float:
 def test_model_routing_sends_each_model_to_its_pool(
     upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle]
 ) -> None:
-    gw = make_gateway([pool("ext", [upstreams[0].url])])
+    """Each name to the pool that serves it: the own model under each of its served names,
+    an external pool's names with the one it renames sent upstream as the engine's."""
+    gw = make_gateway([pool("ext", [upstreams[0].url], models=(EXT, "chat"), upstream_models=(("chat", EXT),))],
+                      served=("baton-tiny", "tiny-alias"))  # fmt: skip
     before = count(upstreams[0].url, "baton_requests_total", outcome="ok")
     own = complete(gw.url, "hello there", model="baton-tiny")
+    alias = complete(gw.url, "hello there", model="tiny-alias")
     ext = complete(gw.url, "hello there")
+    renamed = complete(gw.url, "hello there", model="chat")  # the upstream serves only EXT: it 404s any other
     assert own.status_code == 200 and own.headers["x-baton-pool"] == "baton"
+    assert alias.status_code == 200 and alias.headers["x-baton-pool"] == "baton", alias.text
+    assert alias.json()["model"] == "baton-tiny" and alias.json()["choices"] == own.json()["choices"]  # the first name
     assert ext.status_code == 200 and ext.headers["x-baton-pool"] == "ext", ext.text
     assert ext.json()["model"] == EXT and ext.json()["choices"][0]["text"]
-    assert count(upstreams[0].url, "baton_requests_total", outcome="ok") == before + 1
+    assert renamed.status_code == 200 and renamed.headers["x-baton-pool"] == "ext", renamed.text
+    assert renamed.json()["model"] == EXT and renamed.json()["choices"] == ext.json()["choices"]
+    assert count(upstreams[0].url, "baton_requests_total", outcome="ok") == before + 2
     missing = complete(gw.url, "hello", model="nope")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     models = {m["id"]: m["owned_by"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}
-    assert models == {"baton-tiny": "baton", EXT: "ext"}
+    assert models == {"baton-tiny": "baton", "tiny-alias": "baton", EXT: "ext", "chat": "ext"}
     # streamed, through the proxy: SSE passed on as it came, TTFT per pool on the gateway
     with httpx.stream("POST", gw.url + "/v1/completions", timeout=60,
                       json={"model": EXT, "prompt": "one two", "max_tokens": 4, "stream": True}) as r:  # fmt: skip
@@ -82,7 +91,7 @@ def test_model_routing_sends_each_model_to_its_pool(
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 2
     assert count(gw.url, "baton_pool_ttft_seconds_count", pool="ext") == 1
-    assert count(gw.url, "baton_route_decisions_total", pool="ext", reason="model") == 2
+    assert count(gw.url, "baton_route_decisions_total", pool="ext", reason="model") == 3
     status = httpx.get(gw.url + "/status").json()["pools"]
     assert status["pools"]["ext"]["endpoints"][0]["index"] == "approximate"
     # docs/metrics.md, whole: the colocated rows and the gateway's (tests/cluster/test_metrics_catalog.py)
@@ -250,7 +259,8 @@ def test_grpc_clients_are_served_from_an_http_pool(
     from bench.server_proc import free_port
 
     port = free_port()
-    gw = make_gateway([pool("ext", [upstreams[0].url])], grpc_port=port)
+    gw = make_gateway([pool("ext", [upstreams[0].url], models=(EXT, "chat"), upstream_models=(("chat", EXT),))],
+                      grpc_port=port, served=("baton-tiny", "tiny-alias"))  # fmt: skip
     prompt = text(11, 12)
     want = complete(gw.url, prompt, max_tokens=8).json()["choices"][0]["text"]
     sampling = pb.Sampling(max_tokens=8, temperature=0.0)
@@ -259,15 +269,18 @@ def test_grpc_clients_are_served_from_an_http_pool(
         parts = list(stub.Generate(pb.GenerateRequest(model=EXT, text=prompt, sampling=sampling), timeout=60))
         whole = stub.Complete(pb.CompleteRequest(model=EXT, text=prompt, sampling=sampling), timeout=60)
         own = stub.Complete(pb.CompleteRequest(model="baton-tiny", text=prompt, sampling=sampling), timeout=60)
+        alias = stub.Complete(pb.CompleteRequest(model="tiny-alias", text=prompt, sampling=sampling), timeout=60)
+        renamed = stub.Complete(pb.CompleteRequest(model="chat", text=prompt, sampling=sampling), timeout=60)
         with pytest.raises(grpc.RpcError) as refused:  # constrained output stays with the own pool
             stub.Complete(pb.CompleteRequest(model=EXT, text=prompt, sampling=pb.Sampling(json_object=True)))
     assert "".join(p.text for p in parts) == want == whole.text
     assert parts[0].request_id and parts[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert parts[-1].usage.completion_tokens == 8 and parts[-1].usage.prompt_tokens > 0
     assert whole.usage.completion_tokens == 8 and own.text and own.token_ids
+    assert (alias.text, alias.token_ids) == (own.text, own.token_ids) and renamed.text == want  # sent upstream as EXT
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert count(gw.url, "baton_route_decisions_total", pool="ext") == 4
-    assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 3
+    assert count(gw.url, "baton_route_decisions_total", pool="ext") == 5
+    assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 5
 
 
 def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_prefix(

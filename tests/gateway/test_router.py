@@ -4,6 +4,8 @@ config's refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.analyze_prefix import analyze, summarize
@@ -214,6 +216,10 @@ def test_a_bad_pool_key_is_refused_with_its_path(change: str, where: str) -> Non
     (("header:x-team", "cookie"), "routing.route_key"),
     (("    models: [tiny]\n    kv_events", "    kv_events"), "pools.vllm.models"),
     (("kind: llama.cpp", "kind: baton"), "pools.llama"),
+    (("    models: [tiny]\n    kv_events", "    models: [tiny]\n    upstream_models: {chat: tiny}\n    kv_events"),
+     "pools.vllm.upstream_models"),  # a name the pool does not serve
+    (("    models: [tiny]\n    kv_events", "    models: [tiny]\n    upstream_models: {tiny: 'a b'}\n    kv_events"),
+     "pools.vllm.upstream_models.tiny"),
 ])  # fmt: skip
 def test_pools_that_cannot_work_are_refused(edit: tuple[str, str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -221,9 +227,35 @@ def test_pools_that_cannot_work_are_refused(edit: tuple[str, str], key: str) -> 
     assert err.value.field == key
 
 
-def test_the_gateway_example_parses() -> None:
-    from pathlib import Path
+def test_served_names_and_upstream_names() -> None:
+    from dataclasses import replace
 
+    from cluster.server import served_names
+
+    text = CONFIG.replace("pools:\n", "model: {served_name: [baton-tiny, tiny-chat]}\npools:\n", 1).replace(
+        "    models: [tiny]\n    kv_events", "    models: [tiny, rag]\n    upstream_models: {rag: tiny}\n    kv_events", 1)
+    cfg = to_server_config(parse_cluster_file(text))
+    names = served_names(cfg)
+    assert names == ("baton-tiny", "tiny-chat")
+    gw = cfg.gateway.with_own_models(names)
+    assert gw.own.models == names and [p.name for p in gw.serving("tiny-chat")] == [OWN]
+    vllm = gw.pool("vllm")
+    assert (vllm.upstream_model("rag"), vllm.upstream_model("tiny")) == ("tiny", "tiny")
+    assert served_names(replace(cfg, served_model_name=None)) == (Path(cfg.engine.model).name,)
+    assert served_names(replace(cfg, served_model_name="one")) == ("one",)
+    for bad in (("a", "a"), ("a b",), ("",), tuple(f"m{i}" for i in range(17))):
+        with pytest.raises(ConfigError) as err:
+            served_names(replace(cfg, served_model_name=bad))
+        assert err.value.field == "model.served_name"
+    own = replace(cfg.gateway, pools=(replace(cfg.gateway.own, models=("tiny-chat", "other")), *cfg.gateway.pools[1:]))
+    with pytest.raises(ConfigError) as err:  # the own engine would refuse a name it is not served under
+        own.with_own_models(names)
+    assert err.value.field == "pools.baton.models" and "'other'" in str(err.value)
+    narrowed = replace(own, pools=(replace(own.own, models=("tiny-chat",)), *own.pools[1:])).with_own_models(names)
+    assert narrowed.own.models == ("tiny-chat",)
+
+
+def test_the_gateway_example_parses() -> None:
     from cluster.cluster_config import load_cluster_config
 
     cfg = load_cluster_config(Path(__file__).resolve().parents[2] / "examples" / "gateway.yaml")
@@ -232,6 +264,7 @@ def test_the_gateway_example_parses() -> None:
     assert gw.pool("vllm").kv_events == ("tcp://127.0.0.1:5557",) and gw.pool("vllm").block_size == 128
     assert gw.by_rule("tiny", "anyone", 0.9) == "vllm" and gw.by_rule("tiny", "anyone", None) is None  # cost
     assert gw.by_rule("tiny", "batch-jobs", 0.1) == "llama" and gw.by_rule("tiny", "batch-jobs", None) is None
+    assert gw.pool("vllm").upstream_model("rag-tiny") == "tiny" and gw.serving("rag-tiny") == [gw.pool("vllm")]
 
 
 def test_a_retry_is_placed_again_but_measured_once() -> None:
