@@ -266,7 +266,7 @@ async def _start_grpc(frontend: Frontend, keys: ApiKeys, cfg: ServerConfig) -> A
     if cfg.grpc_port is None:
         return None
     try:
-        from cluster.edge.grpc_api import GrpcConfig, create_grpc_server
+        from cluster.edge.grpc_server import GrpcConfig, create_grpc_server
     except ImportError as exc:  # the gRPC extra is not installed
         logger.warning("gRPC disabled: %s", exc)
         return None

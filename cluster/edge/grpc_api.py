@@ -3,8 +3,8 @@
 One call, the same internal path as the HTTP API (cluster/edge/frontend.py):
 
     key     = `authorization: Bearer <key>` or `x-api-key`  -> keys.lookup   (UNAUTHENTICATED)
-    bounds  = model, prompt / messages, sampling fields,     (INVALID_ARGUMENT, NOT_FOUND)
-              constraint and tools (cluster.edge.grpc_output)
+    bounds  = model, prompt / messages, sampling fields      (INVALID_ARGUMENT, NOT_FOUND)
+              (cluster.edge.grpc_fields), constraint and tools (cluster.edge.grpc_output)
     ticket  = frontend.admit()                               (RESOURCE_EXHAUSTED + retry metadata)
     req     = frontend.prepare(tokenize(prompt), sampling, tenant, deadline of the call)
     frontend.check_tenant(ticket, req)
@@ -22,8 +22,8 @@ suspended at `yield` would instead be closed only whenever the garbage collector
 Tracing (cluster.ops.tracing, when configured): Generate and Complete each open a `baton.request`
 span before anything is checked; its parent is the `traceparent` metadata the client sent.
 
-Health (`grpc.health.v1`, SERVING while the step loop is live and the frontend not draining)
-and reflection are registered on the same server and need no key.
+A call whose model the gateway routes to an external pool goes there (cluster.edge.grpc_gateway).
+The server around the service, with health and reflection, is cluster.edge.grpc_server.
 
 The service's name before issue 24, `baton.v1.Generation`, is still served by the same handlers
 for the clients built on it (LEGACY_SERVICE_NAME: deprecated, not in reflection, no health
@@ -39,49 +39,49 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, NoReturn, ParamSpec, TypeVar, cast
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from batonpb.baton.v1 import generation_pb2 as pb
 from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
 from cluster.edge.admission import Ticket
 from cluster.edge.constraint_fields import OutputSpec
 from cluster.edge.frontend import CacheHints, Frontend, GenerateRequest, allowed_slo, merge_streams
-from cluster.edge.grpc_gateway import HttpBackend
+from cluster.edge.grpc_fields import (
+    MAX_MODEL_NAME_CHARS,
+    MAX_PRIORITY,
+    MAX_PROMPT_CHARS,
+    build_sampling,
+    check_parsed,
+    check_prompt,
+    num_samples,
+)
+from cluster.edge.grpc_gateway import call_pool, own_route, route_key
 from cluster.edge.grpc_output import (
+    FINISH,
+    delta,
     ended_in_calls,
+    logprob,
     output_spec,
     split_tool_calls,
     template_messages,
+    usage,
 )
 from cluster.edge.tenants import ApiKeys, Tenant
-from cluster.edge.tool_calls import ToolCallParser
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.gateway.router import Route
 from cluster.ops.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
-from engine.errors import ConfigError
 from engine.outputs import StepOutput
-from engine.request import FinishReason, SloClass
-from engine.sampler import TokenLogprobs
-from engine.sampling import SamplingParams
+from engine.request import SloClass
 
 logger = logging.getLogger(__name__)
 
-_SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"]
-SERVICE_NAME = _SERVICE.full_name  # "baton.v1.GenerationService"
+SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"]
+SERVICE_NAME = SERVICE.full_name  # "baton.v1.GenerationService"
 LEGACY_SERVICE_NAME = f"{pb.DESCRIPTOR.package}.Generation"  # deprecated: the module docstring
-MAX_MODEL_NAME_CHARS = 256
-MAX_PROMPT_CHARS = 4_000_000  # as the HTTP API; the message size limit bounds it first
-MAX_MESSAGES = 2048
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MAX_PRIORITY = 100
-MAX_SAMPLES = 16  # n, as the HTTP API's
 _ROLES = {pb.WORKER_ROLE_UNSPECIFIED: "", pb.WORKER_ROLE_PREFILL: "prefill", pb.WORKER_ROLE_DECODE: "decode"}
 _SLO_CLASSES = {pb.SLO_CLASS_UNSPECIFIED: SloClass.STANDARD, pb.SLO_CLASS_STANDARD: SloClass.STANDARD,
                 pb.SLO_CLASS_LATENCY: SloClass.LATENCY, pb.SLO_CLASS_BATCH: SloClass.BATCH}
@@ -91,124 +91,17 @@ T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
 
-# The edge's error kinds are named after gRPC's status codes, and the engine's finish
-# reasons after the proto's enum values.
+# The edge's error kinds are named after gRPC's status codes.
 _CODES = {kind: grpc.StatusCode[kind.name] for kind in Kind}
-_FINISH = {r: pb.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
-
-
-@dataclass(frozen=True, slots=True)
-class GrpcConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (logged)
-    max_receive_message_bytes: int = 8 << 20  # bounds every request before it is parsed
-    max_send_message_bytes: int = 64 << 20  # a Complete reply with logprobs of a long context
-    tls_cert_file: str | None = None  # PEM; both or neither
-    tls_key_file: str | None = None
-    allow_priority_field: bool = False  # let callers set `priority` (else it comes from the key)
-
-    def __post_init__(self) -> None:
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ConfigError("grpc.tls", "set both tls_cert_file and tls_key_file, or neither")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError("grpc.port", f"must be in [0, 65535], got {self.port}")
-        for name in ("max_receive_message_bytes", "max_send_message_bytes"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"grpc.{name}", "must be positive")
-
-
-def create_grpc_server(frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig) -> grpc.aio.Server:
-    """A server with GenerationService (and its legacy name), health and reflection bound to
-    cfg's address (not started)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
-        ("grpc.max_send_message_length", cfg.max_send_message_bytes),
-        # gRPC sets SO_REUSEPORT by default: a second server on the same port would silently
-        # take half the connections instead of failing to start.
-        ("grpc.so_reuseport", 0),
-    ])
-    _add_generation(frontend, keys, cfg, server)
-    health_pb2_grpc.add_HealthServicer_to_server(LiveHealth(frontend, ("", SERVICE_NAME)), server)
-    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    names = (SERVICE_NAME, health_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    address = f"{cfg.host}:{cfg.port}"
-    if cfg.tls_cert_file is not None and cfg.tls_key_file is not None:
-        pair = (Path(cfg.tls_key_file).read_bytes(), Path(cfg.tls_cert_file).read_bytes())
-        port = server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
-    else:
-        port = server.add_insecure_port(address)
-    logger.info("gRPC API on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_file else "no TLS")
-    return server
-
-
-class _Malformed:
-    """What a request that does not parse as its message becomes (INVALID_ARGUMENT, not the
-    UNKNOWN with the decoder's exception class that grpc's own deserializer path answers)."""
-
-
-MALFORMED = _Malformed()
-
-
-def _tolerant(message: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return message.FromString(data)
-        except Exception:  # DecodeError, and whatever else a hostile byte string provokes
-            return MALFORMED
-
-    return parse
-
-
-def _add_generation(
-    frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig, server: grpc.aio.Server
-) -> None:
-    """The generated add_GenerationServiceServicer_to_server, with tolerant request parsing,
-    and the same methods under LEGACY_SERVICE_NAME (a trace names the path that was called)."""
-    current = _handlers(GenerationService(frontend, keys, cfg, SERVICE_NAME))
-    legacy = _handlers(GenerationService(frontend, keys, cfg, LEGACY_SERVICE_NAME))
-    server.add_generic_rpc_handlers((
-        grpc.method_handlers_generic_handler(SERVICE_NAME, current),
-        grpc.method_handlers_generic_handler(LEGACY_SERVICE_NAME, legacy),
-    ))  # fmt: skip
-    server.add_registered_method_handlers(SERVICE_NAME, current)
-
-
-def _handlers(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:
-    # Complete's CompleteRequest is parsed as the GenerateRequest it is identical to on the wire
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, request_deserializer=_tolerant(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
-        "Complete": grpc.unary_unary_rpc_method_handler(
-            service.Complete, request_deserializer=_tolerant(pb.GenerateRequest),
-            response_serializer=pb.CompleteResponse.SerializeToString),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            service.Tokenize, request_deserializer=_tolerant(pb.TokenizeRequest),
-            response_serializer=pb.TokenizeResponse.SerializeToString),
-        "PinPrefix": grpc.unary_unary_rpc_method_handler(
-            service.PinPrefix, request_deserializer=_tolerant(pb.PinPrefixRequest),
-            response_serializer=pb.PinPrefixResponse.SerializeToString),
-        "UnpinPrefix": grpc.unary_unary_rpc_method_handler(
-            service.UnpinPrefix, request_deserializer=_tolerant(pb.UnpinPrefixRequest),
-            response_serializer=pb.UnpinPrefixResponse.SerializeToString),
-    }  # fmt: skip
-    assert set(handlers) == set(_SERVICE.methods_by_name)
-    return handlers
-
-
-def _check_parsed(request: object) -> None:
-    if request is MALFORMED:
-        raise invalid("the request is not a valid protobuf message of this method's type", None)
 
 
 class GenerationService(pb_grpc.GenerationServiceServicer):
     def __init__(
-        self, frontend: Frontend, keys: ApiKeys, cfg: GrpcConfig, name: str = SERVICE_NAME
+        self, frontend: Frontend, keys: ApiKeys, allow_priority_field: bool = False, name: str = SERVICE_NAME
     ) -> None:
         self.frontend = frontend
         self.keys = keys
-        self.cfg = cfg
+        self.allow_priority_field = allow_priority_field  # callers may set `priority` (else their key's)
         self.name = name  # the service name it is served under (a trace's route)
 
     # grpc.aio accepts a coroutine that writes with context.write for a streaming method; the
@@ -247,9 +140,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     ) -> None:
         route = await self._route(request, context)
         if route is not None and not route.is_own:
-            await self._external(route, request, context)
+            await call_pool(self.frontend, route, request, context)
             return
-        with self._own_route(route):
+        with own_route(self.frontend.gateway, route):
             await self._generate_here(request, context, trace)
 
     async def _generate_here(
@@ -262,7 +155,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             async with contextlib.aclosing(merge_streams(streams)) as outs:
                 request_id = reqs[0].job.req_id
                 async for index, out in outs:
-                    message = _delta(out, request_id, parsers[index])
+                    message = delta(out, request_id, parsers[index])
                     message.index = index
                     await context.write(message)
                     request_id = ""  # only the first message carries it
@@ -275,10 +168,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     ) -> pb.CompleteResponse:
         route = await self._route(request, context)
         if route is not None and not route.is_own:
-            reply = await self._external(route, request, context, whole=True)
+            reply = await call_pool(self.frontend, route, request, context, whole=True)
             assert reply is not None
             return reply
-        with self._own_route(route):
+        with own_route(self.frontend.gateway, route):
             return await self._complete_here(request, context, trace)
 
     async def _complete_here(
@@ -294,10 +187,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                 async for index, out in outs:
                     choice = choices[index]
                     choice.token_ids.extend(out.token_ids)
-                    choice.logprobs.extend(_logprob(lp) for lp in out.logprobs)
+                    choice.logprobs.extend(logprob(lp) for lp in out.logprobs)
                     texts[index].append(out.text)
                     if out.finish_reason is not None:
-                        choice.finish_reason = _FINISH[out.finish_reason]
+                        choice.finish_reason = FINISH[out.finish_reason]
                         last[index] = out
         finally:
             for ticket in tickets:
@@ -316,9 +209,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         )  # fmt: skip
         ended = [out for out in last if out is not None]
         if len(ended) == len(last):
-            usage = _usage(ended[0])  # the prompt (and its reuse) once
-            usage.completion_tokens = sum(out.num_output_tokens for out in ended)
-            reply.usage.CopyFrom(usage)
+            counted = usage(ended[0])  # the prompt (and its reuse) once
+            counted.completion_tokens = sum(out.num_output_tokens for out in ended)
+            reply.usage.CopyFrom(counted)
         return reply
 
     # -- through the gateway's pools (cluster.gateway) ------------------------------------------
@@ -330,16 +223,16 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         if gateway is None:
             return None
         try:
-            _check_parsed(request)
+            check_parsed(request)
             tenant = self._authenticate(context)
             if not request.model or not gateway.router.serving(request.model[:MAX_MODEL_NAME_CHARS]):
                 return None
-            _check_prompt(request, MAX_PROMPT_CHARS)
+            check_prompt(request, MAX_PROMPT_CHARS)
             build_sampling(request.sampling, 1)
-            _num_samples(request)
+            num_samples(request)
             spec = output_spec(request)
             tokens = await self._prompt_ids(request, spec)
-            route = gateway.router.admit(request.model, self._route_key(context, tenant), tokens)
+            route = gateway.router.admit(request.model, route_key(gateway, context, tenant), tokens)
         except Exception:
             self.frontend.metrics.requests.labels("grpc", "rejected").inc()
             raise
@@ -352,58 +245,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         route.tokens = tokens
         return route
 
-    def _route_key(self, context: grpc.aio.ServicerContext, tenant: Tenant) -> str:
-        assert self.frontend.gateway is not None
-        key = self.frontend.gateway.spec.routing.route_key
-        if key.startswith("header:"):
-            wanted = key[len("header:"):].lower()
-            for name, value in context.invocation_metadata() or ():
-                if name == wanted and isinstance(value, str) and value:
-                    return value[:256]
-        return tenant.name
-
-    @contextlib.contextmanager
-    def _own_route(self, route: Route | None) -> Iterator[None]:
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            if route is not None and self.frontend.gateway is not None:
-                self.frontend.gateway.upstreams.ended(route, "ok" if ok else "error")
-
-    async def _external(
-        self, route: Route, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, whole: bool = False
-    ) -> pb.CompleteResponse | None:
-        gateway = self.frontend.gateway
-        assert gateway is not None
-        backend = HttpBackend(gateway.router, gateway.upstreams)
-        try:
-            attempt = await backend.open(route, route.tokens, request, stream=not whole)
-        except Exception:
-            self.frontend.metrics.requests.labels("grpc", "error").inc()
-            raise
-        outcome = "cancelled"
-        try:
-            if whole:
-                reply = await backend.complete(attempt)
-                outcome = "ok"
-                return reply
-            async for message in backend.stream(attempt):
-                await context.write(message)
-            outcome = "ok"
-            return None
-        except EdgeError:
-            outcome = "broken"
-            raise
-        finally:
-            gateway.upstreams.finish(attempt, outcome)
-            self.frontend.metrics.requests.labels("grpc", {"broken": "error"}.get(outcome, outcome)).inc()
-
     async def _tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        _check_parsed(request)
+        check_parsed(request)
         self._authenticate(context)
         self._check_model(request.model)
         if len(request.text) > MAX_PROMPT_CHARS:
@@ -421,7 +266,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         return tracing.request("grpc", f"/{self.name}/{method}", context.invocation_metadata() or ())
 
     async def _pin(self, request: pb.PinPrefixRequest, context: grpc.aio.ServicerContext) -> pb.PinPrefixResponse:
-        _check_parsed(request)
+        check_parsed(request)
         tenant = self._operator(context, request.tenant)
         self._check_model(request.model)
         kind = request.WhichOneof("prompt")
@@ -446,7 +291,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     async def _unpin(
         self, request: pb.UnpinPrefixRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnpinPrefixResponse:
-        _check_parsed(request)
+        check_parsed(request)
         tenant = self._operator(context, request.tenant)
         self._check_model(request.model)
         return pb.UnpinPrefixResponse(released=await self.frontend.unpin(tenant, request.pin_id))
@@ -468,7 +313,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         sample) and their tickets. A refusal here counts as outcome "rejected" (nothing
         reached an engine)."""
         try:
-            _check_parsed(request)
+            check_parsed(request)
             return await self._admit(request, context, trace)
         except Exception:
             self.frontend.metrics.requests.labels("grpc", "rejected").inc()
@@ -481,9 +326,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         trace.set(tenant=tenant.name)
         self._check_model(request.model)
         trace.set(model=self.frontend.model_name)
-        _check_prompt(request, self.frontend.max_model_len)
+        check_prompt(request, self.frontend.max_model_len)
         build_sampling(request.sampling, self.frontend.max_model_len - 1)  # every field bounded before admission
-        num = _num_samples(request)
+        num = num_samples(request)
         hints = CacheHints(request.cache_salt or None, request.session_id or None)
         hints.check()
         slo = self._slo_class(request)
@@ -532,10 +377,10 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         slo = _SLO_CLASSES.get(request.slo_class)
         if slo is None:
             raise invalid("slo_class: SLO_CLASS_STANDARD, SLO_CLASS_LATENCY, SLO_CLASS_BATCH or unset", "slo_class")
-        return allowed_slo(slo, self.cfg.allow_priority_field)
+        return allowed_slo(slo, self.allow_priority_field)
 
     def _priority(self, request: pb.GenerateRequest, tenant: Tenant) -> Tenant:
-        if not (self.cfg.allow_priority_field and request.HasField("priority")):
+        if not (self.allow_priority_field and request.HasField("priority")):
             return tenant
         if not -MAX_PRIORITY <= request.priority <= MAX_PRIORITY:
             raise invalid(f"priority: must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
@@ -615,129 +460,3 @@ def api_key(metadata: Sequence[tuple[str, Any]]) -> str | None:
     return None
 
 
-# -- bounds and conversions -----------------------------------------------------------------
-
-
-def _num_samples(request: pb.GenerateRequest) -> int:
-    if request.n > MAX_SAMPLES:
-        raise invalid(f"n: 0 (one sample) to {MAX_SAMPLES}, got {request.n}", "n")
-    return max(1, request.n)
-
-
-def _check_prompt(request: pb.GenerateRequest, max_model_len: int) -> None:
-    """Bound the prompt's shape before anything is tokenized or copied."""
-    kind = request.WhichOneof("prompt")
-    if request.chat:
-        if kind is not None:
-            raise invalid("prompt: must be unset when chat is true (use messages)", "prompt")
-        if not 1 <= len(request.messages) <= MAX_MESSAGES:
-            raise invalid(f"messages: 1 to {MAX_MESSAGES} messages when chat is true", "messages")
-        for m in request.messages:
-            if m.role not in CHAT_ROLES:
-                roles = ", ".join(sorted(CHAT_ROLES))
-                raise invalid(f"messages.role: must be one of {roles}", "messages.role")
-        if sum(len(m.content) for m in request.messages) > MAX_PROMPT_CHARS:
-            too_long = f"messages.content: at most {MAX_PROMPT_CHARS} characters in all"
-            raise invalid(too_long, "messages.content")
-        return
-    if request.messages:
-        raise invalid("messages: only with chat = true", "messages")
-    if kind is None:
-        raise invalid("prompt: set text or token_ids (or chat with messages)", "prompt")
-    size = len(request.text) if kind == "text" else len(request.token_ids.ids)
-    limit = MAX_PROMPT_CHARS if kind == "text" else max_model_len - 1
-    if not 1 <= size <= limit:
-        raise invalid(f"prompt: {kind} must have 1 to {limit} elements, got {size}", "prompt")
-
-
-def build_sampling(s: pb.Sampling, default_max_tokens: int) -> SamplingParams:
-    """SamplingParams from the message (its constructor bounds every field, naming the bad
-    one); `default_max_tokens` where it gives none (Frontend.default_max_tokens: the rest of
-    the context)."""
-    return SamplingParams(
-        max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
-        min_tokens=s.min_tokens,
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        seed=s.seed if s.HasField("seed") else None,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-        logit_bias=tuple(s.logit_bias.items()),
-    )
-
-
-def _delta(out: StepOutput, request_id: str, parser: ToolCallParser | None = None) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        request_id=request_id, token_ids=out.token_ids, text=out.text,
-        logprobs=[_logprob(lp) for lp in out.logprobs],
-    )
-    if parser is not None:
-        split_tool_calls(msg, parser, out.finish_reason is not None)
-    if out.finish_reason is not None:
-        msg.finish_reason = _FINISH[out.finish_reason]
-        msg.usage.CopyFrom(_usage(out))
-        if parser is not None:
-            ended_in_calls(msg, parser)
-    return msg
-
-
-def _logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
-    top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
-
-
-def _usage(out: StepOutput) -> pb.Usage:
-    hit = out.cached
-    return pb.Usage(
-        prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-        cached_tokens=hit.total,
-        cached=pb.CachedTokens(device=hit.device, host=hit.host, disk=hit.disk, remote=hit.remote),
-    )
-
-
-# -- health ---------------------------------------------------------------------------------
-
-
-class LiveHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # grpc_health is untyped
-    """grpc.health.v1, computed from the frontend on every call: there is no stored status to
-    keep in sync, so a dead step loop or a drain shows at once. "" is the whole server."""
-
-    def __init__(
-        self, frontend: Frontend, services: Sequence[str], watch_interval_s: float = 1.0
-    ) -> None:
-        self.frontend = frontend
-        self.services = frozenset(services)
-        self.watch_interval_s = watch_interval_s
-
-    def status(self, service: str) -> int:
-        if service not in self.services:
-            return int(health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-        if self.frontend.is_ready():  # live and not draining
-            return int(health_pb2.HealthCheckResponse.SERVING)
-        return int(health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> health_pb2.HealthCheckResponse:
-        status = self.status(request.service)
-        if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def Watch(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
-    ) -> None:
-        last = None
-        while True:  # until the client cancels
-            status = self.status(request.service)
-            if status != last:
-                await context.write(health_pb2.HealthCheckResponse(status=status))
-                last = status
-            await asyncio.sleep(self.watch_interval_s)

@@ -10,19 +10,30 @@ its SSE answer translated back into `GenerateResponse` messages.
     an error answer -> the gRPC status its HTTP status maps to, with the engine's message
 
 A cancelled call closes the upstream request (cluster.gateway.proxy), as an HTTP client's does.
+
+    route_key(gateway, context, tenant)    the call's route key: a metadata header, or the tenant
+    call_pool(frontend, route, ...)        the whole trip to an external pool, counted as the
+                                           edge counts a call (baton_requests_total{api="grpc"})
+    own_route(gateway, route)              a call the gateway sent to its own pool, ended there
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import grpc
+
 from batonpb.baton.v1 import generation_pb2 as pb
+from cluster.edge.frontend import Frontend
+from cluster.edge.tenants import Tenant
 from cluster.errors import EdgeError, Kind
 from cluster.gateway.endpoints import Endpoint
 from cluster.gateway.proxy import Attempt, Upstreams
 from cluster.gateway.router import Route, Router
+from cluster.gateway.service import Gateway
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
            "tool_calls": pb.FINISH_REASON_TOOL_CALLS}  # fmt: skip
@@ -31,6 +42,59 @@ _STATUS = {400: Kind.INVALID_ARGUMENT, 401: Kind.UNAVAILABLE, 403: Kind.UNAVAILA
            408: Kind.DEADLINE_EXCEEDED, 413: Kind.INVALID_ARGUMENT, 422: Kind.INVALID_ARGUMENT,
            429: Kind.RESOURCE_EXHAUSTED}  # fmt: skip
 MAX_ERROR_CHARS = 512
+
+
+def route_key(gateway: Gateway, context: grpc.aio.ServicerContext, tenant: Tenant) -> str:
+    key = gateway.spec.routing.route_key
+    if key.startswith("header:"):
+        wanted = key[len("header:"):].lower()
+        for name, value in context.invocation_metadata() or ():
+            if name == wanted and isinstance(value, str) and value:
+                return value[:256]
+    return tenant.name
+
+
+@contextlib.contextmanager
+def own_route(gateway: Gateway | None, route: Route | None) -> Iterator[None]:
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if route is not None and gateway is not None:
+            gateway.upstreams.ended(route, "ok" if ok else "error")
+
+
+async def call_pool(
+    frontend: Frontend, route: Route, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+    whole: bool = False,
+) -> pb.CompleteResponse | None:
+    """Generate (its messages written to `context`) or, `whole`, Complete (its reply) on an
+    external pool."""
+    gateway = frontend.gateway
+    assert gateway is not None
+    backend = HttpBackend(gateway.router, gateway.upstreams)
+    try:
+        attempt = await backend.open(route, route.tokens, request, stream=not whole)
+    except Exception:
+        frontend.metrics.requests.labels("grpc", "error").inc()
+        raise
+    outcome = "cancelled"
+    try:
+        if whole:
+            reply = await backend.complete(attempt)
+            outcome = "ok"
+            return reply
+        async for message in backend.stream(attempt):
+            await context.write(message)
+        outcome = "ok"
+        return None
+    except EdgeError:
+        outcome = "broken"
+        raise
+    finally:
+        gateway.upstreams.finish(attempt, outcome)
+        frontend.metrics.requests.labels("grpc", {"broken": "error"}.get(outcome, outcome)).inc()
 
 
 def openai_body(request: pb.GenerateRequest, stream: bool) -> tuple[str, dict[str, Any]]:

@@ -25,6 +25,9 @@ from cluster.edge.openai_schema import (
 from cluster.edge.tool_calls import ToolCallParser, ToolChoice, ToolUse, finish_reason
 from cluster.errors import invalid
 from engine.constraint import Constraint
+from engine.outputs import StepOutput
+from engine.request import FinishReason
+from engine.sampler import TokenLogprobs
 
 MAX_ID_CHARS = 256
 _NAME = re.compile(NAME_PATTERN)
@@ -125,3 +128,38 @@ def ended_in_calls(
     """A reply that stopped after its calls finishes with FINISH_REASON_TOOL_CALLS."""
     if finish_reason("stop" if msg.finish_reason == pb.FINISH_REASON_STOP else None, parser) == "tool_calls":
         msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+# The engine's finish reasons are named after the proto's enum values.
+FINISH = {r: pb.FinishReason.Value(f"FINISH_REASON_{r.name}") for r in FinishReason}
+
+
+def delta(out: StepOutput, request_id: str, parser: ToolCallParser | None = None) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=request_id, token_ids=out.token_ids, text=out.text,
+        logprobs=[logprob(lp) for lp in out.logprobs],
+    )
+    if parser is not None:
+        split_tool_calls(msg, parser, out.finish_reason is not None)
+    if out.finish_reason is not None:
+        msg.finish_reason = FINISH[out.finish_reason]
+        msg.usage.CopyFrom(usage(out))
+        if parser is not None:
+            ended_in_calls(msg, parser)
+    return msg
+
+
+def logprob(lp: TokenLogprobs) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=top)
+
+
+def usage(out: StepOutput) -> pb.Usage:
+    hit = out.cached
+    return pb.Usage(
+        prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+        cached_tokens=hit.total,
+        cached=pb.CachedTokens(device=hit.device, host=hit.host, disk=hit.disk, remote=hit.remote),
+    )

@@ -25,8 +25,8 @@ from bench.server_proc import free_port
 from cluster.client import AsyncBatonClient, BatonClient, BatonClientError, Message, Sampling
 from cluster.edge.admission import AdmissionConfig
 from cluster.edge.frontend import Frontend
-from cluster.edge.grpc_api import GrpcConfig, create_grpc_server
 from cluster.edge.grpc_output import output_spec
+from cluster.edge.grpc_server import GrpcConfig, create_grpc_server
 from cluster.edge.tenants import ApiKeys, Tenant
 from cluster.edge.tool_calls import ToolChoice
 from cluster.errors import EdgeError

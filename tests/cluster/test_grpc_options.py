@@ -21,7 +21,7 @@ from batonpb.baton.v1 import generation_pb2 as pb
 from bench.server_proc import free_port
 from cluster.client import AsyncBatonClient, BatonClientError, CachedTokens, Options, Sampling
 from cluster.edge.frontend import Frontend
-from cluster.edge.grpc_api import GrpcConfig, create_grpc_server
+from cluster.edge.grpc_server import GrpcConfig, create_grpc_server
 from cluster.edge.tenants import ApiKeys, Tenant
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine

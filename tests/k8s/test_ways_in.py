@@ -284,7 +284,7 @@ def test_the_gateway_has_a_grpc_readiness_probe_on_its_grpc_port(
     }
     assert list(grpc_probes) == ["readinessProbe"], grpc_probes
     probe = grpc_probes["readinessProbe"]
-    assert probe.get("service", "") == ""  # the whole server (cluster/edge/grpc_api.py, LiveHealth)
+    assert probe.get("service", "") == ""  # the whole server (cluster/edge/grpc_server.py, LiveHealth)
     assert probe["port"] == service_port(objects, "baton-grpc", "grpc") == 50051
     assert cluster_file(objects).api.grpc_port == probe["port"]
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from batonpb.baton.v1 import generation_pb2 as gen_pb
-from cluster.edge.grpc_api import _check_prompt, build_sampling
+from cluster.edge.grpc_fields import build_sampling, check_prompt
 from cluster.errors import EdgeError
 from cluster.membership.protocol import Role, WorkerInfo
 from engine.errors import BatonError
@@ -346,7 +346,7 @@ def test_deeply_nested_worker_info_is_a_value_error(data: bytes) -> None:
 
 def _open_request(data: bytes) -> None:
     request = gen_pb.GenerateRequest.FromString(data)
-    _check_prompt(request, 64)
+    check_prompt(request, 64)
     build_sampling(request.sampling, 63)
 
 

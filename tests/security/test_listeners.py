@@ -27,7 +27,7 @@ import torch
 
 from cluster.cli import _build_parser
 from cluster.cluster_config import parse_cluster_file, to_server_config
-from cluster.edge.grpc_api import GrpcConfig
+from cluster.edge.grpc_server import GrpcConfig
 from cluster.edge.http_api import HttpConfig
 from cluster.fleet import ray_runtime
 from cluster.fleet.decode_actor import DecodeActor
