@@ -21,7 +21,8 @@ configuration is this file). What it says depends on what this member finds:
 
 With --tls-dir (ca.crt, tls.crt, tls.key: a cert-manager or `kubernetes.io/tls` Secret), clients
 and peers speak https and must present a certificate from that CA (--client-cert-auth). With
-etcd's auth on, that certificate's CN must be `root`: removing and adding members is root's.
+etcd's auth on, that certificate's CN must be `root`: removing and adding members is root's
+(with another CN the rejoin stops at once, removing nothing, and says why).
 
 Not told apart: an empty volume while no other member runs (all of etcd down at once) looks like
 a first start, and that member starts a new cluster the others refuse (k8s/README.md, "etcd").
@@ -147,10 +148,18 @@ async def _rejoin(via: Member, me: Member, tls: Tls | None) -> str | None:
             logger.info("%s: the cluster waits for this member's first start", me.name)
             return None
         if not any(not m.name and not m.clientURLs for m in mine):
-            for old in mine:
-                logger.warning("%s lost its data: removing its old member %x", me.name, old.ID)
-                await cluster.MemberRemove(aetcd.rpc.MemberRemoveRequest(ID=old.ID), timeout=PROBE_TIMEOUT_S)
-            added = await add_member(cluster, me.peer_url)
+            try:
+                for old in mine:
+                    logger.warning("%s lost its data: removing its old member %x", me.name, old.ID)
+                    await cluster.MemberRemove(aetcd.rpc.MemberRemoveRequest(ID=old.ID), timeout=PROBE_TIMEOUT_S)
+                added = await add_member(cluster, me.peer_url)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
+                    raise
+                raise SystemExit(f"{me.name} lost its data, and etcd refused to remove or add its member "
+                                 f"({exc.details()}): with etcd's auth on, removing and adding members is the "
+                                 "root user's, so the member certificate's CN must be root (k8s/README.md, "
+                                 "etcd)") from None  # fmt: skip
             logger.warning("%s added again as member %x: joining the running cluster", me.name, added.member.ID)
             listed = added.members
         # the member added has no name until it starts: it is this one

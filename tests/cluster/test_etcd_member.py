@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aetcd  # type: ignore[import-untyped]
+import grpc
 import pytest
 import yaml
 
 from bench.server_proc import free_port
-from cluster.membership.etcd_member import Member, has_member, main, plan, write
+from cluster.membership.etcd_member import Member, Tls, has_member, main, plan, write
+from tests.cluster.test_etcd_tls import Pki, _enable_auth
 from tests.etcd_server import INSTALL_HINT
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,12 +31,16 @@ NAMES = ("etcd-0", "etcd-1", "etcd-2")
 
 
 class Trio:
-    """Three members on 127.0.0.1, each with its own ports, data dir and config file."""
+    """Three members on 127.0.0.1, each with its own ports, data dir and config file; with
+    `tls`, clients and peers speak https with that member certificate (as --tls-dir makes them)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, tls: Tls | None = None) -> None:
         self.root = root
-        self.members = {n: Member(n, f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}")
+        self.tls = tls
+        scheme = "https" if tls is not None else "http"
+        self.members = {n: Member(n, f"{scheme}://127.0.0.1:{free_port()}", f"{scheme}://127.0.0.1:{free_port()}")
                         for n in NAMES}  # fmt: skip
+        self.metrics = {n: f"http://127.0.0.1:{free_port()}" for n in NAMES}  # /health, plain as on Kubernetes
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def data_dir(self, name: str) -> Path:
@@ -42,10 +48,10 @@ class Trio:
 
     def listen(self, name: str) -> dict[str, str]:
         m = self.members[name]
-        return {"client": m.client_url, "peer": m.peer_url, "metrics": f"http://127.0.0.1:{free_port()}"}
+        return {"client": m.client_url, "peer": m.peer_url, "metrics": self.metrics[name]}
 
     async def configure(self, name: str) -> dict[str, object]:
-        config = await plan(self.members[name], self.members, self.data_dir(name), self.listen(name))
+        config = await plan(self.members[name], self.members, self.data_dir(name), self.listen(name), self.tls)
         config |= {"heartbeat-interval": 50, "election-timeout": 500, "log-level": "warn"}  # a fast test
         write(config, self.root / name / "etcd.conf.yml")
         return config
@@ -68,7 +74,7 @@ class Trio:
             proc = self.procs[name]
             assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{self.log(name)}"
             try:
-                with urllib.request.urlopen(f"{self.members[name].client_url}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{self.metrics[name]}/health", timeout=1) as resp:
                     if b'"true"' in resp.read():
                         return
             except OSError:
@@ -185,6 +191,67 @@ async def test_a_rejoin_cut_short_is_picked_up_where_it_stopped(trio: Trio) -> N
         assert (await trio.configure("etcd-2"))["initial-cluster-state"] == "existing"
         assert sorted(await _members(trio, "etcd-0")) == ["", "etcd-0", "etcd-1"]  # listed, unnamed
         await rejoin()
+
+
+async def test_with_tls_and_auth_on_a_member_rejoins_by_its_root_certificate(tmp_path: Path) -> None:
+    """etcd over https with client certificates required and its auth on (the etcd-tls
+    component): a member that lost its volume rejoins as root -- its certificate's CN -- the only
+    user that may remove and add members; with another CN the rejoin stops at once with the
+    reason, and nothing is removed."""
+    if shutil.which("etcd") is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is not installed: the etcd TLS tests make their certificates with it", pytrace=False)
+    (tmp_path / "pki").mkdir()
+    pki = Pki(tmp_path / "pki")
+    root = Tls(pki.ca, *pki.issue("root"))
+    trio = Trio(tmp_path, root)
+    try:
+        for name in NAMES:
+            assert (await trio.configure(name))["client-transport-security"] == root.security()
+            trio.start(name)
+        for name in NAMES:
+            trio.wait_healthy(name)
+        port = int(trio.members["etcd-0"].client_url.rsplit(":", 1)[1])
+        await _enable_auth(port, root.ca, root.cert, root.key)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", root.credentials()) as channel:
+            await aetcd.rpc.KVStub(channel).Put(aetcd.rpc.PutRequest(key=b"/secure/p-0", value=b"kept"), timeout=5)
+
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", root.credentials()) as channel:
+            status = aetcd.rpc.MaintenanceStub(channel).Status
+            listed = await aetcd.rpc.ClusterStub(channel).MemberList(aetcd.rpc.MemberListRequest(), timeout=5)
+            lost = next(m.ID for m in listed.members if m.name == "etcd-2")
+            trio.kill("etcd-2")
+            shutil.rmtree(trio.data_dir("etcd-2"))
+            for _ in range(200):  # bounded: a leader among the two left (etcd-2 may have led)
+                if (await status(aetcd.rpc.StatusRequest(), timeout=5)).leader not in (0, lost):
+                    break
+                await asyncio.sleep(0.05)
+        other = Tls(pki.ca, *pki.issue("baton"))  # a certificate of the same CA, for the user baton
+        with pytest.raises(SystemExit, match="CN must be root"):
+            await plan(trio.members["etcd-2"], trio.members, trio.data_dir("etcd-2"), trio.listen("etcd-2"), other)
+        assert set(await _members_over(trio, "etcd-0")) == set(NAMES)  # refused before anything was removed
+
+        config = await trio.configure("etcd-2")  # as root
+        assert config["initial-cluster-state"] == "existing"
+        trio.start("etcd-2")
+        trio.wait_healthy("etcd-2")
+        joined = trio.members["etcd-2"].client_url.split("://", 1)[1]
+        async with grpc.aio.secure_channel(joined, root.credentials()) as channel:  # etcd-2's own copy
+            got = await aetcd.rpc.KVStub(channel).Range(aetcd.rpc.RangeRequest(key=b"/secure/p-0", serializable=True),
+                                                        timeout=5)  # fmt: skip
+        assert [kv.value for kv in got.kvs] == [b"kept"]
+        assert set(await _members_over(trio, "etcd-2")) == set(NAMES)
+    finally:
+        trio.stop()
+
+
+async def _members_over(trio: Trio, via: str) -> list[str]:
+    assert trio.tls is not None
+    target = trio.members[via].client_url.split("://", 1)[1]
+    async with grpc.aio.secure_channel(target, trio.tls.credentials()) as channel:
+        listed = await aetcd.rpc.ClusterStub(channel).MemberList(aetcd.rpc.MemberListRequest(), timeout=5)
+    return [m.name for m in listed.members]
 
 
 def test_the_command_writes_the_pod_config(tmp_path: Path) -> None:
