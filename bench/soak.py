@@ -58,7 +58,8 @@ from bench.soak_load import MODEL, LoadConfig, load
 from kvtransfer.shm import orphans
 
 OUTCOMES = ("ok", "error", "cancelled", "deadline", "rejected")  # cluster.edge.frontend, cluster.edge.http_api
-# unsent: a unary call abandoned before its request was written (the server never saw it)
+# unsent: a unary call abandoned before any of its request was written (the server never saw it);
+# one that had begun is abandoned only once written whole (bench.soak_load._abandoned)
 CLIENT_OUTCOMES = ("ok", "cancelled", "unsent", "timeout", "invalid", "not-400", "refused", "error")
 IDLE_GAUGES = ("baton_inflight_requests", "baton_queue_waiting_requests", "baton_kv_transfers_inflight",
                "baton_kv_pinned_pages", "baton_kv_reserved_pages")  # fmt: skip

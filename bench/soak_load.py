@@ -115,19 +115,7 @@ async def send(client: httpx.AsyncClient, call: Call, timeout_s: float) -> tuple
             if not call.stream:
                 if call.cancel_after is None:
                     return _unary_outcome(call, await client.post(call.path, content=call.body, headers=headers))
-                written = asyncio.Event()  # the whole request is on the wire: the server will see it
-
-                async def trace(event: str, info: dict[str, Any]) -> None:
-                    if event in ("http11.send_request_body.complete", "http2.send_request_body.complete"):
-                        written.set()
-
-                post = client.post(call.path, content=call.body, headers=headers, extensions={"trace": trace})
-                try:
-                    return _unary_outcome(call, await asyncio.wait_for(post, call.cancel_after))
-                except TimeoutError:
-                    # Abandoned before the request was even written (no connection yet, during
-                    # a fault): the server never saw it, so it is not one of the requests sent.
-                    return ("cancelled" if written.is_set() else "unsent"), False
+                return await _abandoned(client, call, headers)
             async with client.stream("POST", call.path, content=call.body, headers=headers) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
@@ -137,6 +125,36 @@ async def send(client: httpx.AsyncClient, call: Call, timeout_s: float) -> tuple
         return "timeout", False
     except httpx.TransportError:
         return "error", False
+
+
+async def _abandoned(client: httpx.AsyncClient, call: Call, headers: dict[str, str]) -> tuple[str, bool]:
+    """A unary call the client hangs up on after `cancel_after` seconds: "unsent" when nothing of
+    it was written by then (no connection yet, during a fault: the server never sees it, so it
+    is not one of the requests sent), else "cancelled" -- once it has been written whole, never
+    in the middle of writing it, which the server could see or not (a request counted on one
+    side only)."""
+    writing, written = asyncio.Event(), asyncio.Event()
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event.endswith(".send_request_headers.started"):  # the first byte is about to go
+            writing.set()
+        elif event.endswith(".send_request_body.complete"):
+            written.set()
+
+    post = asyncio.ensure_future(client.post(call.path, content=call.body, headers=headers,
+                                             extensions={"trace": trace}))  # fmt: skip
+    whole = asyncio.ensure_future(written.wait())
+    try:
+        await asyncio.wait({post}, timeout=call.cancel_after)
+        if not post.done() and writing.is_set():
+            await asyncio.wait({post, whole}, return_when=asyncio.FIRST_COMPLETED)
+        if post.done():
+            return _unary_outcome(call, post.result())
+        return ("cancelled" if writing.is_set() else "unsent"), False
+    finally:
+        for task in (post, whole):
+            task.cancel()
+        await asyncio.gather(post, whole, return_exceptions=True)
 
 
 def _status_outcome(call: Call, status: int) -> str:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -87,26 +88,24 @@ def _add_generation(
     server.add_registered_method_handlers(SERVICE_NAME, current)
 
 
+# method -> (its answer streams, the request message it is parsed as, the response message).
+# Complete's CompleteRequest is parsed as the GenerateRequest it is identical to on the wire.
+_METHODS: dict[str, tuple[bool, Any, Any]] = {
+    "Generate": (True, pb.GenerateRequest, pb.GenerateResponse),
+    "Complete": (False, pb.GenerateRequest, pb.CompleteResponse),
+    "Tokenize": (False, pb.TokenizeRequest, pb.TokenizeResponse),
+    "PinPrefix": (False, pb.PinPrefixRequest, pb.PinPrefixResponse),
+    "UnpinPrefix": (False, pb.UnpinPrefixRequest, pb.UnpinPrefixResponse),
+}
+
+
 def _handlers(service: GenerationService) -> dict[str, grpc.RpcMethodHandler]:
-    # Complete's CompleteRequest is parsed as the GenerateRequest it is identical to on the wire
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            service.Generate, request_deserializer=tolerant(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
-        "Complete": grpc.unary_unary_rpc_method_handler(
-            service.Complete, request_deserializer=tolerant(pb.GenerateRequest),
-            response_serializer=pb.CompleteResponse.SerializeToString),
-        "Tokenize": grpc.unary_unary_rpc_method_handler(
-            service.Tokenize, request_deserializer=tolerant(pb.TokenizeRequest),
-            response_serializer=pb.TokenizeResponse.SerializeToString),
-        "PinPrefix": grpc.unary_unary_rpc_method_handler(
-            service.PinPrefix, request_deserializer=tolerant(pb.PinPrefixRequest),
-            response_serializer=pb.PinPrefixResponse.SerializeToString),
-        "UnpinPrefix": grpc.unary_unary_rpc_method_handler(
-            service.UnpinPrefix, request_deserializer=tolerant(pb.UnpinPrefixRequest),
-            response_serializer=pb.UnpinPrefixResponse.SerializeToString),
-    }  # fmt: skip
-    assert set(handlers) == set(SERVICE.methods_by_name)
+    assert set(_METHODS) == set(SERVICE.methods_by_name)
+    handlers = {}
+    for name, (streams, request, response) in _METHODS.items():
+        handler = grpc.unary_stream_rpc_method_handler if streams else grpc.unary_unary_rpc_method_handler
+        handlers[name] = handler(getattr(service, name), request_deserializer=tolerant(request),
+                                 response_serializer=response.SerializeToString)  # fmt: skip
     return handlers
 
 

@@ -1,6 +1,7 @@
 """Every object of every build validates: core kinds with kubernetes-validate in strict mode
 (unknown fields are errors), the RayCluster's pod templates as Pods the same way, and the
-custom resources with jsonschema against their CRDs (copied to tests/k8s/crds/), made strict."""
+custom resources with jsonschema against their CRDs (copied to tests/k8s/crds/), made strict,
+and their CRDs' CEL rules (tests/k8s/cel.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
+from tests.k8s.cel import cel_errors
 from tests.k8s.manifests import COMPONENTS, CRDS, TARGETS, Obj, crd_schema, of_kind, pod_templates
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,6 +77,8 @@ def _custom_errors(objects: list[Obj]) -> tuple[int, list[str]]:
             errors.append(
                 f"{o['kind']}/{o['metadata']['name']}: {err.message} at {list(err.absolute_path)}"
             )
+        schema = crd_schema(CRD_FILES[(o["apiVersion"], o["kind"])], o["apiVersion"].rsplit("/", 1)[1])
+        errors += [f"{o['kind']}/{o['metadata']['name']}: {e}" for e in cel_errors(o, schema)[1]]
     return checked, errors
 
 
@@ -104,6 +108,18 @@ def test_the_strict_crd_schema_rejects_a_misspelt_field(builds: dict[str, list[O
     rc = copy.deepcopy(of_kind(builds["base"], "RayCluster")[0])
     rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     assert _custom_errors([rc])[1]
+
+
+def test_a_crd_cel_rule_is_checked(builds: dict[str, list[Obj]]) -> None:
+    """KubeRay's rule on spec.managedBy (x-kubernetes-validations), which the schema alone lets
+    through."""
+    import copy
+
+    rc = copy.deepcopy(of_kind(builds["base"], "RayCluster")[0])
+    rc["spec"]["managedBy"] = "someone-else"
+    assert [e for e in _custom_errors([rc])[1] if "managedBy" in e]
+    rc["spec"]["managedBy"] = "ray.io/kuberay-operator"
+    assert not _custom_errors([rc])[1]
 
 
 def test_strict_core_validation_rejects_a_misspelt_field(builds: dict[str, list[Obj]]) -> None:

@@ -11,8 +11,9 @@ Upgrades: k8s/upgrade/ builds generation baton-b of the gpu overlay beside gener
 the shared objects select both generations' pods alike, and the generation label selects
 exactly one generation's own objects (k8s/UPGRADE.md's `kubectl apply -l`).
 
-Not checked here (no API server on these machines): the CRDs' CEL rules (x-kubernetes-validations),
-and what an implementation does with the routes.
+The Gateway API objects also pass their CRDs' CEL rules (x-kubernetes-validations, tests/k8s/cel.py:
+defaults applied first, as the API server does). Not checked here (no API server on these
+machines): what an implementation does with the routes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import kubernetes_validate
 import pytest
 
 from cluster.cluster_config import parse_cluster_file
+from tests.k8s.cel import cel_errors
 from tests.k8s.manifests import (
     CRDS,
     K8S,
@@ -174,6 +176,34 @@ def test_built_in_kinds_of_the_examples_validate_strictly(
 def test_gateway_api_objects_validate_against_their_crds(examples: dict[str, list[Obj]]) -> None:
     checked, errors = crd_errors(examples["gateway-api"])
     assert checked == 3 and not errors, "\n".join(errors)
+
+
+def test_gateway_api_objects_pass_their_crds_cel_rules(examples: dict[str, list[Obj]]) -> None:
+    checked, errors = cel_checked(examples["gateway-api"])
+    assert checked >= 40 and not errors, "\n".join(errors)  # 42 rules apply to these three objects
+
+
+def test_the_cel_check_can_fail(examples: dict[str, list[Obj]]) -> None:
+    """What the schemas alone let through: a Service backend without a port, two listeners of
+    one name."""
+    route = copy.deepcopy(one(examples["gateway-api"], "GRPCRoute"))
+    del route["spec"]["rules"][0]["backendRefs"][0]["port"]
+    assert crd_errors([route]) == (1, [])
+    assert cel_checked([route])[1] == [
+        "GRPCRoute/baton-grpc: self.spec.rules[0].backendRefs[0]: Must have port for Service reference"]
+    gateway = copy.deepcopy(one(examples["gateway-api"], "Gateway"))
+    gateway["spec"]["listeners"][1]["name"] = gateway["spec"]["listeners"][0]["name"]
+    assert "Gateway/baton: self.spec.listeners: Listener name must be unique within the Gateway" in cel_checked(
+        [gateway])[1]
+
+
+def cel_checked(objects: list[Obj]) -> tuple[int, list[str]]:
+    checked, errors = 0, []
+    for o in objects:
+        n, found = cel_errors(o, crd_schema(CRD_FILES[o["kind"]], "v1"))
+        checked += n
+        errors += [f"{o['kind']}/{o['metadata']['name']}: {e}" for e in found]
+    return checked, errors
 
 
 def test_the_gateway_api_check_can_fail(examples: dict[str, list[Obj]]) -> None:
