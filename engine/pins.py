@@ -133,9 +133,12 @@ class Pins:
 
     @property
     def num_held_pages(self) -> int:
-        return sum(len(p.page_ids) for p in self._pins.values())
+        """Pages the pins hold, each once however many pins hold it (a system prompt and a
+        longer prefix that starts with it share their leading pages)."""
+        return len(set(self.held_page_ids()))
 
     def held_page_ids(self) -> list[int]:
+        """One entry per reference a pin holds (a page two pins hold: twice)."""
         return [page_id for pin in self._pins.values() for page_id in pin.page_ids]
 
     def views(self) -> list[PinView]:

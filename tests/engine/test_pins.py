@@ -110,6 +110,25 @@ def test_a_cached_prefix_is_held_at_once_and_pins_are_bounded(tiny_model_dir: Pa
     engine.check_integrity()
 
 
+def test_pins_that_share_a_prefix_hold_its_pages_once(tiny_model_dir: Path) -> None:
+    """A system prompt and a longer prefix that starts with it, pinned apart: their shared pages
+    are held twice (two references) but are two pins' pages once, and the pages an idle
+    engine can reuse are the cached ones no pin holds."""
+    engine = _engine(tiny_model_dir, Clock())
+    system = _tokens(5, 3 * PAGE)
+    _run(engine, system + _tokens(6, 2 * PAGE) + [1], "warm")  # 5 whole pages cached
+    assert engine.pin_prefix("sys", system, ttl_s=60).state == "held"  # 3 pages
+    assert engine.pin_prefix("sys-long", system + _tokens(6, 2 * PAGE), ttl_s=60).state == "held"  # 5 pages
+    assert engine.pins.num_held_pages == 5 and len(engine.pins.held_page_ids()) == 8
+    engine.check_integrity()
+    cache = engine.prefix_cache
+    assert cache is not None
+    assert engine.free_pages_at_idle() == engine.pool.pages.num_free + cache.num_cached_pages - 5
+    engine.unpin_prefix("sys-long")
+    assert engine.pins.num_held_pages == 3
+    engine.check_integrity()
+
+
 def test_purging_a_tenant_releases_its_pins_even_while_computing(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir, Clock())
     engine.pin_prefix("a", _tokens(5, 40), "acme", ttl_s=60)
