@@ -174,8 +174,8 @@ class GatewayRouting:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
         stream = body.get("stream") is True
         upstream = first.pool.spec.upstream_model(model)  # a pool's endpoints serve one name for it
-        if upstream != model:
-            raw = json.dumps({**body, "model": upstream}).encode()
+        if upstream != model:  # the rest as it came: no \u escapes to swell a non-ASCII prompt
+            raw = json.dumps({**body, "model": upstream}, ensure_ascii=False, separators=(",", ":")).encode()
         try:
             attempt = await self.upstreams.send(route_for, scope["path"], raw, headers, stream)
         except EdgeError as err:
