@@ -541,13 +541,13 @@ class Engine:
         prompt = tuple(prompt_ids)
         req_id = PIN_REQUEST_PREFIX + pin_id
         self._drop_pin_request(pin_id)  # the same id again replaces the pin, even while it computes
-        self._validate(req_id, prompt, PIN_SAMPLING)
-        pin = self.pins.add(pin_id, len(prompt), len(prompt) // self.cfg.page_size, cache_salt.encode(), ttl_s)
-        if on_done is not None:
-            pin.waiters.append(on_done)
         request = self._request(Job(req_id, prompt, PIN_SAMPLING, cache_salt=cache_salt))
         request.num_shared_pages = self._shared_pages(request.prompt_ids)
-        hashes = self.scheduler.prefix_hashes(request, pin.num_pages)
+        num_pages = len(prompt) // self.cfg.page_size
+        hashes = self.scheduler.prefix_hashes(request, num_pages)
+        pin = self.pins.add(pin_id, len(prompt), hashes, cache_salt.encode(), ttl_s)
+        if on_done is not None:
+            pin.waiters.append(on_done)
         if not self.pins.hold(pin, hashes):
             self._pin_requests[req_id] = (pin, hashes)
             self.scheduler.add(request)

@@ -42,10 +42,14 @@ class Pin:
     pin_id: str
     cache_salt: bytes
     num_tokens: int  # the prefix's tokens; its full pages are what is held
-    num_pages: int
+    hashes: tuple[bytes, ...]  # its full pages' hashes (the tenant's salt in them)
     expires_at: float  # on the engine's clock
     page_ids: list[int] = field(default_factory=list)  # held; empty while it computes
     waiters: list[Callable[[PinView | str], None]] = field(default_factory=list)  # told once it holds or ends
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.hashes)
 
     @property
     def is_held(self) -> bool:
@@ -144,18 +148,20 @@ class Pins:
     def views(self) -> list[PinView]:
         return [self.view(p) for p in self._pins.values()]
 
-    def add(self, pin_id: str, num_tokens: int, num_pages: int, cache_salt: bytes, ttl_s: float) -> Pin:
-        """Book a pin (its pages not held yet); RequestError past the worker's bound."""
+    def add(self, pin_id: str, num_tokens: int, hashes: Sequence[bytes], cache_salt: bytes, ttl_s: float) -> Pin:
+        """Book a pin of the pages `hashes` names (not held yet); RequestError past the worker's
+        bound, where a page other pins hold too (a prefix they share) counts once."""
         if self.cache is None:
             raise RequestError("pin", "this worker has no prefix cache to pin pages in")
-        if num_pages < 1:
+        if not hashes:
             raise RequestError("prompt", f"a pin holds whole pages: at least {num_tokens + 1} more tokens needed")
-        others = sum(p.num_pages for p in self._pins.values() if p.pin_id != pin_id)
-        if others + num_pages > self.max_pages:
+        others = {h for p in self._pins.values() if p.pin_id != pin_id for h in p.hashes}
+        more = len(set(hashes) - others)
+        if len(others) + more > self.max_pages:
             raise RequestError("pin", f"pins may hold at most {self.max_pages} pages on this worker "
-                                      f"({others} held by other pins, {num_pages} asked)")  # fmt: skip
+                                      f"({len(others)} held by other pins, {more} more asked)")  # fmt: skip
         self.release(pin_id)
-        pin = Pin(pin_id, cache_salt, num_tokens, num_pages, self.clock() + ttl_s)
+        pin = Pin(pin_id, cache_salt, num_tokens, tuple(hashes), self.clock() + ttl_s)
         self._pins[pin_id] = pin
         return pin
 

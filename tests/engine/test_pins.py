@@ -112,20 +112,24 @@ def test_a_cached_prefix_is_held_at_once_and_pins_are_bounded(tiny_model_dir: Pa
 
 def test_pins_that_share_a_prefix_hold_its_pages_once(tiny_model_dir: Path) -> None:
     """A system prompt and a longer prefix that starts with it, pinned apart: their shared pages
-    are held twice (two references) but are two pins' pages once, and the pages an idle
-    engine can reuse are the cached ones no pin holds."""
+    are held twice (two references) but count once, in the worker's bound (half its pool, 12
+    pages) as in what they hold, and the pages an idle engine can reuse are the cached ones no
+    pin holds."""
     engine = _engine(tiny_model_dir, Clock())
-    system = _tokens(5, 3 * PAGE)
-    _run(engine, system + _tokens(6, 2 * PAGE) + [1], "warm")  # 5 whole pages cached
-    assert engine.pin_prefix("sys", system, ttl_s=60).state == "held"  # 3 pages
-    assert engine.pin_prefix("sys-long", system + _tokens(6, 2 * PAGE), ttl_s=60).state == "held"  # 5 pages
-    assert engine.pins.num_held_pages == 5 and len(engine.pins.held_page_ids()) == 8
+    system = _tokens(5, 8 * PAGE)
+    longer = system + _tokens(6, 4 * PAGE)
+    _run(engine, longer + [1], "warm")  # 12 whole pages cached
+    assert engine.pin_prefix("sys", system, ttl_s=60).state == "held"  # 8 pages
+    assert engine.pin_prefix("sys-long", longer, ttl_s=60).state == "held"  # 12, 8 of them sys's: 12 in all
+    assert engine.pins.num_held_pages == 12 and len(engine.pins.held_page_ids()) == 20
+    with pytest.raises(RequestError, match=r"at most 12 pages on this worker \(12 held by other pins, 1 more"):
+        engine.pin_prefix("other", _tokens(7, PAGE), ttl_s=5)
     engine.check_integrity()
     cache = engine.prefix_cache
     assert cache is not None
-    assert engine.free_pages_at_idle() == engine.pool.pages.num_free + cache.num_cached_pages - 5
+    assert engine.free_pages_at_idle() == engine.pool.pages.num_free + cache.num_cached_pages - 12
     engine.unpin_prefix("sys-long")
-    assert engine.pins.num_held_pages == 3
+    assert engine.pins.num_held_pages == 8
     engine.check_integrity()
 
 
