@@ -1,7 +1,10 @@
 """`kubectl kustomize` renders the base, both overlays and the gpu overlay with each optional
-component; the objects hang together (namespaces, names referenced, images)."""
+component; the objects hang together (namespaces, names referenced, images); the README sends
+an operator there."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -9,6 +12,7 @@ from tests.k8s.manifests import (
     COMPONENTS,
     NAMESPACE,
     OVERLAYS,
+    ROOT,
     TARGETS,
     Obj,
     of_kind,
@@ -118,3 +122,17 @@ def test_the_ray_version_is_the_projects(builds: dict[str, list[Obj]]) -> None:
     assert pinned, "pyproject.toml's cluster extra pins no ray version"
     for target in TARGETS:
         assert ray_cluster(builds[target])["spec"]["rayVersion"] == pinned[0]
+
+
+def test_the_readme_sends_an_operator_to_the_deployment() -> None:
+    """Issue 23, finding 11: the README's layout has a `k8s/` row and a "Deploy on Kubernetes"
+    section with the first three commands, pointing to k8s/README.md, and every path it names
+    exists; nothing says `k8s/` is still to come."""
+    text = (ROOT / "README.md").read_text()
+    assert "| `k8s/` |" in text and "joins as its issue lands" not in text
+    section = text.split("\n## Deploy on Kubernetes\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert block is not None and len(block.group(1).strip().splitlines()) == 3
+    assert "kubectl apply -k k8s/overlays/gpu" in block.group(1)
+    named = re.findall(r"\]\((k8s/[^)]+)\)", section) + re.findall(r"k8s/overlays/\w+", section)
+    assert "k8s/README.md" in named and all((ROOT / path).exists() for path in named), named
