@@ -16,7 +16,8 @@ from tests.k8s.manifests import COMPONENTS, CRDS, TARGETS, Obj, crd_schema, of_k
 
 pytestmark = pytest.mark.timeout(120)
 
-KUBERNETES_VERSION = "1.33.0"  # a schema set kubernetes-validate ships (offline)
+# the oldest Kubernetes the manifests support and the newest kubernetes-validate ships (offline)
+KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 CRD_FILES = {
     ("ray.io/v1", "RayCluster"): CRDS / "kuberay" / "ray.io_rayclusters.yaml",
     ("monitoring.coreos.com/v1", "PodMonitor"): CRDS
@@ -39,32 +40,34 @@ def _is_custom(o: Obj) -> bool:
     return (o["apiVersion"], o["kind"]) in CRD_FILES
 
 
-def _core_errors(objects: list[Obj]) -> list[str]:
+def _core_errors(objects: list[Obj], version: str = KUBERNETES_VERSIONS[-1]) -> list[str]:
     errors = []
     for o in objects:
         if _is_custom(o):
             continue
         try:
-            kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
+            kubernetes_validate.validate(o, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             errors.append(f"{o['kind']}/{o['metadata']['name']}: {exc.message} at {list(exc.path)}")
     return errors
 
 
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("target", TARGETS)
-def test_core_objects_validate_strictly(builds: dict[str, list[Obj]], target: str) -> None:
+def test_core_objects_validate_strictly(builds: dict[str, list[Obj]], target: str, version: str) -> None:
     objects = builds[target]
     assert [o for o in objects if not _is_custom(o)]
-    assert not _core_errors(objects), "\n".join(_core_errors(objects))
+    assert not _core_errors(objects, version), "\n".join(_core_errors(objects, version))
 
 
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("target", TARGETS)
-def test_ray_pod_templates_validate_as_pods(builds: dict[str, list[Obj]], target: str) -> None:
+def test_ray_pod_templates_validate_as_pods(builds: dict[str, list[Obj]], target: str, version: str) -> None:
     rc = of_kind(builds[target], "RayCluster")
     pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": t.group, "labels": t.labels}, "spec": t.spec}
             for t in pod_templates(rc)]  # fmt: skip
     assert len(pods) == 3
-    assert not _core_errors(pods), "\n".join(_core_errors(pods))
+    assert not _core_errors(pods, version), "\n".join(_core_errors(pods, version))
 
 
 def _custom_errors(objects: list[Obj]) -> tuple[int, list[str]]:
@@ -98,7 +101,8 @@ def test_optional_components_validate(
     objects = component_builds[component]
     checked, errors = _custom_errors(objects)
     assert checked == 3 and not errors, "\n".join(errors)
-    assert not _core_errors(objects), "\n".join(_core_errors(objects))
+    for version in KUBERNETES_VERSIONS:
+        assert not _core_errors(objects, version), "\n".join(_core_errors(objects, version))
 
 
 def test_the_strict_crd_schema_rejects_a_misspelt_field(builds: dict[str, list[Obj]]) -> None:
