@@ -22,7 +22,7 @@ import yaml
 
 from bench.server_proc import free_port
 from cluster.membership.etcd_member import Member, Tls, has_member, main, plan, write
-from tests.cluster.test_etcd_tls import Pki, _enable_auth
+from tests.cluster.test_etcd_tls import Pki, enable_auth
 from tests.etcd_server import INSTALL_HINT
 
 pytestmark = pytest.mark.timeout(120)
@@ -213,7 +213,7 @@ async def test_with_tls_and_auth_on_a_member_rejoins_by_its_root_certificate(tmp
         for name in NAMES:
             trio.wait_healthy(name)
         port = int(trio.members["etcd-0"].client_url.rsplit(":", 1)[1])
-        await _enable_auth(port, root.ca, root.cert, root.key)
+        await enable_auth(port, root.ca, root.cert, root.key)
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", root.credentials()) as channel:
             await aetcd.rpc.KVStub(channel).Put(aetcd.rpc.PutRequest(key=b"/secure/p-0", value=b"kept"), timeout=5)
 
@@ -227,6 +227,8 @@ async def test_with_tls_and_auth_on_a_member_rejoins_by_its_root_certificate(tmp
                 if (await status(aetcd.rpc.StatusRequest(), timeout=5)).leader not in (0, lost):
                     break
                 await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("no leader after etcd-2 went")
         other = Tls(pki.ca, *pki.issue("baton"))  # a certificate of the same CA, for the user baton
         with pytest.raises(SystemExit, match="CN must be root"):
             await plan(trio.members["etcd-2"], trio.members, trio.data_dir("etcd-2"), trio.listen("etcd-2"), other)

@@ -80,13 +80,13 @@ def secure_etcd(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     tls = EtcdServerTls(pki.ca, server_cert, server_key, root_cert, root_key)
     server = EtcdServer.launch(tmp_path_factory.mktemp("secure-etcd"), name="secure", tls=tls)
     try:
-        asyncio.run(_enable_auth(server.port, pki.ca, root_cert, root_key))
+        asyncio.run(enable_auth(server.port, pki.ca, root_cert, root_key))
         yield server
     finally:
         server.stop()
 
 
-async def _enable_auth(port: int, ca: Path, cert: Path, key: Path) -> None:
+async def enable_auth(port: int, ca: Path, cert: Path, key: Path) -> None:
     credentials = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
         auth, rpc = aetcd.rpc.AuthStub(channel), aetcd.rpc

@@ -32,12 +32,14 @@ class _Worker:
 
     def __init__(self, budget: int = 8, unpin_gate: asyncio.Event | None = None) -> None:
         self.held: dict[str, tuple[tuple[int, ...], str, float]] = {}  # pin id -> (prompt, salt, ttl)
+        self.asked: list[str] = []  # every pin id it was asked to pin, in order
         self.budget = budget
         self.gate = unpin_gate
         self.pin_prefix = _Method(self._pin)
         self.unpin_prefix = _Method(self._unpin)
 
     async def _pin(self, pin_id: str, prompt: tuple[int, ...], salt: str, ttl_s: float, wait_s: float) -> PinView | str:
+        self.asked.append(pin_id)
         if self.gate is not None:
             await self.gate.wait()
         if len(self.held) >= self.budget:
@@ -104,7 +106,7 @@ async def test_an_unpinned_pin_is_not_reapplied_nor_left_behind() -> None:
     pins.drop("acme:b")  # unpinned while it was: the worker lets it go once it answers
     gate.set()
     await reapplying
-    assert worker.held == {}
+    assert worker.asked == ["acme:b"] and worker.held == {}  # pinned there once, then let go
 
 
 async def test_the_book_shows_what_a_joined_worker_answered() -> None:

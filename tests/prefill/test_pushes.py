@@ -12,6 +12,7 @@ import torch
 
 from engine.faults import FaultPoints
 from kvtransfer.grpc_transport import start_kv_server
+from kvtransfer.jobs import TransferReport
 from kvtransfer.transport import KVDestination, build_chunks
 from prefill.pushes import Pushes
 from tests.kvtransfer.test_transports import EPOCH, Decode, _assert_landed, _prefill_pages
@@ -143,13 +144,21 @@ async def test_a_push_that_ends_before_its_first_chunk_is_counted_and_forgotten(
     assert pushes.num_transfers == 0  # nothing was transferred, or failed to be
 
 
-async def test_a_corrupt_drill_is_refused_by_the_receiver(decode: tuple[Decode, str], pushes: Pushes) -> None:
+async def _drilled(
+    decode: tuple[Decode, str], pushes: Pushes, drill: str, num_pages: int
+) -> tuple[KVDestination, TransferReport]:
+    """A push of `num_pages` one-page chunks under a transfer drill: its reservation and report."""
     side, address = decode
-    dest = side.reserve(address, 2)
-    pushes.faults.arm("transfer_corrupt")
+    dest = side.reserve(address, num_pages)
+    pushes.faults.arm(drill)
     push = pushes.open("req-1", dest)
-    pushes.first_token(push, tuple(build_chunks(dest, _kv(2), EPOCH, pages_per_chunk=1)))
-    report = await pushes.result(dest.transfer_id)
+    pushes.first_token(push, tuple(build_chunks(dest, _kv(num_pages), EPOCH, pages_per_chunk=1)))
+    return dest, await pushes.result(dest.transfer_id)
+
+
+async def test_a_corrupt_drill_is_refused_by_the_receiver(decode: tuple[Decode, str], pushes: Pushes) -> None:
+    side, _ = decode
+    dest, report = await _drilled(decode, pushes, "transfer_corrupt", 2)
     assert not report.accepted and report.error == "checksum mismatch" and pushes.num_failed == 1
     assert pushes.ended == {"refused": 1}  # the decode side's answer, not this side's deadline
     # nothing stored; the reservation waits for the gateway's cancel (an unproven chunk frees nothing)
@@ -161,11 +170,7 @@ async def test_a_corrupt_last_chunk_drill_lets_the_pages_before_it_arrive(
 ) -> None:
     """transfer_corrupt_last: the pages of every chunk but the last arrive verified (a decode
     worker keeps them, decode.worker), the last is refused by its checksum."""
-    side, address = decode
-    dest = side.reserve(address, 3)
-    pushes.faults.arm("transfer_corrupt_last")
-    push = pushes.open("req-1", dest)
-    pushes.first_token(push, tuple(build_chunks(dest, _kv(3), EPOCH, pages_per_chunk=1)))
-    report = await pushes.result(dest.transfer_id)
+    side, _ = decode
+    dest, report = await _drilled(decode, pushes, "transfer_corrupt_last", 3)
     assert not report.accepted and report.error == "checksum mismatch"
     assert [bool(side.pool.read_page(p).any()) for p in dest.dest_page_ids] == [True, True, False]
