@@ -116,6 +116,11 @@ class Tokenizer:
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's own string in the vocabulary (byte-level BPE's `Ġ` and all: what
+        Hugging Face's convert_ids_to_tokens gives); "" for an id the vocabulary lacks."""
+        return [self._backend.id_to_token(i) or "" for i in ids]
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -6,6 +6,7 @@ Starlette's StreamingResponse cancels the body iterator when a client disconnect
 how a dropped stream aborts its engine request.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
+GET /v1/models/{model}, POST /tokenize and /detokenize (cluster.edge.tokenize_api),
 /live, /ready, /health (/ready's answer, where other engines' routers look), /metrics, /status (the gateway and every node: cluster.ops.node_status), /dashboard
 (a live page over /status), POST /admin/drain and /admin/scale (cluster.edge.admin), /openapi.json. Every error body is OpenAI-shaped.
 
@@ -43,6 +44,7 @@ from cluster.edge.openai_output import output_spec, template_messages
 from cluster.edge.openai_render import ChoiceState, Renderer, error_body, sse
 from cluster.edge.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from cluster.edge.tenants import ApiKeys, Tenant
+from cluster.edge.tokenize_api import add_tokenize_routes
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.gateway.http_routing import GatewayRouting
 from cluster.ops.tracing import NO_TRACE, RequestTrace, Tracing
@@ -138,18 +140,23 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _serve(frontend, cfg, request, body, chat=True)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        cards = [{"id": name, "object": "model", "created": 0, "owned_by": "baton",
-                  "max_model_len": frontend.max_model_len} for name in frontend.model_names]  # fmt: skip
+    def cards() -> list[dict[str, Any]]:
+        out = [{"id": name, "object": "model", "created": 0, "owned_by": "baton",
+                "max_model_len": frontend.max_model_len} for name in frontend.model_names]  # fmt: skip
         if gateway is not None:  # and every external pool's, owned by the first pool serving it
             owners: dict[str, str] = {}
             for pool in gateway.router.pools.values():
                 for name in pool.spec.models:
                     owners.setdefault(name, pool.name)
-            cards += [{"id": name, "object": "model", "created": 0, "owned_by": owner}
-                      for name, owner in owners.items() if name not in frontend.model_names]  # fmt: skip
-        return {"object": "list", "data": cards}
+            out += [{"id": name, "object": "model", "created": 0, "owned_by": owner}
+                    for name, owner in owners.items() if name not in frontend.model_names]  # fmt: skip
+        return out
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": cards()}
+
+    add_tokenize_routes(app, frontend, cards)  # /tokenize, /detokenize, /v1/models/{model}
 
     @app.get("/live")
     async def live() -> JSONResponse:

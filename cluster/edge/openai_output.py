@@ -15,12 +15,18 @@ compiling waits for Frontend.prepare_constraint, which also names the field when
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from cluster.edge import constraint_fields as fields
 from cluster.edge.constraint_fields import OutputSpec
-from cluster.edge.openai_schema import ChatCompletionRequest, CompletionRequest
-from cluster.edge.tool_calls import ToolChoice, ToolUse
+from cluster.edge.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeBody,
+    ToolDef,
+)
+from cluster.edge.tool_calls import Tool, ToolChoice, ToolUse
 from cluster.errors import invalid
 from engine.constraint import Constraint
 
@@ -44,10 +50,10 @@ def output_spec(body: CompletionRequest | ChatCompletionRequest) -> OutputSpec:
     return fields.with_tools(found, tools)
 
 
-def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def template_messages(body: ChatCompletionRequest | TokenizeBody) -> list[dict[str, Any]]:
     """The messages as Hugging Face chat templates read them (tool calls' arguments parsed)."""
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(body.messages or ()):
         message: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             message["name"] = m.name
@@ -64,18 +70,25 @@ def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def checked_tools(defs: Sequence[ToolDef]) -> list[Tool]:
+    """The request's tools, each checked (its parameters a bounded JSON schema of an object,
+    its name unique)."""
+    tools = []
+    for i, t in enumerate(defs):
+        param = f"tools.{i}.function.parameters"
+        schema = None if t.function.parameters is None else fields.schema_value(t.function.parameters, param)
+        tools.append(fields.new_tool(t.function.name, t.function.description or "", schema, param))
+    fields.unique_names(tools, "tools.{}.function.name")
+    return tools
+
+
 def _tool_use(body: ChatCompletionRequest) -> ToolUse | None:
     choice = body.tool_choice
     if not body.tools:
         if choice is None or choice == "none":
             return None
         raise invalid("tool_choice: only with tools", "tool_choice")
-    tools = []
-    for i, t in enumerate(body.tools):
-        param = f"tools.{i}.function.parameters"
-        schema = None if t.function.parameters is None else fields.schema_value(t.function.parameters, param)
-        tools.append(fields.new_tool(t.function.name, t.function.description or "", schema, param))
-    fields.unique_names(tools, "tools.{}.function.name")
+    tools = checked_tools(body.tools)
     if choice is None or isinstance(choice, str):
         return ToolUse(tuple(tools), ToolChoice(choice or "auto"), None, body.parallel_tool_calls)
     return fields.named_choice(tuple(tools), choice.function.name, "tool_choice.function.name",

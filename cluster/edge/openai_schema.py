@@ -278,3 +278,53 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="absent: auto with tools, none without")
     parallel_tool_calls: bool = True
+
+
+# -- the tokenizer routes (vLLM's shapes) --------------------------------------------------------
+
+_TOKENIZE_OFF = ("chat_template", "chat_template_kwargs", "continue_final_message", "documents", "mm_processor_kwargs")
+
+
+class TokenizeBody(BaseModel):
+    """POST /tokenize: a text `prompt`, or chat `messages` rendered by the model's chat template
+    as /v1/chat/completions renders them (vLLM's two request shapes, as one body)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = Field(default=None, min_length=1, max_length=256, description="absent: the served model")
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = Field(
+        default=None, description="absent: true for a prompt, false for messages (their template adds BOS)")
+    add_generation_prompt: bool = Field(default=True, description="messages only")
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS, description="messages only")
+    return_token_strs: bool = Field(default=False, description="add each token's string in the vocabulary")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in sorted(data.keys() & set(_TOKENIZE_OFF)):
+                value = data[name]
+                if value is not None and not any(value == off and type(value) is type(off) for off in _OFF[name]):
+                    raise ValueError(f"field {name!r} is not supported (it would change the tokens)")
+        return data
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("set exactly one of 'prompt' and 'messages'")
+        if self.prompt is not None and self.tools is not None:
+            raise ValueError("field 'tools' is for messages, not a prompt")
+        if self.prompt is not None:
+            _no_surrogates(self.prompt, "prompt")
+        return self
+
+
+class DetokenizeBody(BaseModel):
+    """POST /detokenize: token ids back to text (special tokens kept, as vLLM's)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = Field(default=None, min_length=1, max_length=256, description="absent: the served model")
+    tokens: list[Int32] = Field(max_length=MAX_PROMPT_TOKENS)

@@ -10,6 +10,10 @@ guard (so the caller is authenticated and the body bounded before anything here 
                      body passed through as they arrive (SSE unbuffered); the client leaving
                      closes the upstream request; errors before an answer are OpenAI-shaped JSON
 
+    POST /tokenize, /detokenize
+      a model of an external pool -> an endpoint of that pool (cluster.gateway.tokenize_proxy)
+      the rest                    -> the app (the own model's tokenizer)
+
 A body that is not a JSON object, or names a model no pool serves, goes to the app, which
 answers it as it answers any bad request (400, 404).
 """
@@ -24,6 +28,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from cluster.errors import EdgeError
+from cluster.gateway import tokenize_proxy
 from cluster.gateway.proxy import Attempt, Upstreams
 from cluster.gateway.route_log import RouteLog
 from cluster.gateway.router import Route, Router
@@ -87,7 +92,11 @@ class GatewayRouting:
         self.route_key = router.spec.routing.route_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        chat = ROUTES.get(scope["path"]) if scope["type"] == "http" and scope.get("method") == "POST" else None
+        post = scope["type"] == "http" and scope.get("method") == "POST"
+        if post and scope["path"] in tokenize_proxy.PATHS:
+            await self._tokenizer(scope, receive, send)
+            return
+        chat = ROUTES.get(scope["path"]) if post else None
         if chat is None:
             await self.app(scope, receive, send)
             return
@@ -117,6 +126,26 @@ class GatewayRouting:
             await self._own(scope, receive, send, raw, route, body)
         else:
             await self._external(scope, receive, send, raw, route, body, model, tokens)
+
+    async def _tokenizer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """/tokenize, /detokenize: an external pool's model is tokenized by that pool's engine."""
+        raw, more = await _read_body(receive)
+        body = None if more else _json_object(raw)
+        model = body.get("model") if body is not None else None
+        pool = tokenize_proxy.external_pool(self.router, model) if isinstance(model, str) else None
+        if body is None or pool is None or not isinstance(model, str):  # the app answers (or refuses) it
+            await self.app(scope, _replay(raw, receive, more=more), send)
+            return
+        try:
+            answer = await tokenize_proxy.forward(self.upstreams, self.router, pool, scope["path"], body, model,
+                                                  _headers(scope))  # fmt: skip
+        except EdgeError as err:
+            await _send_error(send, err)
+            return
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(answer.body)).encode()),
+                   (b"x-baton-pool", answer.pool.encode())]  # fmt: skip
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.body})
 
     def router_metrics_decision(self, route: Route) -> None:
         self.upstreams.metrics.decisions.labels(route.pool.name, route.reason).inc()
@@ -171,7 +200,7 @@ class GatewayRouting:
             self.router_metrics_decision(again)
             return again
 
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        headers = _headers(scope)
         stream = body.get("stream") is True
         upstream = first.pool.spec.upstream_model(model)  # a pool's endpoints serve one name for it
         if upstream != model:  # the rest as it came: no \u escapes to swell a non-ASCII prompt
@@ -262,6 +291,10 @@ def _replay(raw: bytes, receive: Receive, more: bool = False) -> Receive:
         return await receive()
 
     return replayed
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())}
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

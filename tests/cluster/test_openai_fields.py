@@ -1,6 +1,7 @@
 """docs/openai_fields.md against a real server: each row's example answered as the row says
 (supported and ignored: 200; refused: 400 naming the field), every field of the request models
-in the table, and every request field of OpenAI's Completions and Chat Completions references."""
+in the table, and every request field of OpenAI's Completions and Chat Completions references; the
+tokenizer routes' tables too."""
 
 from __future__ import annotations
 
@@ -10,18 +11,26 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from cluster.edge.openai_schema import ChatCompletionRequest, CompletionRequest
+from cluster.edge.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    TokenizeBody,
+)
 from tests.cluster.conftest import ServerHandle
 
 pytestmark = pytest.mark.timeout(300)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai_fields.md"
 MODEL = "baton-tiny"
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 BASE: dict[str, dict[str, Any]] = {
     COMPLETIONS: {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3},
     CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    TOKENIZE: {"model": MODEL, "prompt": "hi"},
+    DETOKENIZE: {"model": MODEL, "tokens": [5, 6, 7]},
 }
+MODELS = {COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest, TOKENIZE: TokenizeBody, DETOKENIZE: DetokenizeBody}
 # The request fields of OpenAI's API reference (Completions; Chat Completions), 2026.
 OPENAI = {
     COMPLETIONS: {"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
@@ -34,7 +43,9 @@ OPENAI = {
            "top_logprobs", "top_p", "user", "verbosity", "web_search_options"},
 }  # fmt: skip
 # Rows whose example needs a companion field to be valid on its own.
-COMPANIONS = {(CHAT, "top_logprobs"): {"logprobs": True}}
+_AS_CHAT = {"prompt": None, "messages": [{"role": "user", "content": "hi"}]}  # /tokenize's other form
+COMPANIONS = {(CHAT, "top_logprobs"): {"logprobs": True}, (TOKENIZE, "messages"): {"prompt": None},
+              **{(TOKENIZE, f): _AS_CHAT for f in ("add_generation_prompt", "tools", "continue_final_message")}}
 
 
 class Row(NamedTuple):
@@ -64,14 +75,17 @@ ROWS = _rows()
 
 
 def test_the_table_covers_the_request_models_and_openais_reference() -> None:
-    for path, model in ((COMPLETIONS, CompletionRequest), (CHAT, ChatCompletionRequest)):
+    assert {r.path for r in ROWS} == set(MODELS)
+    for path, model in MODELS.items():
         listed = [r.field for r in ROWS if r.path == path]
         assert len(listed) == len(set(listed)), f"{path}: a field listed twice"
         assert set(model.model_fields) <= set(listed), f"{path}: not in the table: {set(model.model_fields) - set(listed)}"
-        assert OPENAI[path] <= set(listed), f"{path}: OpenAI's fields not in the table: {OPENAI[path] - set(listed)}"
+        openai = OPENAI.get(path, set())  # the tokenizer routes are vLLM's, not OpenAI's
+        assert openai <= set(listed), f"{path}: OpenAI's fields not in the table: {openai - set(listed)}"
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[f"{'chat' if r.path == CHAT else 'completions'}-{r.field}" for r in ROWS])
+@pytest.mark.parametrize("row", ROWS, ids=[f"{'chat' if r.path == CHAT else r.path.rsplit('/', 1)[-1]}-{r.field}"
+                                           for r in ROWS])  # fmt: skip
 def test_each_field_is_answered_as_the_table_says(server: ServerHandle, row: Row) -> None:
     body = {**BASE[row.path], **COMPANIONS.get((row.path, row.field), {}), row.field: row.example}
     with server.client() as client:
