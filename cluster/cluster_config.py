@@ -234,6 +234,7 @@ class PoolSection(_Section):
     endpoint_policy: Literal["prefix", "round_robin"] = "prefix"
     connect_timeout_s: float = Field(default=5.0, gt=0, le=600)
     health: HealthSection = HealthSection()
+    tokenizer: str | None = Field(default=None, min_length=1, max_length=4096)  # a directory with tokenizer.json
 
 
 class RuleSection(_Section):
@@ -414,7 +415,7 @@ def _gateway(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> GatewaySpec 
                       api_key_file=p.api_key_file, kv_events=tuple(p.kv_events), kv_events_topic=p.kv_events_topic,
                       block_size=p.block_size, prefill_tokens_per_s=p.prefill_tokens_per_s,
                       endpoint_policy=p.endpoint_policy, connect_timeout_s=p.connect_timeout_s,
-                      health=HealthSpec(**p.health.model_dump()))
+                      health=HealthSpec(**p.health.model_dump()), tokenizer=p.tokenizer)
              for name, p in f.pools.items()]  # fmt: skip
     if not any(p.kind == OWN for p in pools):  # this gateway's own workers are always a pool
         pools.insert(0, PoolSpec(name=OWN, kind="baton"))

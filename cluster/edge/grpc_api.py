@@ -59,7 +59,7 @@ from cluster.edge.grpc_fields import (
     check_prompt,
     num_samples,
 )
-from cluster.edge.grpc_gateway import call_pool, own_route, route_key
+from cluster.edge.grpc_gateway import call_pool, own_route, route_key, tokenize_at_pool
 from cluster.edge.grpc_output import (
     FINISH,
     delta,
@@ -73,9 +73,11 @@ from cluster.edge.grpc_output import (
 from cluster.edge.tenants import ApiKeys, Tenant
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.gateway.router import Route
+from cluster.gateway.tokenize_proxy import external_pool
 from cluster.ops.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
 from engine.outputs import StepOutput
 from engine.request import SloClass
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +233,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             build_sampling(request.sampling, 1)
             num_samples(request)
             spec = output_spec(request)
-            tokens = await self._prompt_ids(request, spec)
+            tok = gateway.tokenizer_for(request.model, self.frontend.tokenizer)  # the model's route tokens
+            tokens = await self._prompt_ids(request, spec, tok)
             route = gateway.router.admit(request.model, route_key(gateway, context, tenant), tokens)
         except Exception:
             self.frontend.metrics.requests.labels("grpc", "rejected").inc()
@@ -250,10 +253,15 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
     ) -> pb.TokenizeResponse:
         check_parsed(request)
         self._authenticate(context)
-        self._check_model(request.model)
         if len(request.text) > MAX_PROMPT_CHARS:
             raise invalid(f"text: at most {MAX_PROMPT_CHARS} characters", "text")
         special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        gateway = self.frontend.gateway
+        if gateway is not None and request.model not in self.frontend.model_names:  # an external pool's engine's
+            pool = external_pool(gateway.router, request.model[:MAX_MODEL_NAME_CHARS])
+            if pool is not None:
+                return await tokenize_at_pool(self.frontend, pool, request.model, request.text, special)
+        self._check_model(request.model)
         ids = await self._encode(request.text, special)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
 
@@ -386,21 +394,23 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise invalid(f"priority: must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
         return replace(tenant, priority=request.priority)
 
-    async def _prompt_ids(self, request: pb.GenerateRequest, spec: OutputSpec) -> list[int]:
+    async def _prompt_ids(self, request: pb.GenerateRequest, spec: OutputSpec, tok: Tokenizer | None = None) -> list[int]:
+        """The prompt's ids by `tok` (default: the served model's tokenizer)."""
+        tok = tok or self.frontend.tokenizer
         if request.chat:
             messages = template_messages(request)
             tools = [t.template_value() for t in spec.tools.tools] if spec.tools is not None else None
-            render = functools.partial(self.frontend.tokenizer.apply_chat_template, tools=tools)
+            render = functools.partial(tok.apply_chat_template, tools=tools)
             text = await _maybe_in_thread(
                 sum(len(m.content) for m in request.messages), render, messages, True
             )
-            return await self._encode(text, False)
+            return await self._encode(text, False, tok)
         if request.WhichOneof("prompt") == "text":
-            return await self._encode(request.text, True)
+            return await self._encode(request.text, True, tok)
         return list(request.token_ids.ids)
 
-    async def _encode(self, text: str, special: bool) -> list[int]:
-        return await _maybe_in_thread(len(text), self.frontend.tokenizer.encode, text, special)
+    async def _encode(self, text: str, special: bool, tok: Tokenizer | None = None) -> list[int]:
+        return await _maybe_in_thread(len(text), (tok or self.frontend.tokenizer).encode, text, special)
 
 
 def _stream(

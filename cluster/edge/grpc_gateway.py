@@ -15,6 +15,7 @@ A cancelled call closes the upstream request (cluster.gateway.proxy), as an HTTP
     call_pool(frontend, route, ...)        the whole trip to an external pool, counted as the
                                            edge counts a call (baton_requests_total{api="grpc"})
     own_route(gateway, route)              a call the gateway sent to its own pool, ended there
+    tokenize_at_pool(frontend, pool, ...)  Tokenize for an external pool's model, by its engine
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from batonpb.baton.v1 import generation_pb2 as pb
 from cluster.edge.frontend import Frontend
 from cluster.edge.tenants import Tenant
 from cluster.errors import EdgeError, Kind
-from cluster.gateway.endpoints import Endpoint
+from cluster.gateway import tokenize_proxy
+from cluster.gateway.endpoints import Endpoint, Pool
 from cluster.gateway.proxy import Attempt, Upstreams
 from cluster.gateway.router import Route, Router
 from cluster.gateway.service import Gateway
@@ -245,8 +247,34 @@ def _error(attempt: Attempt, raw: bytes) -> EdgeError:
 
 
 def _error_of(attempt: Attempt, err: dict[str, Any], status: int) -> EdgeError:
+    return _pool_error(attempt.route.pool.name, err, status)
+
+
+def _pool_error(pool: str, err: dict[str, Any], status: int) -> EdgeError:
     message = str(err.get("message") or f"HTTP {status}")[:MAX_ERROR_CHARS]
     kind = _STATUS.get(status, Kind.UNAVAILABLE)
     param = err.get("param")
-    return EdgeError(kind, f"pool {attempt.route.pool.name!r}: {message}",
-                     param if isinstance(param, str) and len(param) <= 64 else None)  # fmt: skip
+    return EdgeError(kind, f"pool {pool!r}: {message}", param if isinstance(param, str) and len(param) <= 64 else None)
+
+
+async def tokenize_at_pool(frontend: Frontend, pool: Pool, model: str, text: str, special: bool) -> pb.TokenizeResponse:
+    """Tokenize for an external pool's model: its engine's tokenizer answers (cluster.gateway.tokenize_proxy);
+    max_model_len is 0 where the engine does not say it (llama.cpp)."""
+    gateway = frontend.gateway
+    assert gateway is not None
+    body = {"model": model, "prompt": text, "add_special_tokens": special}
+    answer = await tokenize_proxy.forward(gateway.upstreams, gateway.router, pool, "/tokenize", body, model,
+                                          {"content-type": "application/json"})  # fmt: skip
+    try:
+        reply = json.loads(answer.body)
+    except ValueError:
+        reply = None
+    if answer.status != 200:
+        err = reply.get("error") if isinstance(reply, dict) else None
+        raise _pool_error(pool.name, err if isinstance(err, dict) else {}, answer.status)
+    tokens = reply.get("tokens") if isinstance(reply, dict) else None
+    limit = reply.get("max_model_len") if isinstance(reply, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
+        raise EdgeError(Kind.UNAVAILABLE, f"pool {pool.name!r} answered /tokenize without token ids")
+    known = limit if isinstance(limit, int) and 0 <= limit < 1 << 32 else 0
+    return pb.TokenizeResponse(token_ids=tokens, max_model_len=known)

@@ -89,7 +89,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
     gateway = frontend.gateway
     if gateway is not None:  # added first: innermost, behind the guard (cluster.gateway.http_routing)
         app.add_middleware(GatewayRouting, router=gateway.router, upstreams=gateway.upstreams,
-                           tokenizer=lambda: frontend.tokenizer,
+                           tokenizer=lambda model: gateway.tokenizer_for(model, frontend.tokenizer),
                            count=lambda outcome: frontend.metrics.requests.labels("http", outcome).inc(),
                            log=gateway.log)  # fmt: skip
     # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set

@@ -6,7 +6,8 @@ together: URLs, names, rules that name pools, one own pool).
       baton:    {kind: baton}                    this gateway's own workers (model:, workers:)
       vllm:     {kind: vllm, endpoints: [http://10.0.0.5:8000], models: [llama-3-8b],
                  upstream_models: {llama-3-8b: meta-llama/Meta-Llama-3-8B-Instruct},
-                 max_concurrency: 64, kv_events: [tcp://10.0.0.5:5557]}
+                 max_concurrency: 64, kv_events: [tcp://10.0.0.5:5557],
+                 tokenizer: /models/Meta-Llama-3-8B-Instruct}
     routing:
       route_key: tenant                          tenant | user | header:<name>
       rules: [{overlap_at_least: 0.5, pool: baton}]
@@ -14,6 +15,8 @@ together: URLs, names, rules that name pools, one own pool).
 A pool serves the names in its `models` (the own pool: the names the gateway's engine is
 served under, `model.served_name`); an external pool sends each upstream as `upstream_models`
 names it (unchanged where it does not), and answers carry whatever name the engine gives.
+Route tokens (the prefix index's pages, the overlap measure) come from the tokenizer of the
+request's model: its pools' `tokenizer` (one per model), else the gateway's own model's.
 A request's model picks the pools that serve it; among several, the first rule that matches
 (its models, its route keys, the route key's measured overlap) names one; else the cost rule
 picks the pool whose best endpoint has the lowest predicted TTFT.
@@ -70,6 +73,10 @@ class PoolSpec:
     endpoint_policy: Literal["prefix", "round_robin"] = "prefix"
     connect_timeout_s: float = 5.0
     health: HealthSpec = field(default_factory=HealthSpec)
+    # The engine's tokenizer (a directory with its tokenizer.json, e.g. the checkpoint's): route
+    # tokens for this pool's models come from it. None: the gateway's own model's tokenizer, which
+    # matches the engine's only when both serve the same checkpoint.
+    tokenizer: str | None = None
 
     @property
     def is_own(self) -> bool:
@@ -161,7 +168,17 @@ class GatewaySpec:
                                       f"is served under ({', '.join(served_names)}; model.served_name)")  # fmt: skip
                 p = replace(p, models=p.models or tuple(served_names))
             pools.append(p)
+        own = next((p for p in pools if p.is_own), None)
+        for p in pools:
+            shared = [m for m in p.models if own is not None and m in own.models]
+            if p.tokenizer is not None and shared:
+                raise ConfigError(f"pools.{p.name}.tokenizer", f"the gateway's own pool serves {shared[0]!r} too, "
+                                  "with its model's tokenizer: a model has one tokenizer")  # fmt: skip
         return GatewaySpec(tuple(pools), self.routing)
+
+    def tokenizer_paths(self) -> dict[str, str]:
+        """model -> the tokenizer its pools name (the models whose pools name one)."""
+        return {m: p.tokenizer for p in self.pools if p.tokenizer is not None for m in p.models}
 
 
 def check(spec: GatewaySpec) -> GatewaySpec:
@@ -176,9 +193,9 @@ def check(spec: GatewaySpec) -> GatewaySpec:
         if not _NAME.match(p.name):
             raise ConfigError(key, "a pool's name is a word of letters, digits, '.', '_' or '-'")
         if p.is_own:
-            if p.endpoints or p.kv_events or p.api_key_file or p.upstream_models:
+            if p.endpoints or p.kv_events or p.api_key_file or p.upstream_models or p.tokenizer:
                 raise ConfigError(key, f"a {OWN} pool is this gateway's own workers: no endpoints, "
-                                       "kv_events, api_key_file or upstream_models")  # fmt: skip
+                                       "kv_events, api_key_file, upstream_models or tokenizer")  # fmt: skip
             continue
         if not p.endpoints:
             raise ConfigError(f"{key}.endpoints", "an external pool needs at least one endpoint URL")
@@ -198,6 +215,13 @@ def check(spec: GatewaySpec) -> GatewaySpec:
             raise ConfigError(f"{key}.kv_events", "one publisher address per endpoint, in the endpoints' order")
         if p.kv_events and p.kind != "vllm":
             raise ConfigError(f"{key}.kv_events", "KV events are read in vLLM's format: kind vllm")
+    named: dict[str, tuple[str, str | None]] = {}  # model -> (the first external pool serving it, its tokenizer)
+    for p in spec.pools:
+        for m in p.models if not p.is_own else ():
+            first, path = named.setdefault(m, (p.name, p.tokenizer))
+            if path != p.tokenizer:
+                raise ConfigError(f"pools.{p.name}.tokenizer", f"pools {first!r} and {p.name!r} both serve {m!r}: "
+                                  "name the same tokenizer in both (a model has one)")  # fmt: skip
     known = set(names)
     for i, rule in enumerate(spec.routing.rules):
         if rule.pool not in known:

@@ -2,8 +2,9 @@
 guard (so the caller is authenticated and the body bounded before anything here runs).
 
     POST /v1/completions, /v1/chat/completions
-      body read whole; route tokens (the gateway's tokenizer over the prompt or the chat template's
-            rendering of the messages), the route key, the router's choice
+      body read whole; route tokens (the model's tokenizer -- its pools' `tokenizer`, else the
+            gateway's own -- over the prompt or the chat template's rendering of the messages),
+            the route key, the router's choice
         own pool  -> the app, with the body replayed
         external  -> the endpoint (cluster.gateway.proxy), the body as it came (its model
                      renamed where the pool's upstream_models says); status, content type and
@@ -80,13 +81,13 @@ def _text_of(content: object) -> str:
 
 class GatewayRouting:
     def __init__(
-        self, app: ASGIApp, router: Router, upstreams: Upstreams, tokenizer: Callable[[], Tokenizer],
+        self, app: ASGIApp, router: Router, upstreams: Upstreams, tokenizer: Callable[[str], Tokenizer],
         count: Callable[[str], None], log: RouteLog | None = None,
     ) -> None:
         self.app = app
         self.router = router
         self.upstreams = upstreams
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # a model's route tokens' (cluster.gateway.service.Gateway.tokenizer_for)
         self.count = count  # the edge's baton_requests_total{api="http"} for calls it never sees
         self.log = log
         self.route_key = router.spec.routing.route_key
@@ -110,7 +111,8 @@ class GatewayRouting:
             await self.app(scope, _replay(raw, receive), send)
             return
         try:
-            tokens = await self._tokens(route_text(body, chat, self.tokenizer()))
+            tok = self.tokenizer(model)
+            tokens = await self._tokens(route_text(body, chat, tok), tok)
         except Exception:  # a prompt the gateway's tokenizer refuses is the engine's to judge
             logger.debug("route tokens: the prompt did not tokenize", exc_info=True)
             tokens = []
@@ -150,10 +152,9 @@ class GatewayRouting:
     def router_metrics_decision(self, route: Route) -> None:
         self.upstreams.metrics.decisions.labels(route.pool.name, route.reason).inc()
 
-    async def _tokens(self, text: str | list[int]) -> list[int]:
+    async def _tokens(self, text: str | list[int], tok: Tokenizer) -> list[int]:
         if isinstance(text, list):
             return text
-        tok = self.tokenizer()
         if len(text) > _BIG_TEXT:
             return await asyncio.to_thread(tok.encode, text, True)
         return tok.encode(text, True)

@@ -4,6 +4,7 @@ metrics, the request log, the endpoints' health loop and the KV-event subscriber
     gateway = Gateway(spec, registry, request_timeout_s)
     await gateway.start()        health probes every period_s; one subscriber per publisher
     gateway.status()             /status's "gateway": pools, endpoints, overlap per route key
+    gateway.tokenizer_for(model, own)   whose tokenizer gives the model's route tokens
     await gateway.stop()
 """
 
@@ -25,6 +26,8 @@ from cluster.gateway.metrics import GatewayMetrics
 from cluster.gateway.proxy import Upstreams
 from cluster.gateway.route_log import RouteLog
 from cluster.gateway.router import Router, endpoint_id, pool_fingerprint
+from engine.errors import CheckpointError, ConfigError
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +41,14 @@ class Gateway:
         self.upstreams = Upstreams(self.router, self.metrics, request_timeout_s)
         r = spec.routing
         self.log = RouteLog(r.log_path, r.log_max_bytes) if r.log_path else None
+        self.tokenizers = _load_tokenizers(spec)
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribers: list[Any] = []
+
+    def tokenizer_for(self, model: str, default: Tokenizer) -> Tokenizer:
+        """The tokenizer of `model`'s route tokens: its pools' `tokenizer`, else `default` (the
+        gateway's own model's)."""
+        return self.tokenizers.get(model, default)
 
     async def start(self) -> None:
         if any(not p.spec.is_own for p in self.router.pools.values()):
@@ -138,6 +147,22 @@ class Gateway:
             }  # fmt: skip
         return {"pools": pools, "route_key": self.spec.routing.route_key,
                 "overlap": self.router.meter.snapshot(), "indexed_pages": self.router.index.num_pages}  # fmt: skip
+
+
+def _load_tokenizers(spec: GatewaySpec) -> dict[str, Tokenizer]:
+    """Each pool-named tokenizer, loaded once (tokenizer.json: data, never code); a missing or
+    unreadable one stops the start, naming the pool's key."""
+    loaded: dict[str, Tokenizer] = {}
+    out: dict[str, Tokenizer] = {}
+    for model, path in spec.tokenizer_paths().items():
+        if path not in loaded:
+            try:
+                loaded[path] = Tokenizer.from_dir(path)
+            except CheckpointError as exc:
+                pool = next(p.name for p in spec.pools if p.tokenizer == path)
+                raise ConfigError(f"pools.{pool}.tokenizer", str(exc)) from None
+        out[model] = loaded[path]
+    return out
 
 
 def _median(values: Iterable[float]) -> float | None:

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.server_proc import BatonProcess
 from cluster.cli import main
 from cluster.gateway.config import HealthSpec, RoutingSpec, Rule
+from engine.tokenizer import Tokenizer
 from tests.cluster.conftest import ServerHandle, all_pages_free
 from tests.cluster.test_metrics_catalog import (
     GATEWAY_FROM,
@@ -283,17 +284,40 @@ def test_grpc_clients_are_served_from_an_http_pool(
     assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 5
 
 
+def word_tokenizer(directory: Path, words: set[str]) -> Tokenizer:
+    """Another engine's tokenizer: one id per whitespace-separated word (a tokenizer.json in
+    `directory`, as a checkpoint holds it), its ids unlike baton-tiny's."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    backend = HFTokenizer(WordLevel({w: 1000 + i for i, w in enumerate(["[UNK]", *sorted(words)])}, unk_token="[UNK]"))
+    backend.pre_tokenizer = Whitespace()
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    return Tokenizer.from_dir(directory)
+
+
+@pytest.mark.parametrize(("engine_tokens", "named"), [
+    ("gateway's", False),  # the engine serves the gateway's own checkpoint: its tokens are the gateway's
+    ("another", True),  # another checkpoint, whose tokenizer the pool names
+    ("another", False),  # ... not named: the gateway's route tokens never match the engine's blocks
+])  # fmt: skip
 def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_prefix(
-    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle], tiny_engine_config: object,
+    upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle], tmp_path: Path, engine_tokens: str,
+    named: bool,
 ) -> None:
     """Precise prefix awareness: a vLLM-shaped publisher per endpoint says the second endpoint
     holds a prompt's blocks; the router sends that prompt there (the first is idle and equal
-    in every other way), and /status says the endpoints' index is fed by KV events."""
+    in every other way), and /status says the endpoints' index is fed by KV events. The blocks'
+    tokens are the engine's: they match the request only through the engine's tokenizer."""
     import msgpack
     import zmq
 
     from bench.server_proc import free_port
 
+    prompt = text(21, 60)
+    other = word_tokenizer(tmp_path / "other", set(prompt.split()))
     ports = [free_port(), free_port()]
     ctx = zmq.Context.instance()
     pubs = [ctx.socket(zmq.PUB) for _ in ports]
@@ -302,8 +326,8 @@ def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_p
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(f"tcp://127.0.0.1:{port}")
         gw = make_gateway([pool("ext", [u.url for u in upstreams], kind="vllm", block_size=16,  # probed at /health
-                                kv_events=tuple(f"tcp://127.0.0.1:{p}" for p in ports),
-                                kv_events_topic="kv")])  # fmt: skip
+                                kv_events=tuple(f"tcp://127.0.0.1:{p}" for p in ports), kv_events_topic="kv",
+                                tokenizer=str(tmp_path / "other") if named else None)])  # fmt: skip
         subs = gw.running.frontend.gateway._subscribers  # type: ignore[union-attr]
         seqs = [0, 0]
 
@@ -319,9 +343,10 @@ def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_p
                     break
                 threading.Event().wait(0.01)
             assert sub.stats()["messages"]
-        prompt = text(21, 60)
-        tokens = gw.running.frontend.tokenizer.encode(prompt, True)
+        tok = gw.running.frontend.tokenizer if engine_tokens == "gateway's" else other
+        tokens = tok.encode(prompt, True)
         blocks = len(tokens) // 16
+        assert blocks >= 3
         publish(1, [["BlockStored", list(range(1, blocks + 1)), None, tokens[: blocks * 16], 16, None, None]])
         for _ in range(400):  # the subscriber applies what it receives on the gateway's loop
             if subs[1][2].stats()["events"] >= 1:
@@ -332,8 +357,11 @@ def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_p
         for sock in pubs:
             sock.close()
     endpoints = httpx.get(gw.url + "/status").json()["pools"]["pools"]["ext"]["endpoints"]
-    assert [e["ok"] for e in endpoints] == [0, 1] and {e["index"] for e in endpoints} == {"kv-events"}
-    assert endpoints[1]["estimated_hit_tokens"] == blocks * 16
+    assert {e["index"] for e in endpoints} == {"kv-events"}
+    if engine_tokens == "gateway's" or named:
+        assert [e["ok"] for e in endpoints] == [0, 1] and endpoints[1]["estimated_hit_tokens"] == blocks * 16
+    else:  # nothing matched: a tie, which the first endpoint takes
+        assert [e["ok"] for e in endpoints] == [1, 0] and endpoints[1]["estimated_hit_tokens"] == 0
 
 
 def test_health_probes_eject_an_endpoint_and_bring_it_back(make_gateway: Callable[..., ServerHandle]) -> None:

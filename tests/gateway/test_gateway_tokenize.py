@@ -150,3 +150,29 @@ def test_a_pool_of_another_kind_is_asked_before_a_llama_cpp_one(
     gw = make_gateway([pool("llama", [llama.url], kind="llama.cpp"), pool("ext", [upstreams[0].url])])
     got = post(gw.url, "/tokenize", {"model": EXT, "messages": [{"role": "user", "content": PROMPT}]})
     assert got.status_code == 200 and got.headers["x-baton-pool"] == "ext" and not llama.seen
+
+
+def test_grpc_tokenize_asks_the_models_pool(
+    llama: LlamaServerShapes, upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle]
+) -> None:
+    import grpc
+
+    from batonpb.baton.v1 import generation_pb2 as pb
+    from batonpb.baton.v1 import generation_pb2_grpc as pb_grpc
+
+    port = free_port()
+    gw = make_gateway([pool("ext", [upstreams[0].url]), pool("llama", [llama.url], kind="llama.cpp", models=("small",))],
+                      grpc_port=port)  # fmt: skip
+    direct = post(upstreams[0].url, "/tokenize", {"model": EXT, "prompt": PROMPT}).json()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        ext = stub.Tokenize(pb.TokenizeRequest(model=EXT, text=PROMPT), timeout=30)
+        small = stub.Tokenize(pb.TokenizeRequest(model="small", text=PROMPT, add_special_tokens=False), timeout=30)
+        own = stub.Tokenize(pb.TokenizeRequest(model="baton-tiny", text=PROMPT), timeout=30)
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.Tokenize(pb.TokenizeRequest(model="nope", text=PROMPT), timeout=30)
+    assert list(ext.token_ids) == direct["tokens"] and ext.max_model_len == direct["max_model_len"]
+    assert list(small.token_ids) == direct["tokens"][1:] and small.max_model_len == 0  # llama-server does not say
+    assert llama.seen[-1] == {"content": PROMPT, "add_special": False, "with_pieces": False}
+    assert list(own.token_ids) == direct["tokens"] and own.max_model_len == gw.engine.max_model_len
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND

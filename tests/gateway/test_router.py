@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from bench.analyze_prefix import analyze, summarize
 from bench.trace import TraceEntry
@@ -18,6 +19,7 @@ from cluster.gateway.prefix_index import PrefixIndex
 from cluster.gateway.route_log import hash_id
 from cluster.gateway.router import OVERLAP_PAGE, Router, endpoint_id
 from engine.errors import ConfigError
+from engine.tokenizer import Tokenizer
 from kvcache.events import Tier
 from kvcache.hashing import model_fingerprint, page_hashes
 
@@ -220,6 +222,9 @@ def test_a_bad_pool_key_is_refused_with_its_path(change: str, where: str) -> Non
      "pools.vllm.upstream_models"),  # a name the pool does not serve
     (("    models: [tiny]\n    kv_events", "    models: [tiny]\n    upstream_models: {tiny: 'a b'}\n    kv_events"),
      "pools.vllm.upstream_models.tiny"),
+    (("    models: [tiny]\n    kv_events", "    models: [tiny]\n    tokenizer: /models/a\n    kv_events"),
+     "pools.llama.tokenizer"),  # two pools serving one model with different tokenizers
+    (("pools:\n", "pools:\n  baton: {kind: baton, tokenizer: /models/a}\n"), "pools.baton"),
 ])  # fmt: skip
 def test_pools_that_cannot_work_are_refused(edit: tuple[str, str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -253,6 +258,26 @@ def test_served_names_and_upstream_names() -> None:
     assert err.value.field == "pools.baton.models" and "'other'" in str(err.value)
     narrowed = replace(own, pools=(replace(own.own, models=("tiny-chat",)), *own.pools[1:])).with_own_models(names)
     assert narrowed.own.models == ("tiny-chat",)
+
+
+def test_a_model_has_one_tokenizer_its_pools_name(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from cluster.gateway.service import Gateway
+
+    named = CONFIG.replace("    models: [tiny]\n", f"    models: [tiny]\n    tokenizer: {tiny_model_dir}\n")
+    with pytest.raises(ConfigError) as err:  # the own pool serves tiny with its model's tokenizer
+        to_server_config(parse_cluster_file(named)).gateway.with_own_models(("tiny",))
+    assert err.value.field == "pools.vllm.tokenizer"
+    spec = to_server_config(parse_cluster_file(named)).gateway.with_own_models(("other",))
+    assert spec.tokenizer_paths() == {"tiny": str(tiny_model_dir)}
+    own = object()
+    gateway = Gateway(spec, CollectorRegistry(), 60.0)
+    assert isinstance(gateway.tokenizer_for("tiny", own), Tokenizer)  # type: ignore[arg-type]
+    assert gateway.tokenizer_for("other", own) is own  # type: ignore[arg-type]
+    missing = named.replace(str(tiny_model_dir), str(tmp_path / "none"))
+    with pytest.raises(ConfigError) as err:  # at start, naming the key, before anything is routed
+        Gateway(to_server_config(parse_cluster_file(missing)).gateway.with_own_models(("other",)),
+                CollectorRegistry(), 60.0)  # fmt: skip
+    assert err.value.field == "pools.vllm.tokenizer" and "tokenizer.json" in str(err.value)
 
 
 def test_the_gateway_example_parses() -> None:

@@ -966,7 +966,9 @@ class TokenizeRequest(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
-    """The served model's name; any other name is NOT_FOUND."""
+    """The served model's name; on a gateway, an external pool's model is tokenized by that pool's
+    engine. Any other name is NOT_FOUND.
+    """
     text: _builtins.str
     """Up to 4,000,000 characters."""
     add_special_tokens: _builtins.bool
@@ -995,7 +997,9 @@ class TokenizeResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     max_model_len: _builtins.int
-    """The model's context length, so a caller can check prompt + max_tokens before calling."""
+    """The model's context length, so a caller can check prompt + max_tokens before calling (0: the
+    external engine that tokenized it does not say, as llama.cpp's server does not).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
