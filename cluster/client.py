@@ -465,6 +465,14 @@ class BatonClient:
         except grpc.RpcError as exc:
             raise client_error(exc) from None
 
+    def detokenize(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> str:
+        """The text of `token_ids` (special tokens kept)."""
+        request = pb.DetokenizeRequest(model=self.model, token_ids=token_ids)
+        try:
+            return str(self._stub.Detokenize(request, **self._call(timeout_s)).text)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+
     def _call(self, timeout_s: float | None) -> dict[str, Any]:
         return {"metadata": self._metadata, "timeout": timeout_s or self.timeout_s}
 
@@ -551,6 +559,14 @@ class AsyncBatonClient:
         )
         try:
             return list((await self._stub.Tokenize(request, **self._call(timeout_s))).token_ids)
+        except grpc.RpcError as exc:
+            raise client_error(exc) from None
+
+    async def detokenize(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> str:
+        """The text of `token_ids` (special tokens kept)."""
+        request = pb.DetokenizeRequest(model=self.model, token_ids=token_ids)
+        try:
+            return str((await self._stub.Detokenize(request, **self._call(timeout_s))).text)
         except grpc.RpcError as exc:
             raise client_error(exc) from None
 

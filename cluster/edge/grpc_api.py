@@ -54,12 +54,19 @@ from cluster.edge.grpc_fields import (
     MAX_MODEL_NAME_CHARS,
     MAX_PRIORITY,
     MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
     build_sampling,
     check_parsed,
     check_prompt,
     num_samples,
 )
-from cluster.edge.grpc_gateway import call_pool, own_route, route_key, tokenize_at_pool
+from cluster.edge.grpc_gateway import (
+    call_pool,
+    detokenize_at_pool,
+    own_route,
+    route_key,
+    tokenize_at_pool,
+)
 from cluster.edge.grpc_output import (
     FINISH,
     delta,
@@ -124,6 +131,11 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         return await _guarded(context, self._tokenize(request, context))
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        return await _guarded(context, self._detokenize(request, context))
 
     async def PinPrefix(
         self, request: pb.PinPrefixRequest, context: grpc.aio.ServicerContext
@@ -264,6 +276,26 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         self._check_model(request.model)
         ids = await self._encode(request.text, special)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
+
+    async def _detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        check_parsed(request)
+        self._authenticate(context)
+        ids = list(request.token_ids)
+        if len(ids) > MAX_PROMPT_TOKENS:
+            raise invalid(f"token_ids: at most {MAX_PROMPT_TOKENS} ids", "token_ids")
+        gateway = self.frontend.gateway
+        if gateway is not None and request.model not in self.frontend.model_names:  # an external pool's engine's
+            pool = external_pool(gateway.router, request.model[:MAX_MODEL_NAME_CHARS])
+            if pool is not None:
+                return await detokenize_at_pool(self.frontend, pool, request.model, ids)
+        self._check_model(request.model)
+        vocab = self.frontend.vocab_size
+        if any(t >= vocab for t in ids):
+            raise invalid(f"token_ids: ids must be below the vocabulary size ({vocab})", "token_ids")
+        text = await _maybe_in_thread(4 * len(ids), self.frontend.tokenizer.decode, ids, skip_special_tokens=False)
+        return pb.DetokenizeResponse(text=text)
 
     # -- the shared path --------------------------------------------------------------------
 

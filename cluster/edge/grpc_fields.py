@@ -19,6 +19,7 @@ from engine.sampling import SamplingParams
 
 MAX_MODEL_NAME_CHARS = 256
 MAX_PROMPT_CHARS = 4_000_000  # as the HTTP API; the message size limit bounds it first
+MAX_PROMPT_TOKENS = 1_000_000  # ids in one call, as the HTTP API's
 MAX_MESSAGES = 2048
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_PRIORITY = 100

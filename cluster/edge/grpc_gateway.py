@@ -15,7 +15,8 @@ A cancelled call closes the upstream request (cluster.gateway.proxy), as an HTTP
     call_pool(frontend, route, ...)        the whole trip to an external pool, counted as the
                                            edge counts a call (baton_requests_total{api="grpc"})
     own_route(gateway, route)              a call the gateway sent to its own pool, ended there
-    tokenize_at_pool(frontend, pool, ...)  Tokenize for an external pool's model, by its engine
+    tokenize_at_pool(frontend, pool, ...)  Tokenize and Detokenize for an external pool's model,
+    detokenize_at_pool(...)                by its engine
 """
 
 from __future__ import annotations
@@ -260,10 +261,28 @@ def _pool_error(pool: str, err: dict[str, Any], status: int) -> EdgeError:
 async def tokenize_at_pool(frontend: Frontend, pool: Pool, model: str, text: str, special: bool) -> pb.TokenizeResponse:
     """Tokenize for an external pool's model: its engine's tokenizer answers (cluster.gateway.tokenize_proxy);
     max_model_len is 0 where the engine does not say it (llama.cpp)."""
+    reply = await _ask_pool(frontend, pool, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": special})
+    tokens, limit = reply.get("tokens"), reply.get("max_model_len")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
+        raise EdgeError(Kind.UNAVAILABLE, f"pool {pool.name!r} answered /tokenize without token ids")
+    known = limit if isinstance(limit, int) and 0 <= limit < 1 << 32 else 0
+    return pb.TokenizeResponse(token_ids=tokens, max_model_len=known)
+
+
+async def detokenize_at_pool(frontend: Frontend, pool: Pool, model: str, ids: list[int]) -> pb.DetokenizeResponse:
+    """Detokenize for an external pool's model, by its engine (cluster.gateway.tokenize_proxy)."""
+    reply = await _ask_pool(frontend, pool, "/detokenize", {"model": model, "tokens": ids})
+    text = reply.get("prompt")
+    if not isinstance(text, str):
+        raise EdgeError(Kind.UNAVAILABLE, f"pool {pool.name!r} answered /detokenize without a prompt")
+    return pb.DetokenizeResponse(text=text)
+
+
+async def _ask_pool(frontend: Frontend, pool: Pool, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A tokenizer route's JSON answer from the pool; its error answer as the call's status."""
     gateway = frontend.gateway
     assert gateway is not None
-    body = {"model": model, "prompt": text, "add_special_tokens": special}
-    answer = await tokenize_proxy.forward(gateway.upstreams, gateway.router, pool, "/tokenize", body, model,
+    answer = await tokenize_proxy.forward(gateway.upstreams, gateway.router, pool, path, body, str(body["model"]),
                                           {"content-type": "application/json"})  # fmt: skip
     try:
         reply = json.loads(answer.body)
@@ -272,9 +291,6 @@ async def tokenize_at_pool(frontend: Frontend, pool: Pool, model: str, text: str
     if answer.status != 200:
         err = reply.get("error") if isinstance(reply, dict) else None
         raise _pool_error(pool.name, err if isinstance(err, dict) else {}, answer.status)
-    tokens = reply.get("tokens") if isinstance(reply, dict) else None
-    limit = reply.get("max_model_len") if isinstance(reply, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
-        raise EdgeError(Kind.UNAVAILABLE, f"pool {pool.name!r} answered /tokenize without token ids")
-    known = limit if isinstance(limit, int) and 0 <= limit < 1 << 32 else 0
-    return pb.TokenizeResponse(token_ids=tokens, max_model_len=known)
+    if not isinstance(reply, dict):
+        raise EdgeError(Kind.UNAVAILABLE, f"pool {pool.name!r} answered {path} with no JSON object")
+    return reply

@@ -94,6 +94,7 @@ _METHODS: dict[str, tuple[bool, Any, Any]] = {
     "Generate": (True, pb.GenerateRequest, pb.GenerateResponse),
     "Complete": (False, pb.GenerateRequest, pb.CompleteResponse),
     "Tokenize": (False, pb.TokenizeRequest, pb.TokenizeResponse),
+    "Detokenize": (False, pb.DetokenizeRequest, pb.DetokenizeResponse),
     "PinPrefix": (False, pb.PinPrefixRequest, pb.PinPrefixResponse),
     "UnpinPrefix": (False, pb.UnpinPrefixRequest, pb.UnpinPrefixResponse),
 }

@@ -216,6 +216,22 @@ async def test_tokenize(served: Served, reference: Engine) -> None:
     assert len(plain) == len(reference.tokenizer.encode(PROMPT)) - 1  # no BOS
 
 
+async def test_detokenize_is_tokenizes_inverse_with_special_tokens_kept(served: Served, reference: Engine) -> None:
+    async with served.client() as client:
+        plain = await client.detokenize(await client.tokenize(PROMPT, add_special_tokens=False))
+        with_bos = await client.detokenize(await client.tokenize(PROMPT))
+        with pytest.raises(BatonClientError) as beyond:
+            await client.detokenize([1, reference.model_config.vocab_size])
+    assert plain == PROMPT
+    assert with_bos == reference.tokenizer.decode(reference.tokenizer.encode(PROMPT), skip_special_tokens=False)
+    assert with_bos != PROMPT and with_bos.endswith(PROMPT)
+    assert beyond.value.code == grpc.StatusCode.INVALID_ARGUMENT and beyond.value.message.startswith("token_ids:")
+    async with AsyncBatonClient(served.target, model="gpt-9", api_key=KEY) as other:
+        with pytest.raises(BatonClientError) as missing:
+            await other.detokenize([1])
+    assert missing.value.code == grpc.StatusCode.NOT_FOUND
+
+
 # -- deadlines and cancellation --------------------------------------------------------------
 
 

@@ -152,7 +152,7 @@ def test_a_pool_of_another_kind_is_asked_before_a_llama_cpp_one(
     assert got.status_code == 200 and got.headers["x-baton-pool"] == "ext" and not llama.seen
 
 
-def test_grpc_tokenize_asks_the_models_pool(
+def test_grpc_tokenize_and_detokenize_ask_the_models_pool(
     llama: LlamaServerShapes, upstreams: list[ServerHandle], make_gateway: Callable[..., ServerHandle]
 ) -> None:
     import grpc
@@ -169,10 +169,13 @@ def test_grpc_tokenize_asks_the_models_pool(
         ext = stub.Tokenize(pb.TokenizeRequest(model=EXT, text=PROMPT), timeout=30)
         small = stub.Tokenize(pb.TokenizeRequest(model="small", text=PROMPT, add_special_tokens=False), timeout=30)
         own = stub.Tokenize(pb.TokenizeRequest(model="baton-tiny", text=PROMPT), timeout=30)
+        back = stub.Detokenize(pb.DetokenizeRequest(model=EXT, token_ids=direct["tokens"][1:]), timeout=30)
+        small_back = stub.Detokenize(pb.DetokenizeRequest(model="small", token_ids=direct["tokens"][1:]), timeout=30)
         with pytest.raises(grpc.RpcError) as missing:
             stub.Tokenize(pb.TokenizeRequest(model="nope", text=PROMPT), timeout=30)
     assert list(ext.token_ids) == direct["tokens"] and ext.max_model_len == direct["max_model_len"]
     assert list(small.token_ids) == direct["tokens"][1:] and small.max_model_len == 0  # llama-server does not say
-    assert llama.seen[-1] == {"content": PROMPT, "add_special": False, "with_pieces": False}
+    assert llama.seen[0] == {"content": PROMPT, "add_special": False, "with_pieces": False}
     assert list(own.token_ids) == direct["tokens"] and own.max_model_len == gw.engine.max_model_len
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert back.text == small_back.text == PROMPT and llama.seen[-1] == {"tokens": direct["tokens"][1:]}

@@ -201,6 +201,7 @@ def _generation_methods() -> list[tuple[str, str, bytes]]:
         "GenerateRequest": gen_pb.GenerateRequest(model=MODEL, text="hi", sampling=gen_pb.Sampling(max_tokens=1)),
         "CompleteRequest": gen_pb.CompleteRequest(model=MODEL, text="hi", sampling=gen_pb.Sampling(max_tokens=1)),
         "TokenizeRequest": gen_pb.TokenizeRequest(model=MODEL, text="hi"),
+        "DetokenizeRequest": gen_pb.DetokenizeRequest(model=MODEL, token_ids=[5, 6]),
         "PinPrefixRequest": gen_pb.PinPrefixRequest(model=MODEL, token_ids=gen_pb.TokenIds(ids=range(100, 132)),
                                                     pin_id="auth", tenant="alpha", ttl_seconds=60),
         "UnpinPrefixRequest": gen_pb.UnpinPrefixRequest(model=MODEL, pin_id="auth", tenant="alpha"),
@@ -210,7 +211,7 @@ def _generation_methods() -> list[tuple[str, str, bytes]]:
         for m in gen_pb.DESCRIPTOR.services_by_name["GenerationService"].methods:
             kind = "unary_stream" if m.server_streaming else "unary_unary"
             out.append((f"/{name}/{m.name}", kind, good[m.input_type.name].SerializeToString()))
-    assert len(out) == 10
+    assert len(out) == 12
     return out
 
 

@@ -1017,6 +1017,53 @@ class TokenizeResponse(_message.Message):
 Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
 
 @_typing.final
+class DetokenizeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The served model's name; on a gateway, an external pool's model is detokenized by that
+    pool's engine. Any other name is NOT_FOUND.
+    """
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Up to 1,000,000 ids, each below the model's vocabulary size (else INVALID_ARGUMENT)."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetokenizeRequest: _TypeAlias = DetokenizeRequest  # noqa: Y015
+
+@_typing.final
+class DetokenizeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetokenizeResponse: _TypeAlias = DetokenizeResponse  # noqa: Y015
+
+@_typing.final
 class PinPrefixRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -54,6 +54,11 @@ class GenerationServiceStub:
                 request_serializer=baton_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/baton.v1.GenerationService/Detokenize',
+                request_serializer=baton_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.PinPrefix = channel.unary_unary(
                 '/baton.v1.GenerationService/PinPrefix',
                 request_serializer=baton_dot_v1_dot_generation__pb2.PinPrefixRequest.SerializeToString,
@@ -96,6 +101,13 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Token ids back to text, the model's special tokens kept (as HTTP's /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PinPrefix(self, request, context):
         """Keep a prefix's whole KV pages resident, for one tenant's requests, on every worker of a
         role until a TTL: a shared system prompt or corpus header that eviction must not take.
@@ -132,6 +144,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=baton_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=baton_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=baton_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'PinPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.PinPrefix,
@@ -230,6 +247,33 @@ class GenerationService:
             '/baton.v1.GenerationService/Tokenize',
             baton_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             baton_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.GenerationService/Detokenize',
+            baton_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            baton_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -60,6 +60,8 @@ class GenerationServiceStub:
     """The whole sequence in one reply (the same request, collected server-side)."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]
     """The token ids a text prompt becomes, without generating."""
+    Detokenize: _grpc.UnaryUnaryMultiCallable[_generation_pb2.DetokenizeRequest, _generation_pb2.DetokenizeResponse]
+    """Token ids back to text, the model's special tokens kept (as HTTP's /detokenize)."""
     PinPrefix: _grpc.UnaryUnaryMultiCallable[_generation_pb2.PinPrefixRequest, _generation_pb2.PinPrefixResponse]
     """Keep a prefix's whole KV pages resident, for one tenant's requests, on every worker of a
     role until a TTL: a shared system prompt or corpus header that eviction must not take.
@@ -89,6 +91,8 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     """The whole sequence in one reply (the same request, collected server-side)."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.TokenizeRequest, _generation_pb2.TokenizeResponse]  # type: ignore[assignment]
     """The token ids a text prompt becomes, without generating."""
+    Detokenize: _aio.UnaryUnaryMultiCallable[_generation_pb2.DetokenizeRequest, _generation_pb2.DetokenizeResponse]  # type: ignore[assignment]
+    """Token ids back to text, the model's special tokens kept (as HTTP's /detokenize)."""
     PinPrefix: _aio.UnaryUnaryMultiCallable[_generation_pb2.PinPrefixRequest, _generation_pb2.PinPrefixResponse]  # type: ignore[assignment]
     """Keep a prefix's whole KV pages resident, for one tenant's requests, on every worker of a
     role until a TTL: a shared system prompt or corpus header that eviction must not take.
@@ -133,6 +137,14 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.TokenizeResponse, _abc.Awaitable[_generation_pb2.TokenizeResponse]]:
         """The token ids a text prompt becomes, without generating."""
+
+    @_abc_1.abstractmethod
+    def Detokenize(
+        self,
+        request: _generation_pb2.DetokenizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generation_pb2.DetokenizeResponse, _abc.Awaitable[_generation_pb2.DetokenizeResponse]]:
+        """Token ids back to text, the model's special tokens kept (as HTTP's /detokenize)."""
 
     @_abc_1.abstractmethod
     def PinPrefix(
