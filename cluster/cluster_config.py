@@ -33,6 +33,10 @@ value of the wrong type or out of its range. An example with every key is exampl
                 request bounds, what batch-class requests may fill)
     tracing:    otlp_endpoint (null: $OTEL_EXPORTER_OTLP_ENDPOINT, else off), service_name,
                 sample_ratio, insecure                                 (cluster.ops.tracing)
+    pools:      name -> {kind, endpoints, models, upstream_models, max_concurrency, api_key_file,
+                kv_events, kv_events_topic, block_size, prefill_tokens_per_s, endpoint_policy,
+                connect_timeout_s, health, tokenizer, enabled (the own pool: false, a router)}
+    routing:    route_key, window, min_samples, rules, ...                (cluster.gateway.config)
 
 No pickle: the file is parsed with yaml.safe_load, then checked by the schema below.
 """
@@ -235,6 +239,7 @@ class PoolSection(_Section):
     connect_timeout_s: float = Field(default=5.0, gt=0, le=600)
     health: HealthSection = HealthSection()
     tokenizer: str | None = Field(default=None, min_length=1, max_length=4096)  # a directory with tokenizer.json
+    enabled: bool = True  # the own pool (kind baton) only: false runs no workers (a router over the pools)
 
 
 class RuleSection(_Section):
@@ -415,7 +420,7 @@ def _gateway(f: ClusterFile):  # type: ignore[no-untyped-def]  # -> GatewaySpec 
                       api_key_file=p.api_key_file, kv_events=tuple(p.kv_events), kv_events_topic=p.kv_events_topic,
                       block_size=p.block_size, prefill_tokens_per_s=p.prefill_tokens_per_s,
                       endpoint_policy=p.endpoint_policy, connect_timeout_s=p.connect_timeout_s,
-                      health=HealthSpec(**p.health.model_dump()), tokenizer=p.tokenizer)
+                      health=HealthSpec(**p.health.model_dump()), tokenizer=p.tokenizer, enabled=p.enabled)
              for name, p in f.pools.items()]  # fmt: skip
     if not any(p.kind == OWN for p in pools):  # this gateway's own workers are always a pool
         pools.insert(0, PoolSpec(name=OWN, kind="baton"))

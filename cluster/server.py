@@ -5,6 +5,7 @@ available) in front of one of three engine sides; the edges do not change betwee
                                                     <- grpc.aio server (same event loop)
 
     colocated      AsyncEngine: one engine in this process (--prefill 0)
+    router         RouterFront: no engine; every model is an external pool's (pools.baton.enabled: false)
     in-process PD  PDFront: a prefill and a decode engine in this process (--prefill 1 --no-ray)
     Ray PD         RayFront: P PrefillActors and D DecodeActors on Ray (--prefill P --decode D);
                    a private loopback Ray, or an existing cluster (`baton serve --ray-address`)
@@ -36,6 +37,7 @@ from cluster.edge.tenants import ApiKeys
 from cluster.fleet.cpu import available_cores, core_for, pin_thread
 from cluster.fleet.pd import PDFront
 from cluster.gateway.config import MODEL_NAME, GatewaySpec
+from cluster.gateway.router_front import RouterFront
 from cluster.gateway.service import Gateway
 from cluster.ops.metrics import watch_loop_lag
 from cluster.ops.tracing import TracingConfig, configure
@@ -89,8 +91,8 @@ def load_api_keys(path: Path | None) -> ApiKeys:
 class Running:
     """A started server's parts (tests drive these directly)."""
 
-    engine: Engine | None  # the decode (or colocated) engine; None when the engines are actors
-    front: AsyncEngine | PDFront | RayFront
+    engine: Engine | None  # the decode (or colocated) engine; None when the engines are actors (or none)
+    front: AsyncEngine | PDFront | RayFront | RouterFront
     frontend: Frontend
     http: uvicorn.Server
     grpc: Any | None
@@ -116,11 +118,17 @@ class Running:
 async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     """Build and start everything but the HTTP accept loop (`running.http.serve()`). With
     `cfg.disagg`, Ray must be up in this process already (`run` starts or connects it)."""
-    names = served_names(cfg)  # refused before anything starts, as a pool naming another is
+    router_only = cfg.gateway is not None and cfg.gateway.is_router_only
+    if router_only and (cfg.disagg is not None or cfg.prefill_workers):
+        raise ConfigError("pools.baton.enabled", "a gateway without workers of its own starts none: no "
+                          "workers:, ray: or --prefill")  # fmt: skip
+    names = () if router_only else served_names(cfg)  # refused before anything starts, as a pool naming another is
     gateway = cfg.gateway.with_own_models(names) if cfg.gateway is not None and cfg.gateway.has_external else None
-    front: AsyncEngine | PDFront | RayFront
+    front: AsyncEngine | PDFront | RayFront | RouterFront
     ray_front: RayFront | None = None
-    if cfg.disagg is not None:
+    if router_only:
+        front, engine = RouterFront(), None  # no model, no step thread (cluster.gateway.router_front)
+    elif cfg.disagg is not None:
         from cluster.fleet.launch import launch
 
         front = ray_front = await launch(cfg.engine, cfg.disagg, cfg.shared_prefix_texts)
@@ -128,9 +136,10 @@ async def start(cfg: ServerConfig, engine: Engine | None = None) -> Running:
     else:
         engine, front = await _start_in_process(cfg, engine)
     front.start()
-    if cfg.pin_cores:
+    if cfg.pin_cores and not isinstance(front, RouterFront):  # a router has no step thread to pin
         await _pin_step_threads(front)
-    frontend = Frontend(front, names[0], cfg.admission, cfg.request_timeout_s, configure(cfg.tracing), names[1:])
+    frontend = Frontend(front, names[0] if names else "", cfg.admission, cfg.request_timeout_s,
+                        configure(cfg.tracing), names[1:])  # fmt: skip
     if ray_front is not None:
         ray_front.metrics.register(frontend.metrics.registry, ray_front.fleet)
         frontend.metrics.registry.register(PairCollector(ray_front.pairs))
@@ -245,8 +254,9 @@ def _pin_step_thread(_engine: Engine, core: int) -> int:
 
 async def serve(cfg: ServerConfig) -> None:
     running = await start(cfg)
-    _announce(cfg, running.frontend.model_name, bool(cfg.api_keys_file or api_keys_file()),
-              running.grpc is not None)
+    gateway = running.frontend.gateway
+    name = running.frontend.model_name or (gateway.spec.pools[0].models[0] if gateway is not None else "")
+    _announce(cfg, name, bool(cfg.api_keys_file or api_keys_file()), running.grpc is not None)
     try:
         await running.http.serve()
     finally:

@@ -42,7 +42,6 @@ from cluster.ops.node_status import NodeCollector, NodeStatus, collect_nodes
 from cluster.ops.tracing import NO_TRACE, OFF, RequestTrace, Tracing, first_token
 from cluster.placement.pair_health import ReportsPairs
 from engine.async_engine import AsyncEngine
-from engine.config import ModelConfig
 from engine.constraint import ConstraintError
 from engine.engine import Engine
 from engine.job import Job
@@ -62,9 +61,20 @@ T = TypeVar("T")
 _ENGINE_NODE = "engine-0"  # the colocated engine's node name (cluster.ops.node_status)
 
 
+class ModelFacts(Protocol):
+    """What the edge reads of a model's config (engine.config.ModelConfig has them)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+
 class ModelView(Protocol):
     """What the edge reads of the model: an Engine in-process, or the gateway's own copy of
-    the tokenizer and config when the engines live in Ray actors."""
+    the tokenizer and config when the engines live in Ray actors (or, with no workers of its
+    own, only a tokenizer for route tokens: cluster.gateway.router_front)."""
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -73,7 +83,7 @@ class ModelView(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
-    def model_config(self) -> ModelConfig: ...
+    def model_config(self) -> ModelFacts: ...
 
 
 class PoolUsage(NamedTuple):
@@ -188,8 +198,8 @@ class Frontend:
         self.tracing = tracing
         # Colocated, the engine side writes no spans of its own: stream() writes its prefill and decode.
         self._engine_trace = isinstance(engine, AsyncEngine)
-        self.model_name = model_name  # the name answers carry
-        self.model_names = (model_name, *aliases)  # every name clients may call the model by
+        self.model_name = model_name  # the name answers carry ("": no model of its own, a router)
+        self.model_names = (model_name, *aliases) if model_name else ()  # every name clients may call it by
         model = engine.engine
         self.tokenizer: Tokenizer = model.tokenizer
         self.max_model_len = model.max_model_len
@@ -223,7 +233,7 @@ class Frontend:
         nodes = await self.nodes()
         adm = self.admission
         return {
-            "model": self.model_name, "time": time.time(), "uptime_s": time.time() - self.started_at,
+            "model": self.model_name or None, "time": time.time(), "uptime_s": time.time() - self.started_at,
             "ready": self.is_ready(), "draining": self.draining,
             "gateway": {"waiting": adm.num_waiting, "inflight": adm.num_inflight,
                         "requests": self.metrics.outcomes()},

@@ -77,6 +77,8 @@ async def tokenize_body(frontend: Frontend, body: TokenizeBody) -> list[int]:
 
 
 def _check_model(frontend: Frontend, model: str | None) -> None:
+    if model is None and not frontend.model_names:  # a router (cluster.gateway.router_front)
+        raise EdgeError(Kind.NOT_FOUND, "this gateway serves no model of its own: name one of /v1/models", "model")
     if model is not None and model not in frontend.model_names:
         raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
 

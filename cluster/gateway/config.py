@@ -3,7 +3,8 @@
 together: URLs, names, rules that name pools, one own pool).
 
     pools:
-      baton:    {kind: baton}                    this gateway's own workers (model:, workers:)
+      baton:    {kind: baton}                    this gateway's own workers (model:, workers:);
+                                                 enabled: false, none: a router over the others
       vllm:     {kind: vllm, endpoints: [http://10.0.0.5:8000], models: [llama-3-8b],
                  upstream_models: {llama-3-8b: meta-llama/Meta-Llama-3-8B-Instruct},
                  max_concurrency: 64, kv_events: [tcp://10.0.0.5:5557],
@@ -77,6 +78,7 @@ class PoolSpec:
     # tokens for this pool's models come from it. None: the gateway's own model's tokenizer, which
     # matches the engine's only when both serve the same checkpoint.
     tokenizer: str | None = None
+    enabled: bool = True  # the own pool only: false, the gateway runs no workers (a router over its pools)
 
     @property
     def is_own(self) -> bool:
@@ -144,6 +146,12 @@ class GatewaySpec:
     def has_external(self) -> bool:
         return any(not p.is_own for p in self.pools)
 
+    @property
+    def is_router_only(self) -> bool:
+        """No workers of its own (pools.baton.enabled: false): every model is an external pool's."""
+        own = self.own
+        return own is not None and not own.enabled
+
     def serving(self, model: str) -> list[PoolSpec]:
         return [p for p in self.pools if model in p.models]
 
@@ -159,6 +167,8 @@ class GatewaySpec:
     def with_own_models(self, served_names: tuple[str, ...]) -> GatewaySpec:
         """The own pool serves the gateway's model under its served names, or under those of
         them it lists (a name the engine is not served under would be routed there and refused)."""
+        if self.is_router_only:  # its pool leaves the routing: nothing can be sent there
+            return GatewaySpec(tuple(p for p in self.pools if not p.is_own), self.routing)
         pools = []
         for p in self.pools:
             if p.is_own:
@@ -196,7 +206,13 @@ def check(spec: GatewaySpec) -> GatewaySpec:
             if p.endpoints or p.kv_events or p.api_key_file or p.upstream_models or p.tokenizer:
                 raise ConfigError(key, f"a {OWN} pool is this gateway's own workers: no endpoints, "
                                        "kv_events, api_key_file, upstream_models or tokenizer")  # fmt: skip
+            if not p.enabled and not spec.has_external:
+                raise ConfigError(f"{key}.enabled", "a gateway without workers of its own routes to external "
+                                  "pools: name at least one")  # fmt: skip
             continue
+        if not p.enabled:
+            raise ConfigError(f"{key}.enabled", f"only the {OWN} pool (this gateway's own workers) can be turned "
+                              "off; leave an external pool out instead")  # fmt: skip
         if not p.endpoints:
             raise ConfigError(f"{key}.endpoints", "an external pool needs at least one endpoint URL")
         if len(set(p.endpoints)) != len(p.endpoints):
@@ -222,10 +238,11 @@ def check(spec: GatewaySpec) -> GatewaySpec:
             if path != p.tokenizer:
                 raise ConfigError(f"pools.{p.name}.tokenizer", f"pools {first!r} and {p.name!r} both serve {m!r}: "
                                   "name the same tokenizer in both (a model has one)")  # fmt: skip
-    known = set(names)
+    known = {p.name for p in spec.pools if p.enabled}
     for i, rule in enumerate(spec.routing.rules):
         if rule.pool not in known:
-            raise ConfigError(f"routing.rules.{i}.pool", f"no pool named {rule.pool!r}")
+            off = " (enabled: false: it runs no workers)" if rule.pool in names else ""
+            raise ConfigError(f"routing.rules.{i}.pool", f"no pool named {rule.pool!r}{off}")
     rk = spec.routing.route_key
     if rk not in ("tenant", "user") and not (rk.startswith("header:") and _HEADER.match(rk[7:])):
         raise ConfigError("routing.route_key", "tenant, user, or header:<name>")

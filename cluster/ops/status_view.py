@@ -22,7 +22,8 @@ def render_status(body: dict[str, Any]) -> str:
     gw = body.get("gateway", {})
     outcomes = ", ".join(f"{k} {v}" for k, v in sorted(gw.get("requests", {}).items())) or "none yet"
     state = "draining" if body.get("draining") else "ready" if body.get("ready") else "not ready"
-    lines = [f"{body.get('model', '?')}  {state}  up {_duration(float(body.get('uptime_s', 0)))}  "
+    model = body.get("model") or ("a router (no model of its own)" if body.get("pools") else "?")
+    lines = [f"{model}  {state}  up {_duration(float(body.get('uptime_s', 0)))}  "
              f"waiting {gw.get('waiting', 0)}  inflight {gw.get('inflight', 0)}  requests: {outcomes}"]  # fmt: skip
     header = ["NODE", "ROLE", "ADDRESS", "HEALTH", "EPOCH", "RUN", "WAIT", "HIT%",
               "DEVICE used/cached/total", "HOST cached/total", "DISK cached/total"]  # fmt: skip
@@ -48,7 +49,25 @@ def render_status(body: dict[str, Any]) -> str:
     if len(rows) == 1:
         lines.append("(no nodes)")
     lines += _pairs(body.get("pairs", []))
+    lines += _pools(body.get("pools"))
     return "\n".join(lines)
+
+
+def _pools(gateway: dict[str, Any] | None) -> list[str]:
+    """The external engines a gateway routes to (cluster.gateway): each endpoint's state."""
+    pools = (gateway or {}).get("pools") or {}
+    external = {name: p for name, p in pools.items() if p.get("kind") != "baton"}
+    if not external:
+        return []
+    lines = ["", "POOLS"]
+    for name, p in external.items():
+        lines.append(f"  {name} ({p.get('kind')}: {', '.join(p.get('models', []))})  inflight "
+                     f"{p.get('inflight', 0)}/{p.get('max_concurrency', '?')}")  # fmt: skip
+        for e in p.get("endpoints", []):
+            state = "up" if e.get("up") else f"EJECTED for {e.get('ejected_for_s', 0)} s"
+            lines.append(f"    {e.get('url')}  {state}  inflight {e.get('inflight', 0)}  ok {e.get('ok', 0)}  "
+                         f"failed {e.get('failed', 0)}  index {e.get('index')}")  # fmt: skip
+    return lines
 
 
 def _pairs(pairs: list[dict[str, Any]]) -> list[str]:

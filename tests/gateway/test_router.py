@@ -280,6 +280,14 @@ def test_a_model_has_one_tokenizer_its_pools_name(tiny_model_dir: Path, tmp_path
     assert err.value.field == "pools.vllm.tokenizer" and "tokenizer.json" in str(err.value)
 
 
+def test_the_router_example_parses() -> None:
+    from cluster.cluster_config import load_cluster_config
+
+    gw = load_cluster_config(Path(__file__).resolve().parents[2] / "examples" / "router.yaml").gateway
+    assert gw is not None and gw.is_router_only
+    assert [p.name for p in gw.with_own_models(()).pools] == ["vllm", "llama"]
+
+
 def test_the_gateway_example_parses() -> None:
     from cluster.cluster_config import load_cluster_config
 
