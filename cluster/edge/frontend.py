@@ -345,6 +345,8 @@ class Frontend:
     async def pin(self, tenant: str, pin_id: str, prompt_ids: list[int], ttl_s: float, role: str = "") -> PinRecord:
         """Keep `prompt_ids`' whole pages resident for `tenant`'s requests on every worker of
         `role` for `ttl_s` seconds (cluster.edge.pins); pinning the same id again replaces it."""
+        if not self.model_names:  # a router (cluster.gateway.router_front): its pools' engines hold the pages
+            raise EdgeError(Kind.ABORTED, "this gateway runs no workers of its own: it has nothing to pin prefixes on")
         self.pins.check(tenant, pin_id, len(prompt_ids), ttl_s, role)
         if not 1 <= len(prompt_ids) < self.max_model_len:
             raise invalid(f"the prefix must have 1 to {self.max_model_len - 1} tokens", "prompt")

@@ -4,6 +4,7 @@ endpoints), its HTTP and gRPC edges, /status, /metrics and the dashboard page, a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from bench.server_proc import free_port
+from cluster.errors import EdgeError
 from cluster.gateway.config import OWN, GatewaySpec, PoolSpec, RoutingSpec, check
 from cluster.gateway.router_front import RouterFront
 from cluster.ops.status_view import render_status
@@ -93,6 +95,10 @@ def test_a_gateway_without_workers_routes_every_model_to_its_pools(
     assert count(gw.url, "baton_pool_requests_total", pool="ext", outcome="ok") == 8
     assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 1
     assert httpx.get(gw.url + "/dashboard").status_code == 200
+    pin = gw.running.frontend.pin("acme", "p1", [5, 6, 7], 60.0)
+    with pytest.raises(EdgeError) as nothing:  # the pools' engines hold their own pages
+        asyncio.run_coroutine_threadsafe(pin, gw.loop).result(10)
+    assert "no workers of its own" in nothing.value.message
 
 
 def _spec(pools: tuple[PoolSpec, ...], rules: Any = ()) -> GatewaySpec:
