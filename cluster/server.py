@@ -182,7 +182,8 @@ async def _plan(cfg: PlannerConfig, period_s: float, frontend: Frontend, scaler:
 class DrainingServer(uvicorn.Server):
     """uvicorn, except that SIGTERM drains first (DESIGN: the gateway does for its connections
     what a worker's drain does): not-ready, new requests refused with 503 + Retry-After, the
-    ones in flight (streams included) finish, at most `drain_timeout_s`; then the usual
+    ones in flight (streams included, and calls to external pools: Frontend.num_inflight)
+    finish, at most `drain_timeout_s`; then the usual
     shutdown, and the process exits 0. A second SIGTERM, or SIGINT, exits at once."""
 
     def __init__(self, frontend: Frontend, drain_timeout_s: float, config: uvicorn.Config) -> None:
@@ -201,10 +202,10 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         self.frontend.draining = True
         end = time.monotonic() + self.drain_timeout_s
-        logger.warning("SIGTERM: draining %d requests in flight", self.frontend.admission.num_inflight)
-        while self.frontend.admission.num_inflight and time.monotonic() < end:
+        logger.warning("SIGTERM: draining %d requests in flight", self.frontend.num_inflight)
+        while self.frontend.num_inflight and time.monotonic() < end:  # external pools' calls too
             await asyncio.sleep(0.05)
-        logger.warning("drained: %d requests left; shutting down", self.frontend.admission.num_inflight)
+        logger.warning("drained: %d requests left; shutting down", self.frontend.num_inflight)
         self.should_exit = True
 
 

@@ -61,7 +61,7 @@ def add_admin_routes(app: FastAPI, frontend: Frontend, enabled: bool) -> None:
     @app.post("/admin/drain", include_in_schema=False, dependencies=admin)  # an operator route
     async def drain() -> JSONResponse:
         frontend.draining = True
-        return JSONResponse({"draining": True, "inflight": frontend.admission.num_inflight})
+        return JSONResponse({"draining": True, "inflight": frontend.num_inflight})
 
     @app.post("/admin/scale", include_in_schema=False, dependencies=admin)
     async def scale(body: ScaleBody) -> dict[str, Any]:

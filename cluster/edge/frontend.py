@@ -235,7 +235,7 @@ class Frontend:
         return {
             "model": self.model_name or None, "time": time.time(), "uptime_s": time.time() - self.started_at,
             "ready": self.is_ready(), "draining": self.draining,
-            "gateway": {"waiting": adm.num_waiting, "inflight": adm.num_inflight,
+            "gateway": {"waiting": adm.num_waiting, "inflight": self.num_inflight,
                         "requests": self.metrics.outcomes()},
             "nodes": [n.to_json() for n in nodes],
             "pins": [r.to_json(time.time()) for r in self.pins.records()],
@@ -466,10 +466,16 @@ class Frontend:
         """/ready: live, not draining, and something can serve a request now."""
         return self.is_live() and not self.draining and self.engine.is_alive
 
+    @property
+    def num_inflight(self) -> int:
+        """Requests in flight through this gateway: the admitted ones and, on a gateway over
+        pools, its calls to external engines (a drain waits for both)."""
+        return self.admission.num_inflight + (self.gateway.num_inflight if self.gateway is not None else 0)
+
     def refresh_gauges(self) -> None:
         m, adm = self.metrics, self.admission
         m.waiting.set(adm.num_waiting)
-        m.inflight.set(adm.num_inflight)
+        m.inflight.set(self.num_inflight)
         usage = self._pool_usage()
         if usage is None:
             return

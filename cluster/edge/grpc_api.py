@@ -241,6 +241,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             tenant = self._authenticate(context)
             if not request.model or not gateway.router.serving(request.model[:MAX_MODEL_NAME_CHARS]):
                 return None
+            if self.frontend.draining:  # as admission answers while draining: no new calls go out
+                raise EdgeError(Kind.UNAVAILABLE, "the server is not accepting requests", None, 1.0)
             check_prompt(request, MAX_PROMPT_CHARS)
             build_sampling(request.sampling, 1)
             num_samples(request)

@@ -91,6 +91,7 @@ def create_app(frontend: Frontend, keys: ApiKeys, cfg: HttpConfig) -> FastAPI:
         app.add_middleware(GatewayRouting, router=gateway.router, upstreams=gateway.upstreams,
                            tokenizer=lambda model: gateway.tokenizer_for(model, frontend.tokenizer),
                            count=lambda outcome: frontend.metrics.requests.labels("http", outcome).inc(),
+                           draining=lambda: frontend.draining,
                            log=gateway.log)  # fmt: skip
     # /dashboard is a static page (no data): it reads /status, which needs the key when keys are set
     # With keys set, what shows every tenant and node (or changes the gateway) needs an operator key.

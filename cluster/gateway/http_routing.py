@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
-from cluster.errors import EdgeError
+from cluster.errors import EdgeError, Kind
 from cluster.gateway import tokenize_proxy
 from cluster.gateway.proxy import Attempt, Upstreams
 from cluster.gateway.route_log import RouteLog
@@ -82,7 +82,7 @@ def _text_of(content: object) -> str:
 class GatewayRouting:
     def __init__(
         self, app: ASGIApp, router: Router, upstreams: Upstreams, tokenizer: Callable[[str], Tokenizer],
-        count: Callable[[str], None], log: RouteLog | None = None,
+        count: Callable[[str], None], log: RouteLog | None = None, draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.app = app
         self.router = router
@@ -90,6 +90,7 @@ class GatewayRouting:
         self.tokenizer = tokenizer  # a model's route tokens' (cluster.gateway.service.Gateway.tokenizer_for)
         self.count = count  # the edge's baton_requests_total{api="http"} for calls it never sees
         self.log = log
+        self.draining = draining  # the edge's drain (SIGTERM, /admin/drain): no new calls go out
         self.route_key = router.spec.routing.route_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,6 +118,10 @@ class GatewayRouting:
             logger.debug("route tokens: the prompt did not tokenize", exc_info=True)
             tokens = []
         key = self._key(scope, body)
+        if self.draining():  # as the edge's admission answers while draining
+            self.count("rejected")
+            await _send_error(send, EdgeError(Kind.UNAVAILABLE, "the server is not accepting requests", None, 1.0))
+            return
         try:
             route = self.router.admit(model, key, tokens)
         except EdgeError as err:

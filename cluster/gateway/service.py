@@ -45,6 +45,11 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribers: list[Any] = []
 
+    @property
+    def num_inflight(self) -> int:
+        """Calls in flight to external pools (the own pool's are the edge's admission's)."""
+        return sum(p.inflight for p in self.router.pools.values() if not p.spec.is_own)
+
     def tokenizer_for(self, model: str, default: Tokenizer) -> Tokenizer:
         """The tokenizer of `model`'s route tokens: its pools' `tokenizer`, else `default` (the
         gateway's own model's)."""

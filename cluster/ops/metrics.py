@@ -44,7 +44,8 @@ class EdgeMetrics:
             "baton_request_duration_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.waiting = Gauge("baton_queue_waiting_requests", "Admitted requests without a first token", registry=r)
-        self.inflight = Gauge("baton_inflight_requests", "Admitted, unfinished requests", registry=r)
+        self.inflight = Gauge("baton_inflight_requests", "Admitted, unfinished requests (and calls to external pools)",
+                              registry=r)  # fmt: skip
         self.running = Gauge("baton_running_batch", "Requests in the engine's running batch", registry=r)
         self.pages_used = Gauge("baton_kv_pages_used", "KV pages held by requests", ["tier"], registry=r)
         self.pages_cached = Gauge("baton_kv_pages_cached", "KV pages held only by the prefix cache", ["tier"], registry=r)
