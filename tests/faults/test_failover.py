@@ -53,7 +53,10 @@ STALL_AFTER = 4  # ... and its decode worker has stopped stepping after this man
 STALL_S = 60.0
 PS = 16
 CHUNK_PAGES = 32  # a push of the 251-page context: 7 chunks of 32 pages, then the last of 27
-PRESERVING = DisaggConfig(num_prefill=1, num_decode=2, transport="grpc", watchdog_s=1.5, max_restarts=4,
+# No test here waits on the watchdog (its faults are kills, damage and drains, each seen at once),
+# and one of 1.5 s once took a survivor recomputing a 4,000-token context for a stalled worker
+# when another test run shared the two cores: the request then had no decode worker left.
+PRESERVING = DisaggConfig(num_prefill=1, num_decode=2, transport="grpc", watchdog_s=10.0, max_restarts=4,
                           poll_wait_s=0.5, local_prefill_tokens=0, pages_per_chunk=CHUNK_PAGES,
                           membership=MembershipConfig(lease_ttl_s=2))  # fmt: skip
 GREEDY = SamplingParams(max_tokens=OUT, temperature=0.0, ignore_eos=True)
