@@ -113,14 +113,19 @@ class Upstreams:
             return Attempt(route, response, stream and response.status == 200)
 
     async def relay(self, attempt: Attempt) -> AsyncIterator[bytes]:
-        """The response body as it arrives, each chunk passed on as it is."""
-        async for chunk in attempt.response.content.iter_any():
-            now = time.monotonic()
-            if attempt.stream:
-                self._watch(attempt, chunk, now)
-            elif len(attempt.pending) < MAX_SSE_EVENT_BYTES:  # kept for its usage
-                attempt.pending += chunk
-            yield chunk
+        """The response body as it arrives, each chunk passed on as it is. EdgeError
+        (UNAVAILABLE) when the connection breaks or times out before the body ended."""
+        try:
+            async for chunk in attempt.response.content.iter_any():
+                now = time.monotonic()
+                if attempt.stream:
+                    self._watch(attempt, chunk, now)
+                elif len(attempt.pending) < MAX_SSE_EVENT_BYTES:  # kept for its usage
+                    attempt.pending += chunk
+                yield chunk
+        except (aiohttp.ClientError, OSError) as exc:
+            pool = attempt.route.pool.name
+            raise EdgeError(Kind.UNAVAILABLE, f"pool {pool!r} broke off its answer: {exc!r}"[:512]) from None
 
     async def events(self, attempt: Attempt) -> AsyncIterator[dict[str, Any]]:
         """A streamed answer's SSE events, parsed (for callers that translate them: gRPC)."""

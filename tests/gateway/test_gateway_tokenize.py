@@ -37,6 +37,7 @@ class LlamaServerShapes:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.garbled = False
+        self.broken = False  # the answer's headers, part of its body, then the connection closed
         self.seen: list[dict[str, Any]] = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -51,6 +52,7 @@ class LlamaServerShapes:
         app = web.Application()
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
@@ -61,11 +63,13 @@ class LlamaServerShapes:
     async def _health(self, _: web.Request) -> web.Response:  # what the gateway probes
         return web.json_response({"status": "ok"})
 
-    async def _tokenize(self, request: web.Request) -> web.Response:
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(body)
         if self.garbled:
             return web.json_response({"ids": [1, 2]})
+        if self.broken:
+            return await self._break(request, b'{"tokens": [1, 2, ')
         ids = self.tokenizer.encode(body["content"], body.get("add_special", False))
         if not body.get("with_pieces", False):
             return web.json_response({"tokens": ids})
@@ -74,6 +78,19 @@ class LlamaServerShapes:
             piece = self.tokenizer.decode([i], skip_special_tokens=False).encode()
             pieces.append({"id": i, "piece": piece.decode() if i % 2 else list(piece)})  # both of its forms
         return web.json_response({"tokens": pieces})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        """Only ever broken: headers and part of a body, then the connection closed."""
+        await request.json()
+        return await self._break(request, b'{"id": "cmpl-1", "choices": [{"text": "par')
+
+    async def _break(self, request: web.Request, part: bytes) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "application/json", "content-length": "1000"})
+        await response.prepare(request)
+        await response.write(part)
+        assert request.transport is not None
+        request.transport.close()
+        return response
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -142,6 +159,10 @@ def test_a_llama_cpp_pool_is_asked_in_its_own_shapes(
     llama.garbled = True
     odd = post(gw.url, "/tokenize", {"model": EXT, "prompt": PROMPT})
     assert odd.status_code == 503 and "shape" in odd.json()["error"]["message"]
+    llama.garbled, llama.broken = False, True
+    cut = post(gw.url, "/tokenize", {"model": EXT, "prompt": PROMPT})
+    assert cut.status_code == 503 and "broke off" in cut.json()["error"]["message"], cut.text
+    assert count(gw.url, "baton_pool_requests_total", pool="llama", outcome="broken") == 1
 
 
 def test_a_pool_of_another_kind_is_asked_before_a_llama_cpp_one(
@@ -178,4 +199,10 @@ def test_grpc_tokenize_and_detokenize_ask_the_models_pool(
     assert llama.seen[0] == {"content": PROMPT, "add_special": False, "with_pieces": False}
     assert list(own.token_ids) == direct["tokens"] and own.max_model_len == gw.engine.max_model_len
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # an answer broken off part-way
+        with pytest.raises(grpc.RpcError) as cut:
+            pb_grpc.GenerationServiceStub(channel).Complete(
+                pb.CompleteRequest(model="small", text=PROMPT, sampling=pb.Sampling(max_tokens=2)), timeout=30)
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "broke off" in (cut.value.details() or "")
+    assert count(gw.url, "baton_pool_requests_total", pool="llama", outcome="broken") == 1
     assert back.text == small_back.text == PROMPT and llama.seen[-1] == {"tokens": direct["tokens"][1:]}
