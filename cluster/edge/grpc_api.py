@@ -34,14 +34,13 @@ GenerateRequest and one handler serves Generate and Complete alike.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 import math
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import replace
-from typing import Any, NoReturn, ParamSpec, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import grpc
 
@@ -78,7 +77,9 @@ from cluster.edge.grpc_output import (
     usage,
 )
 from cluster.edge.tenants import ApiKeys, Tenant
+from cluster.edge.tokenize_api import off_loop
 from cluster.errors import EdgeError, Kind, classify, invalid
+from cluster.gateway.endpoints import Pool
 from cluster.gateway.router import Route
 from cluster.gateway.tokenize_proxy import external_pool
 from cluster.ops.tracing import NO_SPAN, NO_TRACE, RequestTrace, Span
@@ -94,11 +95,8 @@ LEGACY_SERVICE_NAME = f"{pb.DESCRIPTOR.package}.Generation"  # deprecated: the m
 _ROLES = {pb.WORKER_ROLE_UNSPECIFIED: "", pb.WORKER_ROLE_PREFILL: "prefill", pb.WORKER_ROLE_DECODE: "decode"}
 _SLO_CLASSES = {pb.SLO_CLASS_UNSPECIFIED: SloClass.STANDARD, pb.SLO_CLASS_STANDARD: SloClass.STANDARD,
                 pb.SLO_CLASS_LATENCY: SloClass.LATENCY, pb.SLO_CLASS_BATCH: SloClass.BATCH}
-_BIG_TEXT_CHARS = 20_000  # tokenized off the event loop beyond this
 
 T = TypeVar("T")
-R = TypeVar("R")
-P = ParamSpec("P")
 
 # The edge's error kinds are named after gRPC's status codes.
 _CODES = {kind: grpc.StatusCode[kind.name] for kind in Kind}
@@ -270,11 +268,9 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         if len(request.text) > MAX_PROMPT_CHARS:
             raise invalid(f"text: at most {MAX_PROMPT_CHARS} characters", "text")
         special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        gateway = self.frontend.gateway
-        if gateway is not None and request.model not in self.frontend.model_names:  # an external pool's engine's
-            pool = external_pool(gateway.router, request.model[:MAX_MODEL_NAME_CHARS])
-            if pool is not None:
-                return await tokenize_at_pool(self.frontend, pool, request.model, request.text, special)
+        pool = self._tokenizing_pool(request.model)
+        if pool is not None:
+            return await tokenize_at_pool(self.frontend, pool, request.model, request.text, special)
         self._check_model(request.model)
         ids = await self._encode(request.text, special)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.frontend.max_model_len)
@@ -287,16 +283,14 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         ids = list(request.token_ids)
         if len(ids) > MAX_PROMPT_TOKENS:
             raise invalid(f"token_ids: at most {MAX_PROMPT_TOKENS} ids", "token_ids")
-        gateway = self.frontend.gateway
-        if gateway is not None and request.model not in self.frontend.model_names:  # an external pool's engine's
-            pool = external_pool(gateway.router, request.model[:MAX_MODEL_NAME_CHARS])
-            if pool is not None:
-                return await detokenize_at_pool(self.frontend, pool, request.model, ids)
+        pool = self._tokenizing_pool(request.model)
+        if pool is not None:
+            return await detokenize_at_pool(self.frontend, pool, request.model, ids)
         self._check_model(request.model)
         vocab = self.frontend.vocab_size
         if any(t >= vocab for t in ids):
             raise invalid(f"token_ids: ids must be below the vocabulary size ({vocab})", "token_ids")
-        text = await _maybe_in_thread(4 * len(ids), self.frontend.tokenizer.decode, ids, skip_special_tokens=False)
+        text = await off_loop(4 * len(ids), self.frontend.tokenizer.decode, ids, skip_special_tokens=False)
         return pb.DetokenizeResponse(text=text)
 
     # -- the shared path --------------------------------------------------------------------
@@ -407,6 +401,13 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             raise EdgeError(Kind.PERMISSION_DENIED, "a metrics key (role=metrics) only reads /metrics and /status")
         return tenant
 
+    def _tokenizing_pool(self, model: str) -> Pool | None:
+        """The external pool whose engine tokenizes for `model` (None: this gateway's own, or none)."""
+        gateway = self.frontend.gateway
+        if gateway is None or model in self.frontend.model_names:
+            return None
+        return external_pool(gateway.router, model[:MAX_MODEL_NAME_CHARS])
+
     def _check_model(self, model: str) -> None:
         if not model:
             raise invalid("model: required", "model")
@@ -435,7 +436,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             messages = template_messages(request)
             tools = [t.template_value() for t in spec.tools.tools] if spec.tools is not None else None
             render = functools.partial(tok.apply_chat_template, tools=tools)
-            text = await _maybe_in_thread(
+            text = await off_loop(
                 sum(len(m.content) for m in request.messages), render, messages, True
             )
             return await self._encode(text, False, tok)
@@ -444,7 +445,7 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
         return list(request.token_ids.ids)
 
     async def _encode(self, text: str, special: bool, tok: Tokenizer | None = None) -> list[int]:
-        return await _maybe_in_thread(len(text), (tok or self.frontend.tokenizer).encode, text, special)
+        return await off_loop(len(text), (tok or self.frontend.tokenizer).encode, text, special)
 
 
 def _stream(
@@ -453,15 +454,6 @@ def _stream(
     # Frontend.stream is an async generator function (annotated as an AsyncIterator): name the
     # type that has aclose(), which is what closes it at once on cancellation.
     return cast(AsyncGenerator[StepOutput, None], frontend.stream(req, ticket, "grpc", trace))
-
-
-async def _maybe_in_thread(
-    size: int, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs
-) -> R:
-    """Run fn inline when the input is small, on a thread when it would stall the loop."""
-    if size > _BIG_TEXT_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
 
 
 async def _guarded(context: grpc.aio.ServicerContext, work: Awaitable[T], trace: Span = NO_SPAN) -> T:

@@ -44,7 +44,7 @@ from cluster.edge.openai_output import output_spec, template_messages
 from cluster.edge.openai_render import ChoiceState, Renderer, error_body, sse
 from cluster.edge.openai_schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from cluster.edge.tenants import ApiKeys, Tenant
-from cluster.edge.tokenize_api import add_tokenize_routes
+from cluster.edge.tokenize_api import add_tokenize_routes, off_loop
 from cluster.errors import EdgeError, Kind, classify, invalid
 from cluster.gateway.http_routing import GatewayRouting
 from cluster.ops.tracing import NO_TRACE, RequestTrace, Tracing
@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT_HEADER = "x-request-timeout"
 _DONE = b"data: [DONE]\n\n"
-_BIG_PROMPT_CHARS = 20_000  # tokenized off the event loop beyond this
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's and vLLM's
 
 
@@ -411,9 +410,7 @@ async def _prompts(
 
 
 async def _encode(frontend: Frontend, text: str, special: bool) -> list[int]:
-    if len(text) > _BIG_PROMPT_CHARS:
-        return await asyncio.to_thread(frontend.tokenizer.encode, text, special)
-    return frontend.tokenizer.encode(text, special)
+    return await off_loop(len(text), frontend.tokenizer.encode, text, special)
 
 
 def _requests(

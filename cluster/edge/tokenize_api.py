@@ -52,7 +52,7 @@ def add_tokenize_routes(app: FastAPI, frontend: Frontend, cards: Callable[[], li
         if any(t >= vocab for t in body.tokens):
             raise invalid(f"tokens: token ids must be in [0, {vocab})", "tokens")
         # about 4 characters a token: a long list is decoded off the loop, as a long text is encoded
-        text = await _off_loop(4 * len(body.tokens), frontend.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        text = await off_loop(4 * len(body.tokens), frontend.tokenizer.decode, body.tokens, skip_special_tokens=False)
         return {"prompt": text}
 
     @app.get("/v1/models/{model:path}")  # a model name may hold "/" (org/name), as Hugging Face's do
@@ -68,12 +68,12 @@ async def tokenize_body(frontend: Frontend, body: TokenizeBody) -> list[int]:
     tok = frontend.tokenizer
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        return await _off_loop(len(body.prompt), tok.encode, body.prompt, special)
+        return await off_loop(len(body.prompt), tok.encode, body.prompt, special)
     tools = [t.template_value() for t in checked_tools(body.tools)] if body.tools else None
     render = functools.partial(tok.apply_chat_template, tools=tools) if tools else tok.apply_chat_template
     size = sum(len(m.text()) for m in body.messages or ())
-    text = await _off_loop(size, render, template_messages(body), body.add_generation_prompt)
-    return await _off_loop(len(text), tok.encode, text, bool(body.add_special_tokens))
+    text = await off_loop(size, render, template_messages(body), body.add_generation_prompt)
+    return await off_loop(len(text), tok.encode, text, bool(body.add_special_tokens))
 
 
 def _check_model(frontend: Frontend, model: str | None) -> None:
@@ -83,8 +83,9 @@ def _check_model(frontend: Frontend, model: str | None) -> None:
         raise EdgeError(Kind.NOT_FOUND, f"model {model!r} does not exist", "model")
 
 
-async def _off_loop(size: int, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-    """fn inline when the input is small, on a thread when it would stall the loop."""
+async def off_loop(size: int, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """fn inline when its input (`size` characters) is small, on a thread when it would stall the
+    loop; both edges tokenize and render through it."""
     if size > _BIG_TEXT_CHARS:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)

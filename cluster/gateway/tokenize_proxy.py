@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cluster.errors import EdgeError, Kind, invalid
@@ -32,13 +33,13 @@ LLAMA_CPP = "llama.cpp"
 MAX_ANSWER_BYTES = 64 << 20  # a tokenized 4M-character prompt, as JSON, with room
 
 
+@dataclass(frozen=True, slots=True)
 class Answer:
     """What goes back to the client: a status, a JSON body and the pool that answered."""
 
-    __slots__ = ("status", "body", "pool")
-
-    def __init__(self, status: int, body: bytes, pool: str) -> None:
-        self.status, self.body, self.pool = status, body, pool
+    status: int
+    body: bytes
+    pool: str
 
 
 def external_pool(router: Router, model: str) -> Pool | None:
