@@ -47,7 +47,7 @@ CSRC = Path(__file__).parent / "csrc"
 # one library: the kernels, engine.cpu_ops' and engine.linear's, and engine.cpu_decode's driver of them all
 SOURCES = (CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "linear.c", CSRC / "decode_step.c")
 HEADERS = (CSRC / "common.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-std=c11")  # fmt: skip
 SPLIT_PAGES = 32  # a part's pages at most: long contexts split so both cores work on one row
 MIN_SPLIT_PAGES = 4  # a part's pages at least where a step has fewer rows than threads (below)
@@ -70,7 +70,9 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(target: Path, defines: tuple[str, ...] = ()) -> None:
+def _build(target: Path, defines: tuple[str, ...] = (), march: str = "native") -> None:
+    """Compile the library into `target` for `march` (this CPU's ISA by default; the tests build
+    it for each x86-64 level too, csrc/linear.c's register tile being chosen by ISA)."""
     compiler = shutil.which(c_compiler()) or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH")
@@ -78,7 +80,8 @@ def _build(target: Path, defines: tuple[str, ...] = ()) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, *defines, f"-I{CSRC}", *map(str, SOURCES), "-o", str(partial), "-lm"],
+        subprocess.run([compiler, f"-march={march}", *FLAGS, *defines, f"-I{CSRC}", *map(str, SOURCES), "-o",
+                        str(partial), "-lm"],
                        check=True, capture_output=True, text=True, timeout=120)  # fmt: skip
         os.replace(partial, target)
     except subprocess.CalledProcessError as exc:
@@ -111,7 +114,7 @@ def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
     defines = KV_DEFINES.get(kv_dtype)
     if defines is None:
         return None
-    flags = " ".join((*FLAGS, *defines))
+    flags = " ".join(("-march=native", *FLAGS, *defines))
     text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(text + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"paged_attention-{platform.machine()}-{key}.so"
@@ -123,6 +126,11 @@ def _load_locked(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
         logger.warning("CPU kernels (%s KV) unavailable (%s): decode attention uses the torch path, "
                        "projections oneDNN's linear or F.linear", kv_dtype, exc)  # fmt: skip
         return None
+    return bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give the library's entry points their C signatures (ctypes checks the calls by them)."""
     fn = lib.baton_paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_float]

@@ -20,13 +20,33 @@
  * contraction off: 1.3x slower at prefill sizes); MKL's and oneDNN's kernels fuse them too */
 #pragma GCC optimize("fp-contract=fast")
 
-#define PANEL 64           /* output columns a panel holds: 4 AVX-512 / 8 AVX2 vectors of accumulators */
-#define MR 4               /* rows a pass over a panel serves: 16 AVX-512 accumulators */
+#define PANEL 64           /* output columns a panel holds (engine/linear.py's PANEL: the weight layout) */
 #define ROW_BLOCK 64       /* rows a task takes: its panel stays in L2 across them */
 #define PARALLEL_MIN 65536 /* multiply-adds below which a call runs on the calling thread */
 
-typedef float vec __attribute__((vector_size(64)));  /* 16 floats: one AVX-512 register, two AVX2 ones */
-#define VECS (PANEL / 16)
+/* The register tile, by ISA: a pass over a panel serves MR rows and SUB of its columns, with
+ * MR x SUB / VW accumulators, SUB / VW weight vectors and one broadcast in registers.
+ *   AVX-512 (32 registers of 16 floats): the whole panel for 4 rows, 16 + 4 + 1 registers
+ *   AVX2 (16 registers of 8): 16 columns for 6 rows, 12 + 2 + 1 registers, four passes over the
+ *     panel (the weight is still read once: each pass takes one cache line of a row's four)
+ *   SSE, NEON (16 or 32 registers of 4): 8 columns for 6 rows, eight passes
+ * A wider tile than the ISA's does not build where KEEP pins its vectors to one register each,
+ * and spills where it does not (AVX-512's tile on AVX2: 4x slower at 16 rows than this one). */
+#if defined(__AVX512F__)
+#define VW 16 /* floats in one vector register */
+#define SUB 64
+#define MR 4
+#elif defined(__AVX__)
+#define VW 8
+#define SUB 16
+#define MR 6
+#else
+#define VW 4
+#define SUB 8
+#define MR 6
+#endif
+#define VECS (SUB / VW)
+typedef float vec __attribute__((vector_size(VW * 4)));
 /* a weight vector stays in its register for all the rows (left alone, GCC loads it again from
  * memory for each row: 4x the loads, 1.6x slower at prefill sizes) */
 #if defined(__x86_64__)
@@ -41,33 +61,36 @@ static inline vec load(const float *p) {
     return v;
 }
 
-/* out rows [0, mr) of a full panel from x rows [0, mr): mr is a constant where this is inlined,
- * so the MR x VECS accumulators stay in registers and each weight vector is loaded once for
- * all rows (written with vectors: the compiler's own choice of loop order was 1.3x slower) */
+/* out rows [0, mr) of a full panel from x rows [0, mr), SUB columns a pass: mr is a constant
+ * where this is inlined, so the MR x VECS accumulators stay in registers and each weight vector
+ * is loaded once for all rows (written with vectors: the compiler's own choice of loop order was
+ * 1.3x slower) */
 static inline __attribute__((always_inline)) void panel_rows(const float *restrict x, int64_t x_stride, int mr,
                                                              int64_t K, const float *restrict w,
                                                              const float *restrict bias, float *restrict out,
                                                              int64_t out_stride) {
-    vec acc[MR][VECS];
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < VECS; v++) acc[m][v] = (vec){0};
-    for (int64_t k = 0; k < K; k++) {
-        vec wk[VECS];
-        for (int v = 0; v < VECS; v++) {
-            wk[v] = load(w + k * PANEL + v * 16);
-            KEEP(wk[v]);
+    for (int s = 0; s < PANEL; s += SUB) {
+        vec acc[MR][VECS];
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < VECS; v++) acc[m][v] = (vec){0};
+        for (int64_t k = 0; k < K; k++) {
+            vec wk[VECS];
+            for (int v = 0; v < VECS; v++) {
+                wk[v] = load(w + k * PANEL + s + v * VW);
+                KEEP(wk[v]);
+            }
+            for (int m = 0; m < mr; m++) {
+                const vec xv = (vec){0} + x[m * x_stride + k];
+                for (int v = 0; v < VECS; v++) acc[m][v] += xv * wk[v];
+            }
         }
-        for (int m = 0; m < mr; m++) {
-            const vec xv = (vec){0} + x[m * x_stride + k];
-            for (int v = 0; v < VECS; v++) acc[m][v] += xv * wk[v];
-        }
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < VECS; v++) {
+                vec r = acc[m][v];
+                if (bias != NULL) r += load(bias + s + v * VW);
+                memcpy(out + m * out_stride + s + v * VW, &r, sizeof r);
+            }
     }
-    for (int m = 0; m < mr; m++)
-        for (int v = 0; v < VECS; v++) {
-            vec r = acc[m][v];
-            if (bias != NULL) r += load(bias + v * 16);
-            memcpy(out + m * out_stride + v * 16, &r, sizeof r);
-        }
 }
 
 /* the same for N's last panel, narrower than PANEL: width columns, scalar */
@@ -88,11 +111,20 @@ static void rows_of_panel(const float *restrict x, int64_t x_stride, int64_t row
         const int mr = rows - m0 < MR ? (int)(rows - m0) : MR;
         const float *restrict xm = x + m0 * x_stride;
         float *restrict om = out + m0 * out_stride;
-        if (width < PANEL) narrow_rows(xm, x_stride, mr, K, w, width, bias, om, out_stride);
-        else if (mr == MR) panel_rows(xm, x_stride, MR, K, w, bias, om, out_stride);
-        else if (mr == 1) panel_rows(xm, x_stride, 1, K, w, bias, om, out_stride);
-        else if (mr == 2) panel_rows(xm, x_stride, 2, K, w, bias, om, out_stride);
-        else panel_rows(xm, x_stride, 3, K, w, bias, om, out_stride);
+        if (width < PANEL) {
+            narrow_rows(xm, x_stride, mr, K, w, width, bias, om, out_stride);
+            continue;
+        }
+        switch (mr) { /* a constant each: see panel_rows */
+        case 1: panel_rows(xm, x_stride, 1, K, w, bias, om, out_stride); break;
+        case 2: panel_rows(xm, x_stride, 2, K, w, bias, om, out_stride); break;
+        case 3: panel_rows(xm, x_stride, 3, K, w, bias, om, out_stride); break;
+#if MR > 4
+        case 4: panel_rows(xm, x_stride, 4, K, w, bias, om, out_stride); break;
+        case 5: panel_rows(xm, x_stride, 5, K, w, bias, om, out_stride); break;
+#endif
+        default: panel_rows(xm, x_stride, MR, K, w, bias, om, out_stride); /* mr == MR */
+        }
     }
 }
 

@@ -19,11 +19,11 @@ def test_cpu_float32_takes_the_panel_kernel() -> None:
     assert linear.select_linear(CPU, torch.float32) is linear.panel_linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 63, 64, 65, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 63, 64, 65, 130])
 @pytest.mark.parametrize("out_features", [64, 200, 1024])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_panel_kernel_matches_f_linear(rows: int, out_features: int, with_bias: bool) -> None:
-    """Every row count the kernel splits differently (1-3 rows alone, blocks of 4, of 64, a
+    """Every row count the kernel splits differently (1-5 rows alone, tiles of 4 or 6, of 64, a
     remainder), full panels and a narrow last one (200 = 3 x 64 + 8), bias or none."""
     gen = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, 96, generator=gen) * 0.05
