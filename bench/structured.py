@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.engine import Engine
     from engine.engine_config import EngineConfig
-    from engine.structured import StructuredConfig
+    from engine.structured_config import StructuredConfig
 
     cfg = EngineConfig(model=args.model, max_num_seqs=max(64, args.concurrency), num_threads=args.threads)
     engine = Engine(replace(cfg, structured=StructuredConfig(overlap=True)))

@@ -35,7 +35,6 @@ from cluster.edge.frontend import Frontend
 from cluster.edge.http_api import HttpConfig, create_app
 from cluster.edge.tenants import ApiKeys
 from cluster.fleet.cpu import available_cores, core_for, pin_thread
-from cluster.fleet.pd import PDFront
 from cluster.gateway.config import MODEL_NAME, GatewaySpec
 from cluster.gateway.router_front import RouterFront
 from cluster.gateway.service import Gateway
@@ -44,17 +43,18 @@ from cluster.ops.tracing import TracingConfig, configure
 from cluster.placement.pair_health import PairCollector
 from engine.allocator import tune_allocator
 from engine.async_engine import AsyncEngine
-from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.env import api_keys_file
 from engine.errors import ConfigError
 from engine.omp import release_thread_pool
 from kvcache.tiers import TierConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine side is imported where it is built: a router imports no torch
     from cluster.fleet.front import RayFront
+    from cluster.fleet.pd import PDFront
     from cluster.ops.planner import PlannerConfig
     from cluster.ops.planner_loop import Scaler
+    from engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +212,8 @@ class DrainingServer(uvicorn.Server):
 def _build_engine(cfg: EngineConfig) -> Engine:
     """An engine built on a worker thread, which then lets its OpenMP workers go: the step
     thread's pool must be the only one for its workers to spin (engine.omp)."""
+    from engine.engine import Engine
+
     engine = Engine(cfg)
     release_thread_pool()
     return engine
@@ -228,6 +230,8 @@ async def _start_in_process(cfg: ServerConfig, engine: Engine | None) -> tuple[E
         # prefix cache); the Ray deployment puts each role in its own actor instead.
         prefill = await asyncio.to_thread(_build_engine, replace(cfg.engine, tiers=TierConfig()))
         prefill.shared_prefixes = engine.shared_prefixes
+        from cluster.fleet.pd import PDFront
+
         front = PDFront(AsyncEngine(prefill), decode, cfg.local_prefill_tokens)
     return engine, front
 
@@ -236,6 +240,8 @@ async def _pin_step_threads(front: AsyncEngine | PDFront | RayFront) -> None:
     """--pin-cores in one process: each engine's step thread (the one thread that runs torch,
     on one torch thread) on its own core, prefill first; the edge (HTTP, gRPC, detokenizing)
     runs anywhere. Ray actors pin themselves (cluster.fleet.launch)."""
+    from cluster.fleet.pd import PDFront
+
     if isinstance(front, PDFront):
         steppers = [front.prefill, front.decode]
     elif isinstance(front, AsyncEngine):

@@ -21,14 +21,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
-from engine.engine import Engine
 from engine.errors import RequestError, SlowReaderError
 from engine.job import Job
 from engine.omp import release_thread_pool
 from engine.outputs import StepOutput, StepStats
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # an edge without an engine (a router) imports this module, never torch
+    from engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 

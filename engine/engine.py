@@ -27,11 +27,11 @@ from engine.faults import FaultPoints
 from engine.job import Job
 from engine.loader import checkpoint_fingerprint, load_state_dict
 from engine.model import CausalLM, fused_ops_for
-from engine.outputs import ExportedKV, StepOutput, StepStats
+from engine.outputs import ExportedKV, StepOutput, StepStats, TokenLogprobs
 from engine.pins import PIN_REQUEST_PREFIX, Pin, Pins, PinView
 from engine.request import NOT_CACHED, CachedTokens, FinishReason, Request, RequestStatus
 from engine.runner import PENDING, ForwardResult, InFlight, ModelRunner, RunResult
-from engine.sampler import Sampler, SamplerOutput, TokenLogprobs, deferrable
+from engine.sampler import Sampler, SamplerOutput, deferrable
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.step_cost import key_weight

@@ -1,21 +1,46 @@
-"""Configuration of one engine (one model on one device)."""
+"""Configuration of one engine (one model on one device).
+
+Read without torch: a gateway builds one from cluster.yaml even where it runs no engine (a
+router, cluster.gateway.router_front), so torch is imported only by the methods that resolve a
+config against a model.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
-from engine.loader import parse_dtype
 from engine.scheduler import POLICIES
-from engine.structured import StructuredConfig
+from engine.structured_config import StructuredConfig
 from kvcache.tiers import TierConfig
+
+if TYPE_CHECKING:
+    import torch
 
 GiB = 1 << 30
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # kv_cache_dtype
+DTYPE_NAMES = {  # what `dtype` accepts -> torch's name of that dtype
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+
+def dtype_name(name: str) -> str:
+    """ "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" (a "torch." prefix allowed)
+    -> torch's name of the dtype; ConfigError("dtype") naming the choices otherwise. "auto" is
+    not a dtype: the caller resolves it (e.g. from the checkpoint's torch_dtype)."""
+    key = name.strip().lower().removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        raise ConfigError("dtype", f"unknown dtype {name!r}; use one of {', '.join(sorted(DTYPE_NAMES))}")
+    return DTYPE_NAMES[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +89,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
-            parse_dtype(self.dtype)  # raises ConfigError("dtype", ...) naming the choices
+            dtype_name(self.dtype)  # raises ConfigError("dtype", ...) naming the choices
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -92,8 +117,10 @@ class EngineConfig:
 
     def resolve_dtype(self, checkpoint_dtype: str) -> torch.dtype:
         """The compute dtype: explicit, or float32 on CPU and the checkpoint's half type on CUDA."""
+        import torch
+
         if self.dtype != "auto":
-            dtype = parse_dtype(self.dtype)
+            dtype: torch.dtype = getattr(torch, dtype_name(self.dtype))
         elif self.device.startswith("cuda"):
             dtype = torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
         else:
@@ -104,12 +131,17 @@ class EngineConfig:
 
     def resolve_kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The KV pool's dtype for a model computing in `dtype`."""
+        import torch
+
         return dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
-    def resolve_attention_backend(self, dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None) -> str:
-        """The decode attention backend for a model computing in `dtype` over KV in `kv_dtype`
-        (default: the same). The cpu kernel reads float32 KV, or bfloat16/float16 KV for a
-        float32 model (kv_cache_dtype); triton reads KV in the model's dtype."""
+    def resolve_attention_backend(self, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> str:
+        """The decode attention backend for a model computing in `dtype` (default float32) over KV
+        in `kv_dtype` (default: the same). The cpu kernel reads float32 KV, or bfloat16/float16 KV
+        for a float32 model (kv_cache_dtype); triton reads KV in the model's dtype."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         cpu_reads = dtype == torch.float32 and kv_dtype in (torch.float32, torch.bfloat16, torch.float16)
         if self.attention_backend == "cpu":

@@ -19,7 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ModelConfig
-from engine.errors import CheckpointError, ConfigError
+from engine.engine_config import dtype_name
+from engine.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +29,6 @@ INDEX_FILE = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # stored dtypes we convert from; anything else (int8, fp8, ...) is a quantized checkpoint
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 _CONVERT_HINT = (
     'convert it once, in an environment you trust, with `python -c "from transformers import '
     "AutoModelForCausalLM as M; M.from_pretrained('{src}').save_pretrained('{src}-safetensors')\"` "
@@ -45,16 +37,13 @@ _CONVERT_HINT = (
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """ "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" -> torch dtype.
+    """ "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" -> torch dtype
+    (engine_config.dtype_name: ConfigError("dtype") for any other name).
 
     "auto" is not a dtype: the caller resolves it (e.g. from the checkpoint's torch_dtype).
     """
-    key = name.strip().lower().removeprefix("torch.")
-    if key not in _DTYPE_NAMES:
-        raise ConfigError(
-            "dtype", f"unknown dtype {name!r}; use one of {', '.join(sorted(_DTYPE_NAMES))}"
-        )
-    return _DTYPE_NAMES[key]
+    dtype: torch.dtype = getattr(torch, dtype_name(name))
+    return dtype
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

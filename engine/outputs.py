@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.request import CachedTokens, FinishReason
-from engine.sampler import TokenLogprobs
+
+if TYPE_CHECKING:  # the edges read outputs without torch (a router imports none: cluster.gateway.router_front)
+    import torch
+
+
+class TokenLogprobs(NamedTuple):
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
 
 
 @dataclass(frozen=True, slots=True)

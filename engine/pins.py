@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 from engine.errors import RequestError
 from kvcache.hashing import tenant_of
-from kvcache.pool import PagePool
-from kvcache.radix import PrefixCache
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the edges use pins without torch (a router imports none)
     from engine.async_engine import AsyncEngine
     from engine.engine import Engine
+    from kvcache.pool import PagePool
+    from kvcache.radix import PrefixCache
 
 PIN_REQUEST_PREFIX = "pin/"  # internal requests' ids: no edge mints one (theirs are hex)
 

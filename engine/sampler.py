@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from engine.outputs import TokenLogprobs
 from engine.sampling import SamplingParams
 from kvcache.upload import upload
 
@@ -66,12 +67,6 @@ class SamplingRow:
     output_ids: Sequence[int]  # tokens generated so far (penalties)
     prompt_ids: Sequence[int]  # for repetition_penalty
     blocked_ids: tuple[int, ...]  # ids that must not be sampled now (min_tokens unmet)
-
-
-class TokenLogprobs(NamedTuple):
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token_id, logprob), most likely first
 
 
 class TokenMask(NamedTuple):

@@ -65,13 +65,15 @@ import heapq
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.request import NOT_CACHED, CachedTokens, Request, RequestStatus, SloClass
 from engine.step_cost import StepCostModel, StepShape, StepWorth
 from kvcache.hashing import ROOT_HASH, page_hashes
-from kvcache.pool import PagePool
-from kvcache.radix import PrefixCache
+
+if TYPE_CHECKING:  # annotations: reading POLICIES (engine.engine_config) imports no torch
+    from kvcache.pool import PagePool
+    from kvcache.radix import PrefixCache
 
 logger = logging.getLogger(__name__)
 

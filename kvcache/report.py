@@ -11,10 +11,13 @@ reused pages x page_size; `hit_tokens` (all tiers) is the exact count the schedu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcache.events import Tier
-from kvcache.pool import PagePool
-from kvcache.radix import PrefixCache
+
+if TYPE_CHECKING:  # the gateway reports nodes without torch
+    from kvcache.pool import PagePool
+    from kvcache.radix import PrefixCache
 
 
 @dataclass(frozen=True, slots=True)

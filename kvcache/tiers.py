@@ -1,15 +1,18 @@
-"""Configuration of the cache tiers below the device pool, and their construction."""
+"""Configuration of the cache tiers below the device pool, and their construction (which alone
+imports torch: a config is read where no engine runs, engine.engine_config)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kvcache.disk import DiskTier
-from kvcache.host import HostTier
-from kvcache.pool import KVLayout
+    from kvcache.disk import DiskTier
+    from kvcache.host import HostTier
+    from kvcache.pool import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,9 @@ class TierConfig:
 def build_tiers(
     cfg: TierConfig, layout: KVLayout, dtype: torch.dtype, fingerprint: bytes, pin: bool
 ) -> tuple[HostTier | None, DiskTier | None]:
+    from kvcache.disk import DiskTier
+    from kvcache.host import HostTier
+
     host = HostTier(layout, cfg.host_pages, dtype, pin) if cfg.host_pages else None
     disk = None
     if cfg.disk_pages and cfg.disk_dir:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from cluster.edge.admission import Admission, AdmissionConfig, Ticket
 from cluster.edge.pins import (
@@ -43,15 +44,17 @@ from cluster.ops.tracing import NO_TRACE, OFF, RequestTrace, Tracing, first_toke
 from cluster.placement.pair_health import ReportsPairs
 from engine.async_engine import AsyncEngine
 from engine.constraint import ConstraintError
-from engine.engine import Engine
 from engine.job import Job
 from engine.outputs import StepOutput, StepStats
 from engine.pins import pin_on, unpin_on
 from engine.request import SloClass
 from engine.sampling import SamplingParams
-from engine.structured import GrammarCompiler, StructuredConfig
 from engine.tokenizer import Tokenizer
 from kvcache.hashing import cache_salt
+
+if TYPE_CHECKING:  # a router (no engine of its own) runs this edge without torch: see _engine_in_process
+    from engine.engine import Engine
+    from engine.structured import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +210,7 @@ class Frontend:
         self.admission = Admission(admission or AdmissionConfig())
         self.limits = TenantLimits()
         self.metrics = EdgeMetrics()
-        self._local = model if isinstance(model, Engine) else None  # its pools are read directly
+        self._local = _engine_in_process(model)  # its pools are read directly
         self.node_metrics = NodeCollector()  # baton_node_*, refreshed by nodes()
         self.metrics.registry.register(self.node_metrics)
         self.request_timeout_s = request_timeout_s
@@ -326,6 +329,9 @@ class Frontend:
 
     def _gateway_compiler(self) -> GrammarCompiler:
         if self._compiler is None:
+            from engine.structured import GrammarCompiler  # torch: only where a constraint comes
+            from engine.structured_config import StructuredConfig
+
             model = self.engine.engine
             eos = tuple(dict.fromkeys(self.tokenizer.eos_token_ids + model.model_config.eos_token_ids))
             self._compiler = GrammarCompiler(self.tokenizer.to_json, self.vocab_size, eos, StructuredConfig())
@@ -494,6 +500,14 @@ class Frontend:
         cached = cache.num_cached_pages if cache else 0
         running = stats.num_running if stats is not None else -1
         return PoolUsage(pages.num_used - cached, cached, pages.num_pages, running)
+
+
+def _engine_in_process(model: ModelView) -> Engine | None:
+    """The model view where it is an Engine of this process (colocated, or in-process PD's decode
+    side). Only a process that built an engine has imported engine.engine, and torch with it: a
+    router has not, and its model view is none (cluster.gateway.router_front)."""
+    module = sys.modules.get("engine.engine")
+    return cast("Engine", model) if module is not None and isinstance(model, module.Engine) else None
 
 
 class _Deadline:

@@ -25,9 +25,8 @@ from cluster.edge.openai_schema import (
 from cluster.edge.tool_calls import ToolCallParser, ToolChoice, ToolUse, finish_reason
 from cluster.errors import invalid
 from engine.constraint import Constraint
-from engine.outputs import StepOutput
+from engine.outputs import StepOutput, TokenLogprobs
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
 
 MAX_ID_CHARS = 256
 _NAME = re.compile(NAME_PATTERN)

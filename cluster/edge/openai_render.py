@@ -15,9 +15,8 @@ from typing import Any
 
 from cluster.edge.tool_calls import Parsed, ToolCallParser, ToolUse, finish_reason
 from cluster.errors import EdgeError
-from engine.outputs import StepOutput
+from engine.outputs import StepOutput, TokenLogprobs
 from engine.request import NOT_CACHED, CachedTokens
-from engine.sampler import TokenLogprobs
 
 TokenText = Callable[[int], str]
 

@@ -18,14 +18,16 @@ import asyncio
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
-from engine.engine import Engine
 from kvcache.report import CacheReport, cache_report
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 TIERS = ("device", "host", "disk")
 READ_TIMEOUT_S = 2.0

@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.edge.openai_render import Renderer, sse
-from engine.outputs import StepOutput
+from engine.outputs import StepOutput, TokenLogprobs
 from engine.request import NOT_CACHED, FinishReason
-from engine.sampler import TokenLogprobs
 
 
 def _renderer(chat: bool, want_token_ids: bool, call_id: str = "cmpl-1", model: str = "baton-tiny",

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.edge.tool_calls import OPEN, Tool, ToolCallParser, ToolChoice, ToolUse, finish_reason
-from engine.structured import GrammarCompiler, StructuredConfig
+from engine.structured import GrammarCompiler
+from engine.structured_config import StructuredConfig
 from engine.tokenizer import Tokenizer
 
 WEATHER = json.dumps({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},

@@ -29,7 +29,7 @@ import torch
 from engine.builtin import RandomModelSpec, create_model
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenLogprobs
 from engine.sampling import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -32,7 +32,8 @@ from engine.job import Job
 from engine.request import FinishReason
 from engine.sampler import TokenMask, _apply_mask
 from engine.sampling import SamplingParams
-from engine.structured import GrammarCompiler, StructuredConfig
+from engine.structured import GrammarCompiler
+from engine.structured_config import StructuredConfig
 from tests.json_prefix import close_json
 
 pytestmark = pytest.mark.timeout(120)
