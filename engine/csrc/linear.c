@@ -31,7 +31,8 @@
  *     panel (the weight is still read once: each pass takes one cache line of a row's four)
  *   SSE, NEON (16 or 32 registers of 4): 8 columns for 6 rows, eight passes
  * A wider tile than the ISA's does not build where KEEP pins its vectors to one register each,
- * and spills where it does not (AVX-512's tile on AVX2: 4x slower at 16 rows than this one). */
+ * and spills where it does not (AVX-512's tile on AVX2 made baton-tiny's 16-row decode step 4x as
+ * slow as this one). */
 #if defined(__AVX512F__)
 #define VW 16 /* floats in one vector register */
 #define SUB 64
