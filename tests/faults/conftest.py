@@ -153,10 +153,12 @@ def proc_state(pid: int) -> str:
 
 
 def alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie has)."""
+    """The process exists and has not exited (a zombie has). A process reaped between the open
+    of /proc/<pid>/stat and its read makes the read fail with ESRCH (ProcessLookupError), not
+    ENOENT: seen once in a clean-clone run, where it failed a kill test and the next one."""
     try:
         return proc_state(pid) != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
