@@ -8,6 +8,9 @@ ready, stop it by its PID.
                                                   # and /dev/shm regions are released), then
                                                   # SIGKILL to its own process group if it hangs
 
+`BatonProcess.from_config(path, log_path, port)` runs `baton up --config path` instead: the file
+says everything (its `api.port` must be `port`), since `--config` takes no other flag.
+
 The child runs in its own session, so its process group id is its PID: the last resort kills
 that group (the child and the local Ray it started), nothing else.
 """
@@ -78,6 +81,13 @@ class BatonProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Path, log_path: Path, port: int) -> BatonProcess:
+        """`baton up --config config`; the file's `api.port` is `port` (on 127.0.0.1)."""
+        server = cls([], log_path, port=port)
+        server.argv = [*baton_command(), "up", "--config", str(config)]
+        return server
 
     def __enter__(self) -> BatonProcess:
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")

@@ -5,36 +5,19 @@ pool's endpoints); the child's own memory map says what it loaded."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from bench.server_proc import baton_command, free_port
+from bench.server_proc import BatonProcess, free_port
 from tests.cluster.conftest import ServerHandle
 from tests.gateway.conftest import EXT
 
 pytestmark = pytest.mark.timeout(120)
 
 READY_WITHIN_S = 60.0  # a bound on the wait, not a figure: the child imports no torch
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    end = time.monotonic() + READY_WITHIN_S
-    while time.monotonic() < end:
-        assert proc.poll() is None, f"the router exited with {proc.returncode}:\n{log.read_text()}"
-        try:
-            if httpx.get(url + "/ready", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"the router was not ready within {READY_WITHIN_S} s:\n{log.read_text()}")
 
 
 def test_a_router_process_serves_its_pools_without_loading_torch(upstreams: list[ServerHandle], tmp_path: Path) -> None:
@@ -48,14 +31,9 @@ def test_a_router_process_serves_its_pools_without_loading_torch(upstreams: list
         },
         "routing": {"route_key": "user"},
     }))  # fmt: skip
-    log = tmp_path / "router.log"
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*baton_command(), "up", "--config", str(config)], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
-    try:
-        _wait_ready(proc, url, log)
+    with BatonProcess.from_config(config, tmp_path / "router.log", port) as router:
+        router.wait_ready(READY_WITHIN_S)
+        url = router.url
         body = {"model": EXT, "prompt": "one two three", "max_tokens": 4, "user": "u1"}
         answer = httpx.post(url + "/v1/completions", json=body, timeout=60, trust_env=False)
         assert answer.status_code == 200 and answer.headers["x-baton-pool"] == "ext", answer.text
@@ -67,13 +45,6 @@ def test_a_router_process_serves_its_pools_without_loading_torch(upstreams: list
         assert "baton_pool_requests_total" in httpx.get(url + "/metrics", trust_env=False).text
         # after start-up, routing, both answers' paths, a pool's tokenizer and a scrape: the
         # process mapped no torch library (nothing imported it; an import maps libtorch_cpu)
-        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        maps = Path(f"/proc/{router.pid}/maps").read_text()
         assert "libtorch" not in maps and "libc10" not in maps
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group this child leads, by its id
-            proc.wait(30)
-    assert proc.returncode == 0, log.read_text()
+    assert router.returncode == 0, router.log_tail(50)
