@@ -24,32 +24,39 @@
 #define ROW_BLOCK 64       /* rows a task takes: its panel stays in L2 across them */
 #define PARALLEL_MIN 65536 /* multiply-adds below which a call runs on the calling thread */
 
-/* The register tile, by ISA: a pass over a panel serves MR rows and SUB of its columns, with
- * MR x SUB / VW accumulators, SUB / VW weight vectors and one broadcast in registers.
- *   AVX-512 (32 registers of 16 floats): the whole panel for 4 rows, 16 + 4 + 1 registers
- *   AVX2 (16 registers of 8): 16 columns for 6 rows, 12 + 2 + 1 registers, four passes over the
- *     panel (the weight is still read once: each pass takes one cache line of a row's four)
- *   SSE, NEON (16 or 32 registers of 4): 8 columns for 6 rows, eight passes
+/* The register tile, by ISA: a pass over a panel serves mr rows and SUB(mr) of its columns, with
+ * mr x SUB / VW accumulators, SUB / VW weight vectors and one broadcast in registers. A
+ * multiply-add's result is ready ~4 cycles after it issues and a core issues two a cycle, so a
+ * pass needs ~8 independent sums in flight: with fewer rows the tile widens to keep them (at one
+ * row, AVX2's 16-column tile had 2 and read the weights at half the memory's speed: 14.7 against
+ * 28.2 GB/s at baton-tiny's LM head, 2 cores). Each output's sum runs in k order all the same.
+ *   AVX-512 (32 registers of 16 floats): the whole panel for up to 4 rows, 16 + 4 + 1 registers
+ *   AVX2 (16 registers of 8): 16 columns for 3-6 rows (12 + 2 + 1 registers, four passes over
+ *     the panel: the weight is still read once, each pass takes one cache line of a row's four),
+ *     32 for 2 rows (8 + 4 + 1), the whole panel for one (8 + 1: its weights are read from memory
+ *     by the multiply-adds themselves, as 8 more would not fit)
+ *   SSE, NEON (16 or 32 registers of 4): 8 columns for 3-6 rows, 16 for 2, 32 for one
  * A wider tile than the ISA's does not build where KEEP pins its vectors to one register each,
  * and spills where it does not (AVX-512's tile on AVX2 made baton-tiny's 16-row decode step 4x as
  * slow as this one). */
 #if defined(__AVX512F__)
 #define VW 16 /* floats in one vector register */
-#define SUB 64
 #define MR 4
+#define SUB(mr) 64
 #elif defined(__AVX__)
 #define VW 8
-#define SUB 16
 #define MR 6
+#define SUB(mr) ((mr) == 1 ? 64 : (mr) == 2 ? 32 : 16)
 #else
 #define VW 4
-#define SUB 8
 #define MR 6
+#define SUB(mr) ((mr) == 1 ? 32 : (mr) == 2 ? 16 : 8)
 #endif
-#define VECS (SUB / VW)
+#define MAX_VECS (PANEL / VW)
 typedef float vec __attribute__((vector_size(VW * 4)));
 /* a weight vector stays in its register for all the rows (left alone, GCC loads it again from
- * memory for each row: 4x the loads, 1.6x slower at prefill sizes) */
+ * memory for each row: 4x the loads, 1.6x slower at prefill sizes); at one row there is nothing to
+ * keep it for */
 #if defined(__x86_64__)
 #define KEEP(v) __asm__("" : "+v"(v))
 #else
@@ -62,31 +69,32 @@ static inline vec load(const float *p) {
     return v;
 }
 
-/* out rows [0, mr) of a full panel from x rows [0, mr), SUB columns a pass: mr is a constant
- * where this is inlined, so the MR x VECS accumulators stay in registers and each weight vector
- * is loaded once for all rows (written with vectors: the compiler's own choice of loop order was
+/* out rows [0, mr) of a full panel from x rows [0, mr), SUB(mr) columns a pass: mr is a constant
+ * where this is inlined, so the mr x SUB(mr) / VW accumulators stay in registers and each weight
+ * vector is loaded once for all rows (written with vectors: the compiler's own choice of loop order was
  * 1.3x slower) */
 static inline __attribute__((always_inline)) void panel_rows(const float *restrict x, int64_t x_stride, int mr,
                                                              int64_t K, const float *restrict w,
                                                              const float *restrict bias, float *restrict out,
                                                              int64_t out_stride) {
-    for (int s = 0; s < PANEL; s += SUB) {
-        vec acc[MR][VECS];
-        for (int m = 0; m < MR; m++)
-            for (int v = 0; v < VECS; v++) acc[m][v] = (vec){0};
+    const int sub = SUB(mr), vecs = SUB(mr) / VW;
+    for (int s = 0; s < PANEL; s += sub) {
+        vec acc[MR][MAX_VECS];
+        for (int m = 0; m < mr; m++)
+            for (int v = 0; v < vecs; v++) acc[m][v] = (vec){0};
         for (int64_t k = 0; k < K; k++) {
-            vec wk[VECS];
-            for (int v = 0; v < VECS; v++) {
+            vec wk[MAX_VECS];
+            for (int v = 0; v < vecs; v++) {
                 wk[v] = load(w + k * PANEL + s + v * VW);
-                KEEP(wk[v]);
+                if (mr > 1) KEEP(wk[v]);
             }
             for (int m = 0; m < mr; m++) {
                 const vec xv = (vec){0} + x[m * x_stride + k];
-                for (int v = 0; v < VECS; v++) acc[m][v] += xv * wk[v];
+                for (int v = 0; v < vecs; v++) acc[m][v] += xv * wk[v];
             }
         }
         for (int m = 0; m < mr; m++)
-            for (int v = 0; v < VECS; v++) {
+            for (int v = 0; v < vecs; v++) {
                 vec r = acc[m][v];
                 if (bias != NULL) r += load(bias + s + v * VW);
                 memcpy(out + m * out_stride + s + v * VW, &r, sizeof r);

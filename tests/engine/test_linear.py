@@ -35,6 +35,19 @@ def test_the_panel_kernel_matches_f_linear(rows: int, out_features: int, with_bi
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_a_rows_answer_does_not_depend_on_the_rows_beside_it() -> None:
+    """The tile widens at one or two rows (more sums in flight), but each output is still its
+    products added in k order: a row alone, in a pair, in a tile of 6 or a block of 64 gives the
+    same bits, so a request's greedy tokens do not change with the batch it decodes in."""
+    gen = torch.Generator().manual_seed(3)
+    w = linear.to_panels(torch.randn(200, 256, generator=gen) * 0.05)
+    x = torch.randn(70, 256, generator=gen)
+    alone = torch.cat([linear.panel_linear(x[i : i + 1], w) for i in range(len(x))])
+    for rows in (2, 3, 6, 7, 64, 70):
+        got = torch.cat([linear.panel_linear(x[i : i + rows], w) for i in range(0, len(x), rows)])
+        assert torch.equal(got, alone), rows
+
+
 def test_the_panel_kernel_reads_strided_rows() -> None:
     """A row view with its own stride (a split of a wider tensor) and a column view (made
     contiguous first) give F.linear's answer."""
