@@ -143,6 +143,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.baton_rope_and_cache.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
     lib.baton_linear.restype = ctypes.c_int
     lib.baton_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
+    lib.baton_linear_subpanel.restype = ctypes.c_int
+    lib.baton_linear_subpanel.argtypes = []
     lib.baton_decode_layers.restype = ctypes.c_int
     lib.baton_decode_layers.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr]
     return lib

@@ -70,15 +70,29 @@ def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out
 
 
-def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> panel_linear's layout, flat: each PANEL outputs' [in, PANEL] block in turn
-    (the last one narrower where PANEL does not divide `out`)."""
+def to_panels(weight: torch.Tensor, sub: int | None = None) -> torch.Tensor:
+    """[out, in] -> panel_linear's layout, flat: each PANEL outputs' [in, PANEL] block in turn,
+    itself `sub`-column blocks [in, sub] one after the other (the last panel, narrower where PANEL
+    does not divide `out`, one [in, width] block). `sub`: the compiled kernel's sub-panel width
+    (linear.c's SUBW, by this CPU's ISA) unless given, as a test building for another ISA does."""
+    if sub is None:
+        sub = subpanel_width()
+    if sub <= 0 or PANEL % sub:
+        raise ValueError(f"to_panels: a sub-panel of {sub} columns does not divide a panel of {PANEL}")
     out_features, width = weight.shape
     panels = torch.empty(out_features * width, dtype=weight.dtype, device=weight.device)
-    for n in range(0, out_features, PANEL):  # one panel at a time: no second copy of the whole weight
+    for n in range(0, out_features, PANEL):  # one block at a time: no second copy of the whole weight
         w = min(PANEL, out_features - n)
-        panels[n * width : (n + w) * width].view(width, w).copy_(weight[n : n + w].t())
+        step = sub if w == PANEL else w
+        for j in range(n, n + w, step):
+            panels[j * width : (j + step) * width].view(width, step).copy_(weight[j : j + step].t())
     return panels
+
+
+@functools.cache
+def subpanel_width() -> int:
+    """The sub-panel width the CPU kernels were built for (to_panels' layout)."""
+    return int(cpu_kernels.require(torch.float32, "panel_linear").baton_linear_subpanel())
 
 
 PACK_ROWS = 64  # the batch oneDNN's packed layout is chosen for; any row count reads it

@@ -2,10 +2,16 @@
  * the weight [N, K] held in column panels so that one pass streams it once for up to MR rows.
  *
  * Layout ("panels"): the N output columns in panels of PANEL (the last one narrower when PANEL
- * does not divide N); panel p (columns n0 .. n0 + w) is its K x w block, row k at n0 * K + k * w.
- * A panel is one contiguous stream, so a decode step (a few rows) reads every weight byte once,
- * front to back; a prefill chunk re-reads each panel (K * PANEL floats: 256 KiB at K = 1,024)
- * for each MR rows from cache.
+ * does not divide N); panel p (columns n0 .. n0 + w) is its K x w block, k-major, at n0 * K. A
+ * full panel is itself SUBW-column sub-panels one after the other, each K x SUBW: the column
+ * c of row k at (c / SUBW) * K * SUBW + k * SUBW + c % SUBW. SUBW is the ISA's narrowest tile
+ * (below), so each pass over a panel streams whole sub-panels front to back: with the panel
+ * k-major instead, a pass of 16 columns read one cache line in four at a 256-byte stride, and a
+ * decode step of 3-8 rows read baton-tiny's LM head from memory at 9-11 GB/s where sub-panels
+ * read it at 15-18 (a C harness, 2 cores; 1.6x). A narrow last panel is k-major. A decode step
+ * (a few rows) reads every weight byte once; a prefill chunk re-reads each panel (K * PANEL
+ * floats: 256 KiB at K = 1,024) for each MR rows from cache. engine/linear.py's to_panels writes
+ * this layout for the SUBW that baton_linear_subpanel() reports.
  *
  * Arithmetic: float32, each output's products added in k order from zero, then the bias. The
  * reference is F.linear (tests/engine/test_linear.py); the sum order differs from MKL's and
@@ -43,14 +49,17 @@
 #define VW 16 /* floats in one vector register */
 #define MR 4
 #define SUB(mr) 64
+#define SUBW 64 /* the layout's sub-panel width: the narrowest SUB */
 #elif defined(__AVX__)
 #define VW 8
 #define MR 6
 #define SUB(mr) ((mr) == 1 ? 64 : (mr) == 2 ? 32 : 16)
+#define SUBW 16
 #else
 #define VW 4
 #define MR 6
 #define SUB(mr) ((mr) == 1 ? 32 : (mr) == 2 ? 16 : 8)
+#define SUBW 8
 #endif
 #define MAX_VECS (PANEL / VW)
 typedef float vec __attribute__((vector_size(VW * 4)));
@@ -80,12 +89,17 @@ static inline __attribute__((always_inline)) void panel_rows(const float *restri
     const int sub = SUB(mr), vecs = SUB(mr) / VW;
     for (int s = 0; s < PANEL; s += sub) {
         vec acc[MR][MAX_VECS];
+        const float *ws[MAX_VECS]; /* each vector's column in its sub-panel, at k = 0 */
+        for (int v = 0; v < vecs; v++) {
+            const int c = s + v * VW;
+            ws[v] = w + (c / SUBW) * K * SUBW + c % SUBW;
+        }
         for (int m = 0; m < mr; m++)
             for (int v = 0; v < vecs; v++) acc[m][v] = (vec){0};
         for (int64_t k = 0; k < K; k++) {
             vec wk[MAX_VECS];
             for (int v = 0; v < vecs; v++) {
-                wk[v] = load(w + k * PANEL + s + v * VW);
+                wk[v] = load(ws[v] + k * SUBW);
                 if (mr > 1) KEEP(wk[v]);
             }
             for (int m = 0; m < mr; m++) {
@@ -136,6 +150,9 @@ static void rows_of_panel(const float *restrict x, int64_t x_stride, int64_t row
         }
     }
 }
+
+/* the layout's sub-panel width on this build (see the top) */
+int baton_linear_subpanel(void) { return SUBW; }
 
 /* out [M, N] (contiguous) = x [M, K] (row stride x_stride) @ W^T + bias (NULL: none), with W in
  * panels (see above). Returns -1 (nothing written) for a non-positive size or a row stride

@@ -50,7 +50,7 @@ def test_the_kernels_build_for_each_level_and_agree_where_they_run(march: str, t
             w = torch.randn(200, 96, generator=gen) * 0.05
             b = torch.randn(200, generator=gen) if with_bias else None
             x = torch.randn(rows, 96, generator=gen)
-            panels = linear.to_panels(w)
+            panels = linear.to_panels(w, sub=lib.baton_linear_subpanel())  # the layout of that build
             out = torch.empty(rows, 200)
             rc = lib.baton_linear(x.data_ptr(), x.stride(0), rows, 96, panels.data_ptr(), 200,
                                   None if b is None else b.data_ptr(), out.data_ptr())  # fmt: skip

@@ -69,12 +69,22 @@ def test_the_panel_kernel_takes_no_rows_and_overlapping_rows() -> None:
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_panels_are_the_weight_reordered_not_grown() -> None:
+@pytest.mark.parametrize("sub", [8, 16, 64])
+def test_panels_are_the_weight_reordered_not_grown(sub: int) -> None:
     w = torch.arange(200 * 3, dtype=torch.float32).reshape(200, 3)
-    panels = linear.to_panels(w)
+    panels = linear.to_panels(w, sub=sub)
     assert panels.numel() == w.numel() and panels.is_contiguous()
-    assert panels[: 3 * 64].reshape(3, 64).equal(w[:64].t())  # the first panel: [in, 64]
-    assert panels[3 * 192 :].reshape(3, 8).equal(w[192:].t())  # the last: 8 columns wide
+    for j in range(0, 64, sub):  # the first panel: [in, sub] blocks of its 64 columns in turn
+        assert panels[3 * j : 3 * (j + sub)].reshape(3, sub).equal(w[j : j + sub].t())
+    assert panels[3 * 192 :].reshape(3, 8).equal(w[192:].t())  # the last: 8 columns wide, one block
+
+
+def test_panels_take_this_builds_sub_panel_width() -> None:
+    assert linear.subpanel_width() in (8, 16, 64)
+    w = torch.randn(130, 5)
+    assert linear.to_panels(w).equal(linear.to_panels(w, sub=linear.subpanel_width()))
+    with pytest.raises(ValueError, match="does not divide"):
+        linear.to_panels(w, sub=24)
 
 
 def test_the_panel_kernel_refuses_what_does_not_fit() -> None:
