@@ -5,8 +5,9 @@
 
 On CPU float32 a decode step is a few rows against every weight of the model, so its time is
 how fast the weights stream. `panel_linear` (engine/csrc/linear.c, built with the other CPU
-kernels) holds each weight in column panels of 64 outputs, one contiguous stream each, and
-serves up to four rows per pass: measured call by call on the 2-core machine, all of
+kernels) holds each weight in column panels of 64 outputs, one contiguous stream each (in
+sub-panels as wide as the ISA's narrowest register tile: `to_panels`), and serves up to four
+(AVX-512) or six rows per pass: measured call by call on the 2-core machine, all of
 baton-small's projections at one row took 14.6-16.5 ms through oneDNN's packed inner product and
 take 10.4-11.8 ms (352 MB of float32 weights, ~32 GB/s), baton-tiny's 0.7-0.9 -> 0.4-0.5 ms,
 and the two are level from 16 to 2,048 rows. It
