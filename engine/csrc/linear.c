@@ -38,9 +38,9 @@
  * 28.2 GB/s at baton-tiny's LM head, 2 cores). Each output's sum runs in k order all the same.
  *   AVX-512 (32 registers of 16 floats): the whole panel for up to 4 rows, 16 + 4 + 1 registers
  *   AVX2 (16 registers of 8): 16 columns for 3-6 rows (12 + 2 + 1 registers, four passes over
- *     the panel: the weight is still read once, each pass takes one cache line of a row's four),
- *     32 for 2 rows (8 + 4 + 1), the whole panel for one (8 + 1: its weights are read from memory
- *     by the multiply-adds themselves, as 8 more would not fit)
+ *     the panel, one sub-panel each: the weight is still read once), 32 for 2 rows (8 + 4 + 1),
+ *     the whole panel for one (8 + 1: its weights are read from memory by the multiply-adds
+ *     themselves, as 8 more would not fit)
  *   SSE, NEON (16 or 32 registers of 4): 8 columns for 3-6 rows, 16 for 2, 32 for one
  * A wider tile than the ISA's does not build where KEEP pins its vectors to one register each,
  * and spills where it does not (AVX-512's tile on AVX2 made baton-tiny's 16-row decode step 4x as
@@ -80,8 +80,8 @@ static inline vec load(const float *p) {
 
 /* out rows [0, mr) of a full panel from x rows [0, mr), SUB(mr) columns a pass: mr is a constant
  * where this is inlined, so the mr x SUB(mr) / VW accumulators stay in registers and each weight
- * vector is loaded once for all rows (written with vectors: the compiler's own choice of loop order was
- * 1.3x slower) */
+ * vector is loaded once for all rows (written with vectors: the compiler's own choice of loop
+ * order was 1.3x slower) */
 static inline __attribute__((always_inline)) void panel_rows(const float *restrict x, int64_t x_stride, int mr,
                                                              int64_t K, const float *restrict w,
                                                              const float *restrict bias, float *restrict out,
