@@ -8,7 +8,7 @@ ready, stop it by its PID.
                                                   # and /dev/shm regions are released), then
                                                   # SIGKILL to its own process group if it hangs
 
-`BatonProcess.from_config(path, log_path, port)` runs `baton up --config path` instead: the file
+`BatonProcess([], log_path, port, config=path)` runs `baton up --config path` instead: the file
 says everything (its `api.port` must be `port`), since `--config` takes no other flag.
 
 The child runs in its own session, so its process group id is its PID: the last resort kills
@@ -73,21 +73,18 @@ def baton_command() -> list[str]:
 
 
 class BatonProcess:
-    def __init__(self, up_args: list[str], log_path: Path, port: int | None = None) -> None:
+    def __init__(self, up_args: list[str], log_path: Path, port: int | None = None,
+                 config: Path | None = None) -> None:  # fmt: skip
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [*baton_command(), "up", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--grpc-port", "0", *up_args]  # fmt: skip
+        if config is not None:  # the file says everything; --config takes no other flag
+            self.argv = [*baton_command(), "up", "--config", str(config), *up_args]
+        else:
+            self.argv = [*baton_command(), "up", "--host", "127.0.0.1", "--port", str(self.port),
+                         "--grpc-port", "0", *up_args]  # fmt: skip
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
-
-    @classmethod
-    def from_config(cls, config: Path, log_path: Path, port: int) -> BatonProcess:
-        """`baton up --config config`; the file's `api.port` is `port` (on 127.0.0.1)."""
-        server = cls([], log_path, port=port)
-        server.argv = [*baton_command(), "up", "--config", str(config)]
-        return server
 
     def __enter__(self) -> BatonProcess:
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")

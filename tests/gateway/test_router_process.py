@@ -31,7 +31,7 @@ def test_a_router_process_serves_its_pools_without_loading_torch(upstreams: list
         },
         "routing": {"route_key": "user"},
     }))  # fmt: skip
-    with BatonProcess.from_config(config, tmp_path / "router.log", port) as router:
+    with BatonProcess([], tmp_path / "router.log", port, config=config) as router:
         router.wait_ready(READY_WITHIN_S)
         url = router.url
         body = {"model": EXT, "prompt": "one two three", "max_tokens": 4, "user": "u1"}
