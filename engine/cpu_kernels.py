@@ -102,6 +102,11 @@ def load(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL | None:
         return _kernels[kv_dtype]
 
 
+def loaded(kv_dtype: torch.dtype) -> ctypes.CDLL | None:
+    """The kernel for KV in `kv_dtype` if an earlier `load` built it; never builds."""
+    return _kernels.get(kv_dtype)
+
+
 def require(kv_dtype: torch.dtype, user: str) -> ctypes.CDLL:
     """`load(kv_dtype)`, or a RuntimeError naming `user` (what cannot run without it)."""
     lib = load(kv_dtype)
@@ -145,6 +150,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.baton_linear.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     lib.baton_linear_subpanel.restype = ctypes.c_int
     lib.baton_linear_subpanel.argtypes = []
+    lib.baton_linear_isa.restype = ctypes.c_char_p
+    lib.baton_linear_isa.argtypes = []
     lib.baton_decode_layers.restype = ctypes.c_int
     lib.baton_decode_layers.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr]
     return lib

@@ -44,6 +44,7 @@ from cluster.ops.node_status import NodeStatus
 from cluster.placement.global_index import GlobalIndex
 from cluster.placement.pair_health import PairHealth, PairRoute
 from cluster.placement.policy import Placer, Role, WorkerStats
+from engine.kernel_info import EngineKernels
 from kvcache.events import KVEvent, Tier
 from kvcache.report import CacheReport
 
@@ -154,6 +155,7 @@ class Fleet:
                 s.num_transfers if s else 0, s.num_failed_transfers if s else 0,
                 s.cache if s else CacheReport(), now - p.reported_at if s else 0.0, s.num_preempted if s else 0,
                 hosts.get(p.name, ""), p.pid or 0, s.num_retained_pages if s else 0,
+                s.kernels if s else EngineKernels(),
             ))  # fmt: skip
         for d in self.decodes:
             t = d.stats
@@ -163,7 +165,7 @@ class Fleet:
                 d.name, "decode", health, d.epoch, t.num_running if t else 0, t.num_waiting if t else 0, 0,
                 t.num_reserved_pages if t else 0, cache=t.cache if t else CacheReport(),
                 age_s=now - d.heartbeat if t else 0.0, preemptions=t.num_preempted if t else 0,
-                host=hosts.get(d.name, ""), pid=t.pid if t else 0,
+                host=hosts.get(d.name, ""), pid=t.pid if t else 0, kernels=t.kernels if t else EngineKernels(),
             ))  # fmt: skip
         return nodes
 

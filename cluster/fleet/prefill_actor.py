@@ -183,7 +183,7 @@ class PrefillActor(WorkerActor):
             self.worker.engine.scheduler.num_pending_tokens, self.s_per_token,
             cache_report(self.worker.engine.pool.pages, cache, self.worker.engine.cfg.page_size),
             self.worker.engine.num_preempted_total, os.getpid(), dict(pushes.ended),
-            retained.num_held_pages, len(retained), dict(retained.released),
+            retained.num_held_pages, len(retained), dict(retained.released), self.kernels,
         )  # fmt: skip
 
     def _set_epoch(self, epoch: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kernel_info import EngineKernels
 from engine.outputs import StepOutput
 from kvcache.report import CacheReport
 
@@ -45,6 +46,7 @@ class PrefillStats:
     num_retained_pages: int = 0  # pages held as retained copies of pushed prompts (kvcache.retained)
     num_retained_copies: int = 0
     retained_released: dict[str, int] = field(default_factory=dict)  # copies let go, by kvcache.retained.RELEASE_REASONS
+    kernels: EngineKernels = EngineKernels()  # what its engine runs on (engine.kernel_info)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class DecodeStats:
     handing_off: bool = False  # draining: its requests should move to the other decode workers
     num_kept_pages: int = 0  # verified pages of failed transfers it kept cached (decode.worker)
     num_handed_off: int = 0  # requests it pushed to another decode worker while draining (decode.handoff)
+    kernels: EngineKernels = EngineKernels()  # as PrefillStats
 
 
 @dataclass(frozen=True, slots=True)

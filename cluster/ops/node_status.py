@@ -24,12 +24,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
+from engine.kernel_info import EngineKernels, kernels_of
 from kvcache.report import CacheReport, cache_report
 
 if TYPE_CHECKING:
     from engine.engine import Engine
 
 TIERS = ("device", "host", "disk")
+KERNEL_LABELS = ("attention", "linear", "decode_step", "isa", "kv_dtype", "device")  # EngineKernels' fields
 READ_TIMEOUT_S = 2.0
 
 
@@ -52,6 +54,7 @@ class NodeStatus:
     host: str = ""  # its node's address (Ray's node IP); "" in one process
     pid: int = 0  # its process, as it last said (0: not known)
     retained_pages: int = 0  # prefill: held as retained copies of pushed prompts (KV-preserving failover)
+    kernels: EngineKernels = EngineKernels()  # what its engine runs on (engine.kernel_info)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -91,17 +94,18 @@ async def engine_node(name: str, role: str, stepper: AsyncEngine) -> NodeStatus:
         return NodeStatus(name, role, "down")
     start = time.monotonic()
     try:
-        running, waiting, report, preempted = await asyncio.wait_for(stepper.call(_read_engine), READ_TIMEOUT_S)
+        running, waiting, report, preempted, kernels = await asyncio.wait_for(stepper.call(_read_engine),
+                                                                              READ_TIMEOUT_S)  # fmt: skip
     except TimeoutError:
         return NodeStatus(name, role, "stalled", age_s=time.monotonic() - start)
     return NodeStatus(name, role, "ok", running=running, waiting=waiting, cache=report,
-                      age_s=time.monotonic() - start, preemptions=preempted)  # fmt: skip
+                      age_s=time.monotonic() - start, preemptions=preempted, kernels=kernels)  # fmt: skip
 
 
-def _read_engine(engine: Engine) -> tuple[int, int, CacheReport, int]:
+def _read_engine(engine: Engine) -> tuple[int, int, CacheReport, int, EngineKernels]:
     return (len(engine.scheduler.running), engine.scheduler.num_waiting,
             cache_report(engine.pool.pages, engine.prefix_cache, engine.cfg.page_size),
-            engine.num_preempted_total)  # fmt: skip
+            engine.num_preempted_total, kernels_of(engine))  # fmt: skip
 
 
 class NodeCollector(Collector):
@@ -129,6 +133,9 @@ class NodeCollector(Collector):
                                         "(their pages freed, recomputed later)", labels=labels)  # fmt: skip
         requests = GaugeMetricFamily("baton_node_requests", "Requests on the node: running, waiting",
                                      labels=[*labels, "state"])  # fmt: skip
+        kernels = GaugeMetricFamily("baton_node_kernels_info", "1, labelled with what the node's engine runs on: "
+                                    "attention backend, projections, decode step, ISA, KV dtype, device (engine.kernel_info)",
+                                    labels=[*labels, *KERNEL_LABELS])  # fmt: skip
         for n in self.nodes:
             key = [n.name, n.role]
             up.add_metric(key, float(n.health == "ok"))
@@ -146,4 +153,6 @@ class NodeCollector(Collector):
             preempted.add_metric(key, n.preemptions)
             requests.add_metric([*key, "running"], n.running)
             requests.add_metric([*key, "waiting"], n.waiting)
-        yield from (up, queried, hits, pages, moves, corrupt, failed, preempted, requests)
+            if n.kernels.attention:  # not known yet: no sample
+                kernels.add_metric([*key, *(getattr(n.kernels, k) for k in KERNEL_LABELS)], 1.0)
+        yield from (up, queried, hits, pages, moves, corrupt, failed, preempted, requests, kernels)

@@ -4,7 +4,9 @@
     NODE      ROLE     ADDRESS   HEALTH  EPOCH  RUN  WAIT  HIT%   DEVICE used/cached/total  HOST cached/total ...
     decode-0  decode   10.0.0.3  ok          1    3     0  42.1%  120/30/512                -
 
-ADDRESS is the node's (Ray's node IP; "-" in one process); HOST is the host-RAM tier.
+ADDRESS is the node's (Ray's node IP; "-" in one process); HOST is the host-RAM tier. KERNELS
+is what the node's engine runs on (engine.kernel_info): `cpu/panel avx2` is baton's compiled CPU
+kernels; `torch/...` on a CPU node means they could not be built there (a slower path).
 
     KV ROUTES
       prefill-0 (10.0.0.2) -> decode-0 (10.0.0.3)  grpc  ok 118  failed 0
@@ -26,7 +28,7 @@ def render_status(body: dict[str, Any]) -> str:
     lines = [f"{model}  {state}  up {_duration(float(body.get('uptime_s', 0)))}  "
              f"waiting {gw.get('waiting', 0)}  inflight {gw.get('inflight', 0)}  requests: {outcomes}"]  # fmt: skip
     header = ["NODE", "ROLE", "ADDRESS", "HEALTH", "EPOCH", "RUN", "WAIT", "HIT%",
-              "DEVICE used/cached/total", "HOST cached/total", "DISK cached/total"]  # fmt: skip
+              "DEVICE used/cached/total", "HOST cached/total", "DISK cached/total", "KERNELS"]  # fmt: skip
     rows = [header]
     for n in body.get("nodes", []):
         cache = n.get("cache", {})
@@ -38,7 +40,7 @@ def render_status(body: dict[str, Any]) -> str:
             str(n.get("epoch", 0)),
             str(n.get("running", 0)), str(n.get("waiting", 0)), f"{100 * hit / query:.1f}%" if query else "-",
             f"{device['pages_used']}/{device['pages_cached']}/{device['pages_total']}" if device else "-",
-            _lower(tiers.get("host")), _lower(tiers.get("disk")),
+            _lower(tiers.get("host")), _lower(tiers.get("disk")), _kernels(n.get("kernels")),
         ])  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     numeric = {4, 5, 6, 7}
@@ -51,6 +53,13 @@ def render_status(body: dict[str, Any]) -> str:
     lines += _pairs(body.get("pairs", []))
     lines += _pools(body.get("pools"))
     return "\n".join(lines)
+
+
+def _kernels(k: dict[str, Any] | None) -> str:
+    """attention/projections and ISA, as the dashboard shows them (engine.kernel_info)."""
+    if not k or not k.get("attention"):
+        return "-"
+    return f"{k['attention']}/{k['linear']}" + (f" {k['isa']}" if k.get("isa") else "")
 
 
 def _pools(gateway: dict[str, Any] | None) -> list[str]:

@@ -154,6 +154,23 @@ static void rows_of_panel(const float *restrict x, int64_t x_stride, int64_t row
 /* the layout's sub-panel width on this build (see the top) */
 int baton_linear_subpanel(void) { return SUBW; }
 
+/* the instruction set this build's register tile was chosen for (operators see it in /status) */
+const char *baton_linear_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__)
+    return "avx2";
+#elif defined(__AVX__)
+    return "avx";
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+    return "neon";
+#elif defined(__SSE2__)
+    return "sse2";
+#else
+    return "generic";
+#endif
+}
+
 /* out [M, N] (contiguous) = x [M, K] (row stride x_stride) @ W^T + bias (NULL: none), with W in
  * panels (see above). Returns -1 (nothing written) for a non-positive size or a row stride
  * below K. */

@@ -219,6 +219,8 @@ def test_dashboard_follows_two_nodes_under_traffic(
     assert snap["order"] == names and snap["state"] == "ok"
     assert snap["header"]["model"]["text"] == MODEL and snap["header"]["state"]["text"] == "ready"
     assert snap["nodes"]["decode-0"]["fields"]["hit-rate"]["text"] == "–"  # nothing looked up yet
+    for name in names:  # what each engine runs on (engine.kernel_info): baton's CPU kernels here
+        assert snap["nodes"][name]["fields"]["kernels"]["text"].startswith("cpu/panel ")
     first_update = snap["updates"]
 
     # One cold prompt, computed by prefill-0 (a miss) and sent to decode-0.

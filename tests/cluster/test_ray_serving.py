@@ -122,6 +122,11 @@ def test_openai_and_grpc_through_ray_actors_match_one_engine(pd: PD, server: Ser
     assert metric(pd, "baton_kv_transfer_seconds_count", transport="shm") == 3
     assert metric(pd, "baton_kv_transfers_total", transport="grpc", outcome="ok") == 0
     assert metric(pd, "baton_node_up", node="prefill-0", role="prefill") == 1.0
+    # each actor reports what its engine runs on (engine.kernel_info), into /status and /metrics
+    nodes = httpx.get(pd.url + "/status", timeout=10).json()["nodes"]
+    assert {(n["role"], n["kernels"]["attention"], n["kernels"]["linear"]) for n in nodes} == {
+        ("prefill", "cpu", "panel"), ("decode", "cpu", "panel")}
+    assert "baton_node_kernels_info{" in httpx.get(pd.url + "/metrics", timeout=10).text
     assert metric(pd, "baton_kv_pages", tier="device") == decode_stats(front_of(pd)).num_pages
     stats = wait_decode_idle(front_of(pd))
     assert stats.num_free_pages_at_idle == stats.num_pages and stats.num_open_reservations == 0

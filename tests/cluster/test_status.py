@@ -49,6 +49,11 @@ def test_status_reports_the_node_and_its_cache_hits(server: ServerHandle) -> Non
     assert 'baton_node_prefix_hit_tokens_total{node="engine-0",role="colocated",tier="device"}' in metrics
     assert 'baton_node_up{node="engine-0",role="colocated"} 1.0' in metrics
     assert 'baton_node_kv_pages{node="engine-0",role="colocated",state="free",tier="device"}' in metrics
+    # what the engine runs on: baton's compiled CPU kernels (a machine without a compiler shows torch)
+    kernels = node["kernels"]
+    assert (kernels["attention"], kernels["linear"], kernels["kv_dtype"]) == ("cpu", "panel", "float32")
+    assert (f'baton_node_kernels_info{{attention="cpu",decode_step="{kernels["decode_step"]}",device="cpu",'
+            f'isa="{kernels["isa"]}",kv_dtype="float32",linear="panel",node="engine-0",role="colocated"}} 1.0') in metrics
 
 
 def test_baton_status_prints_the_table(server: ServerHandle) -> None:
@@ -61,6 +66,7 @@ def test_baton_status_prints_the_table(server: ServerHandle) -> None:
     assert lines[1].split()[:4] == ["NODE", "ROLE", "ADDRESS", "HEALTH"]
     row = lines[2].split()
     assert row[:4] == ["engine-0", "colocated", "-", "ok"] and row[7].endswith("%")  # one process: no address
+    assert row[-2] == "cpu/panel" and row[-1] in ("avx512", "avx2", "avx", "sse2", "neon")  # KERNELS
 
 
 def test_status_needs_the_key_when_keys_are_set(make_server: Any, tmp_path: Path) -> None:
@@ -89,11 +95,15 @@ def test_render_marks_down_nodes_and_lower_tiers() -> None:
             "nodes": [{"name": "decode-0", "role": "decode", "health": "down", "epoch": 7, "host": "10.0.0.3",
                        "cache": {"query_tokens": 200, "hit_tokens": 50,
                                  "tiers": {"device": {"pages_used": 1, "pages_cached": 2, "pages_total": 8},
-                                           "host": {"pages_cached": 5, "pages_total": 64}}}}]}  # fmt: skip
+                                           "host": {"pages_cached": 5, "pages_total": 64}}}},
+                      {"name": "prefill-0", "role": "prefill", "health": "ok", "host": "10.0.0.2",
+                       "kernels": {"attention": "torch", "linear": "onednn", "decode_step": "per-layer", "isa": "",
+                                   "kv_dtype": "float32"}}]}  # fmt: skip
     text = render_status(body)
     assert "up 1h02m" in text and "requests: ok 3" in text
     row = text.splitlines()[2].split()
-    assert row == ["decode-0", "decode", "10.0.0.3", "down", "7", "0", "0", "25.0%", "1/2/8", "5/64", "-"]
+    assert row == ["decode-0", "decode", "10.0.0.3", "down", "7", "0", "0", "25.0%", "1/2/8", "5/64", "-", "-"]
+    assert text.splitlines()[3].split()[-1] == "torch/onednn"  # its kernels did not build: no ISA
 
 
 def test_drain_refuses_new_work_and_finishes_inflight(make_server: Any) -> None:

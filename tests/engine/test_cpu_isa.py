@@ -44,6 +44,7 @@ def test_the_kernels_build_for_each_level_and_agree_where_they_run(march: str, t
     lib = cpu_kernels.bind(ctypes.CDLL(str(target)))
     # the layout the build reads: its ISA's narrowest tile (linear.c's SUBW)
     assert lib.baton_linear_subpanel() == {"x86-64-v2": 8, "x86-64-v3": 16, "x86-64-v4": 64}[march]
+    assert lib.baton_linear_isa() == {"x86-64-v2": b"sse2", "x86-64-v3": b"avx2", "x86-64-v4": b"avx512"}[march]
     gen = torch.Generator().manual_seed(7)
     # every row count the tiles split differently (1-6 alone, a tile and a remainder, a block of
     # 64 and one more), full panels and a narrow last one (200 = 3 x 64 + 8), bias or none
