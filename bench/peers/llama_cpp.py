@@ -16,8 +16,10 @@ GPT-2, so the converter is told so (`--pre-tokenizer`, default gpt-2) by answeri
 lookup with that name.
 
 start: `llama-server` on 127.0.0.1 with parallel slots, continuous batching and per-slot KV
-(`--no-kv-unified`: the unified buffer collapses at 32 slots x 2k context), 2 threads. Prints
-one JSON line (pid, url, versions, how to stop it) once the server answers /v1/models.
+(`--no-kv-unified`: the unified buffer collapses at 32 slots x 2k context), 2 threads. Each slot
+holds the model's context up to SLOT_CTX tokens (`--ctx` sets the total instead): with 3,072 a
+slot, llama-server refused every 4,400-token prompt of the bursty traces. Prints one JSON line
+(pid, url, versions, how to stop it) once the server answers /v1/models.
 """
 
 from __future__ import annotations
@@ -126,7 +128,16 @@ def convert(model_dir: Path, pre_tokenizer: str = "gpt-2") -> Path:
     return out
 
 
-def server_args(binary: Path, gguf: Path, name: str, port: int, slots: int = 32, ctx: int = 98304,
+SLOT_CTX = 8192  # tokens a slot holds at most: the built-in models' context, the bursty traces' 4.4k prompts
+
+
+def slot_context(model_dir: Path) -> int:
+    """A slot's context: the model's (config.json's max_position_embeddings), at most SLOT_CTX."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return min(int(config.get("max_position_embeddings", SLOT_CTX)), SLOT_CTX)
+
+
+def server_args(binary: Path, gguf: Path, name: str, port: int, slots: int = 32, ctx: int = 32 * SLOT_CTX,
                 threads: int = 2) -> list[str]:  # fmt: skip
     """Parallel slots sharing `ctx` (each gets ctx // slots), per-slot KV, continuous batching."""
     if slots < 1 or ctx < slots:
@@ -135,8 +146,10 @@ def server_args(binary: Path, gguf: Path, name: str, port: int, slots: int = 32,
             "-tb", str(threads), "-np", str(slots), "-c", str(ctx), "--no-kv-unified", "--cont-batching"]  # fmt: skip
 
 
-def start(model_dir: Path, name: str, port: int, slots: int = 32, ctx: int = 98304, threads: int = 2,
+def start(model_dir: Path, name: str, port: int, slots: int = 32, ctx: int | None = None, threads: int = 2,
           timeout_s: float = 300.0) -> dict[str, object]:  # fmt: skip
+    """`ctx`: the total context (None: `slots` x the model's `slot_context`)."""
+    ctx = slots * slot_context(model_dir) if ctx is None else ctx
     binary = build()
     model = convert(model_dir)
     url = f"http://127.0.0.1:{port}"
@@ -163,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--name", required=True)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--slots", type=int, default=32)
-    s.add_argument("--ctx", type=int, default=98304, help="total context: slots x per-slot context")
+    s.add_argument("--ctx", type=int, default=None, help="total context: slots x per-slot context (default: "
+                   f"slots x the model's context, at most {SLOT_CTX} a slot)")
     s.add_argument("--threads", type=int, default=2, help="llama-server's -t and -tb")
     args = ap.parse_args(argv)
     if shutil.which("cmake") is None:

@@ -39,6 +39,14 @@ def test_llama_server_listens_on_loopback_with_parallel_slots_and_per_slot_kv() 
     assert "--no-kv-unified" in args and "--cont-batching" in args
 
 
+@pytest.mark.parametrize(("model_ctx", "slot"), [(4096, 4096), (8192, 8192), (131072, llama_cpp.SLOT_CTX)])
+def test_a_llama_slot_holds_the_models_context_up_to_a_bound(tmp_path: Path, model_ctx: int, slot: int) -> None:
+    """The bursty traces' 4.4k-token prompts fit a slot of the built-in models (3,072 refused them);
+    a 128k-context model does not get 32 x 128k."""
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": model_ctx}))
+    assert llama_cpp.slot_context(tmp_path) == slot
+
+
 @pytest.mark.parametrize(("slots", "ctx"), [(0, 4096), (32, 16)])
 def test_llama_server_refuses_slots_it_cannot_give_context(slots: int, ctx: int) -> None:
     with pytest.raises(ValueError, match="slots"):
