@@ -41,6 +41,7 @@ class StepKind:
     total_s: float
     mean_rows: float  # decode rows a step
     mean_prompt_tokens: float
+    prompt_tokens: int  # computed in all steps of this kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +56,11 @@ class LoopResult:
     steps: dict[str, StepKind]
 
 
-def run_loop(engine: object, policy: str, concurrency: int, requests: int, prompt_len: int, output_len: int,
+def run_loop(engine: object, concurrency: int, requests: int, prompt_len: int, output_len: int,
              seed: int = 0) -> LoopResult:  # fmt: skip
-    """`concurrency` streams through `engine` (its scheduler in `policy`) until `requests` have
-    finished; the ones then still running are aborted (the loop never drains: every figure is
-    from the steady state)."""
+    """`concurrency` streams through `engine` (reported under its scheduler's policy) until
+    `requests` have finished; the ones then still running are aborted (the loop never drains:
+    every figure is from the steady state)."""
     from engine.engine import Engine
     from engine.sampling import SamplingParams
 
@@ -104,10 +105,11 @@ def run_loop(engine: object, policy: str, concurrency: int, requests: int, promp
         engine.abort(req_id)
     by_kind = {
         kind: StepKind(len(v), round(1e3 * statistics.median(s for s, _, _ in v), 2), round(sum(s for s, _, _ in v), 3),
-                       round(statistics.mean(r for _, r, _ in v), 2), round(statistics.mean(p for _, _, p in v), 1))
+                       round(statistics.mean(r for _, r, _ in v), 2), round(statistics.mean(p for _, _, p in v), 1),
+                       sum(p for _, _, p in v))
         for kind, v in steps.items()
     }  # fmt: skip
-    return LoopResult(policy, concurrency, done, round(elapsed, 3), round(done * output_len / elapsed, 2),
+    return LoopResult(engine.cfg.scheduler_policy, concurrency, done, round(elapsed, 3), round(done * output_len / elapsed, 2),
                       round(1e3 * statistics.median(ttft), 2), round(1e3 * statistics.median(tpot), 2), by_kind)  # fmt: skip
 
 
@@ -121,7 +123,7 @@ def measure(model: str, policies: list[str], concurrency: int, requests: int, pr
     for policy in policies:
         engine = Engine(EngineConfig(model=model, scheduler_policy=policy, enable_prefix_cache=False))
         engine.generate([[5] * 64], SamplingParams(max_tokens=4))  # warm-up: kernels built, pools touched
-        results.append(run_loop(engine, policy, concurrency, requests, prompt_len, output_len))
+        results.append(run_loop(engine, concurrency, requests, prompt_len, output_len))
         engine.close()
     return results
 

@@ -25,6 +25,7 @@ from engine.engine_config import EngineConfig
 from engine.errors import RequestError
 from engine.faults import FaultPoints
 from engine.job import Job
+from engine.kernel_info import EngineKernels, kernels_of
 from engine.loader import checkpoint_fingerprint, load_state_dict
 from engine.model import CausalLM, fused_ops_for
 from engine.outputs import ExportedKV, StepOutput, StepStats, TokenLogprobs
@@ -127,6 +128,7 @@ class Engine:
         self.last_stats: StepStats | None = None
         self.num_preempted_total = 0  # requests preempted (recomputed later) since start
         self.faults = FaultPoints()  # drills only: armed failures (engine.faults)
+        self.kernels: EngineKernels = kernels_of(self)  # fixed from here on: /status reads it per call
         logger.info(
             "engine ready: %s (%s, %s), %d pages x %d tokens, max_model_len %d",
             model_dir.name, self.dtype, self.device, num_pages, cfg.page_size, self.max_model_len,

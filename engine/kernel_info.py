@@ -4,6 +4,8 @@
     kernels_of(engine) -> EngineKernels(attention="cpu", linear="panel", decode_step="fused",
                                         isa="avx2", kv_dtype="float32", device="cpu")
 
+The engine reads it once when it is built (`engine.kernels`); workers and /status report that.
+
 A CPU engine whose kernels could not be built (no C compiler in the image, a failed build) still
 serves, on the torch path: correct and several times slower. The build failure is one WARNING
 in the log at start-up; this is where it stays visible afterwards (attention "torch", linear

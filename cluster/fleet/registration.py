@@ -26,7 +26,6 @@ from cluster.disagg_config import MembershipConfig
 from cluster.fleet import worker_signals
 from cluster.membership.protocol import Membership, Role, WorkerIdTaken, WorkerInfo
 from cluster.placement.kv_log import MAX_BATCH, KVEventLog
-from engine.kernel_info import kernels_of
 from kvcache.events import KVEvent, Tier
 
 if TYPE_CHECKING:
@@ -204,7 +203,7 @@ class WorkerActor:
         self.kv_log = kv_log
         self.fingerprint_bytes = engine.fingerprint
         self.faults = engine.faults
-        self.kernels = kernels_of(engine)  # fixed once the engine is built: every stats report carries it
+        self.kernels = engine.kernels  # fixed once the engine is built: every stats report carries it
 
     async def join(self, cfg: MembershipConfig, registry_name: str, worker_id: str) -> int:
         """Register this actor (its Ray actor name is its address) -> its epoch; from now on

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AsyncEngine
-from engine.kernel_info import EngineKernels, kernels_of
+from engine.kernel_info import EngineKernels
 from kvcache.report import CacheReport, cache_report
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ async def engine_node(name: str, role: str, stepper: AsyncEngine) -> NodeStatus:
 def _read_engine(engine: Engine) -> tuple[int, int, CacheReport, int, EngineKernels]:
     return (len(engine.scheduler.running), engine.scheduler.num_waiting,
             cache_report(engine.pool.pages, engine.prefix_cache, engine.cfg.page_size),
-            engine.num_preempted_total, kernels_of(engine))  # fmt: skip
+            engine.num_preempted_total, engine.kernels)  # fmt: skip
 
 
 class NodeCollector(Collector):

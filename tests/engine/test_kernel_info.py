@@ -13,11 +13,7 @@ from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.kernel_info import EngineKernels, kernels_of
 from engine.sampling import SamplingParams
-
-
-def _expected_isa() -> str:
-    flags = set(cpu_kernels._cpu_flags().split())
-    return "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "avx" if "avx" in flags else "sse2"
+from tests.engine.native_isa import native_isa
 
 
 def _engine(model: Path, **kw: object) -> Engine:
@@ -26,14 +22,15 @@ def _engine(model: Path, **kw: object) -> Engine:
 
 def test_a_cpu_engine_reports_baton_kernels(tiny_model_dir: Path) -> None:
     engine = _engine(tiny_model_dir)
-    assert kernels_of(engine) == EngineKernels("cpu", "panel", "fused", _expected_isa(), "float32", "cpu")
+    assert engine.kernels == EngineKernels("cpu", "panel", "fused", native_isa(), "float32", "cpu")
+    assert kernels_of(engine) == engine.kernels  # read once at build; nothing changes it afterwards
     bf16 = _engine(tiny_model_dir, kv_cache_dtype="bfloat16")
-    assert kernels_of(bf16) == EngineKernels("cpu", "panel", "fused", _expected_isa(), "bfloat16", "cpu")
+    assert bf16.kernels == EngineKernels("cpu", "panel", "fused", native_isa(), "bfloat16", "cpu")
 
 
 def test_forced_torch_projections_show(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BATON_CPU_LINEAR", "torch")
-    kernels = kernels_of(_engine(tiny_model_dir))
+    kernels = _engine(tiny_model_dir).kernels
     # F.linear's projections: the one-call decode step (panels only) is off, attention is still baton's
     assert (kernels.attention, kernels.linear, kernels.decode_step) == ("cpu", "torch", "per-layer")
 
@@ -57,7 +54,7 @@ def test_without_a_compiler_the_engine_serves_on_torch_and_says_so(
 ) -> None:
     engine = _engine(tiny_model_dir)
     assert "CPU kernels (torch.float32 KV) unavailable" in caplog.text
-    kernels = kernels_of(engine)
+    kernels = engine.kernels
     assert kernels.attention == "torch" and kernels.decode_step == "per-layer" and kernels.isa == ""
     assert kernels.linear in ("onednn", "torch")  # oneDNN's where this torch has it
     (out,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

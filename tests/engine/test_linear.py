@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels, linear
+from engine import linear
+from tests.engine.native_isa import SUBPANEL_WIDTH, native_isa
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,9 +83,7 @@ def test_panels_are_the_weight_reordered_not_grown(sub: int) -> None:
 def test_panels_take_this_builds_sub_panel_width() -> None:
     """The library is built for this CPU (-march=native): its sub-panel width is its ISA's
     narrowest tile (linear.c), and to_panels writes that layout unless told another."""
-    flags = set(cpu_kernels._cpu_flags().split())
-    expected = 64 if "avx512f" in flags else 16 if "avx" in flags else 8
-    assert linear.subpanel_width() == expected
+    assert linear.subpanel_width() == SUBPANEL_WIDTH[native_isa()]
     w = torch.randn(130, 5)
     assert linear.to_panels(w).equal(linear.to_panels(w, sub=linear.subpanel_width()))
     with pytest.raises(ValueError, match="does not divide"):
