@@ -20,6 +20,14 @@ from dataclasses import dataclass, field
 from cluster.gateway.config import HealthSpec, PoolSpec
 
 RECENT = 512  # latencies kept per pool for /status's medians
+# The cost rule's prompt rate, measured per endpoint from its first outputs: a sample needs at
+# least RATE_MIN_TOKENS of work (below it the fixed latency -- the network, a decode step -- is
+# most of a TTFT), samples are averaged with weight RATE_EMA, and a rate not refreshed for
+# RATE_TTL_S (the endpoint got no streamed work, or none big enough) gives way to the pool's
+# configured prefill_tokens_per_s again: an engine's load a minute ago says little about now.
+RATE_MIN_TOKENS = 256
+RATE_EMA = 0.25
+RATE_TTL_S = 60.0
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: each is one endpoint's live state
@@ -41,6 +49,29 @@ class Endpoint:
     hit_tokens: int = 0  # the index's estimate, when chosen
     cached_tokens: int = 0  # what the engine reported
     kv_events: str | None = None  # its publisher's address, when its index entries are precise
+    measured_rate: float | None = None  # uncached prompt tokens/s it served, queue included (RATE_*)
+    measured_at: float = 0.0
+
+    def prompt_rate(self, configured: float, now: float) -> float:
+        """The rate the cost rule divides by: the measured one while fresh, else `configured`."""
+        return self.rate_and_source(configured, now)[0]
+
+    def rate_and_source(self, configured: float, now: float) -> tuple[float, str]:
+        if self.measured_rate is not None and now - self.measured_at <= RATE_TTL_S:
+            return self.measured_rate, "measured"
+        return configured, "configured"
+
+    def observe_first_output(self, work_tokens: int, seconds: float, now: float) -> None:
+        """A request's first output came `seconds` after it was sent, with `work_tokens` of
+        uncached prompt ahead of it and in it (what the gateway had queued there, plus its own)."""
+        if work_tokens < RATE_MIN_TOKENS or not seconds > 0:
+            return
+        sample = work_tokens / seconds
+        if self.measured_rate is not None and now - self.measured_at <= RATE_TTL_S:
+            self.measured_rate += RATE_EMA * (sample - self.measured_rate)
+        else:
+            self.measured_rate = sample
+        self.measured_at = now
 
     def is_available(self, now: float) -> bool:
         return now >= self.ejected_until

@@ -148,10 +148,17 @@ class Gateway:
                     "index": "kv-events" if e.kv_events else "approximate" if not pool.spec.is_own else "engine",
                     "prompt_tokens": e.prompt_tokens, "estimated_hit_tokens": e.hit_tokens,
                     "reported_cached_tokens": e.cached_tokens,
+                    "prompt_rate": _prompt_rate(e, pool.spec.prefill_tokens_per_s, now),
                 } for e in pool.endpoints],
             }  # fmt: skip
         return {"pools": pools, "route_key": self.spec.routing.route_key,
                 "overlap": self.router.meter.snapshot(), "indexed_pages": self.router.index.num_pages}  # fmt: skip
+
+
+def _prompt_rate(endpoint: Endpoint, configured: float, now: float) -> dict[str, Any]:
+    """What the cost rule divides by for `endpoint` (cluster.gateway.router), and where it came from."""
+    tokens_s, source = endpoint.rate_and_source(configured, now)
+    return {"tokens_per_s": round(tokens_s, 1), "source": source}
 
 
 def _load_tokenizers(spec: GatewaySpec) -> dict[str, Tokenizer]:

@@ -14,6 +14,7 @@ from bench.trace import TraceEntry
 from cluster.cluster_config import parse_cluster_file, to_server_config
 from cluster.errors import EdgeError, Kind
 from cluster.gateway.config import OWN, GatewaySpec, HealthSpec, PoolSpec, RoutingSpec, Rule, check
+from cluster.gateway.endpoints import RATE_TTL_S
 from cluster.gateway.overlap import OverlapMeter
 from cluster.gateway.prefix_index import PrefixIndex
 from cluster.gateway.route_log import hash_id
@@ -126,6 +127,46 @@ def test_the_cost_rule_weighs_the_uncached_prompt_against_the_queue() -> None:
     busy = [router.admit("m", "x", list(range(1000, 1000 + 3000))) for _ in range(2)]
     assert busy[0].pool is not first.pool  # the first big prompt went to the idle pool,
     assert busy[1].pool is first.pool  # the second to the shorter queue (16 tokens against 3,000)
+
+
+def test_the_cost_rule_learns_each_endpoints_prompt_rate_from_its_first_outputs() -> None:
+    """Both pools configured alike; p turns out 8x slower (a smaller machine, or one carrying
+    decode streams): once measured, the cost rule sends the queue where it drains soonest."""
+    clock = Clock()
+    router = Router(spec(ext("p", ("http://a:1",)), ext("q", ("http://b:1",))), clock)
+    a = router.admit("m", "k", list(range(1000)))
+    assert a.pool.name == "p" and a.endpoint.prompt_rate(4000.0, clock.now) == 4000.0  # configured, until measured
+    clock.now += 2.0
+    router.first_output(a)  # 1,000 uncached tokens, none queued ahead, in 2 s
+    router.finish(a, ok=True)
+    p = a.endpoint
+    assert p.prompt_rate(4000.0, clock.now) == 500.0
+    b = router.admit("m", "k", list(range(2000, 3000)))  # p: 1,000 / 500 = 2 s; q: 0.25 s
+    assert b.pool.name == "q"
+    c = router.admit("m", "k", list(range(4000, 5000)))  # queued behind b: (1,000 + 1,000) / 4,000 tokens/s
+    assert c.pool.name == "q" and c.queued_ahead == 1000
+    clock.now += 0.25
+    router.first_output(b)  # 1,000 tokens in 0.25 s
+    clock.now += 0.25
+    router.first_output(c)  # 2,000 tokens of work (its own and b's) in 0.5 s: 4,000 tokens/s too
+    q = b.endpoint
+    assert q.prompt_rate(4000.0, clock.now) == 4000.0 and q.measured_rate == 4000.0
+    # a short prompt's first output is mostly fixed latency: not a sample
+    d = router.admit("m", "k", list(range(6000, 6100)))
+    clock.now += 5.0
+    router.first_output(d)
+    assert d.endpoint.measured_rate in (500.0, 4000.0) and d.endpoint.measured_at < clock.now
+    for route in (b, c, d):
+        router.finish(route, ok=True)
+    # samples average (RATE_EMA), and a measurement a minute old gives way to the configuration
+    e = router.admit("m", "k", list(range(7000, 8000)))
+    clock.now += 1.0
+    router.first_output(e)
+    router.finish(e, ok=True)
+    assert e.endpoint is q and q.measured_rate == pytest.approx(4000.0 + 0.25 * (1000.0 - 4000.0))
+    clock.now += RATE_TTL_S + 0.1
+    assert q.rate_and_source(4000.0, clock.now) == (4000.0, "configured")
+    assert p.rate_and_source(4000.0, clock.now) == (4000.0, "configured")
 
 
 def test_an_endpoint_is_ejected_after_failures_and_comes_back() -> None:
