@@ -41,8 +41,9 @@ $(BUF_STAMP): tools/buf/package.json tools/buf/package-lock.json
 proto-lint: $(BUF_STAMP)
 	$(BUF) lint
 
+# --durations: the slowest tests in every CI log, where the 20-minute bound is kept or lost
 test: setup typecheck lint proto-lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=20
 
 bench: setup
 	$(VENV)/bin/baton bench --offline
