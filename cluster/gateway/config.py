@@ -70,7 +70,7 @@ class PoolSpec:
     kv_events: tuple[str, ...] = ()  # one tcp://host:port per endpoint, in order (vLLM's publisher)
     kv_events_topic: str = ""
     block_size: int = 16  # the engine's KV block, in tokens: the granularity of its prefix index
-    prefill_tokens_per_s: float = 4000.0  # the cost rule's prompt rate for an endpoint not measured yet
+    prefill_tokens_per_s: float = 4000.0  # where the cost rule's measured prompt rate starts (endpoints.py)
     endpoint_policy: Literal["prefix", "round_robin"] = "prefix"
     connect_timeout_s: float = 5.0
     health: HealthSpec = field(default_factory=HealthSpec)

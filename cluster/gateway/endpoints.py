@@ -20,14 +20,17 @@ from dataclasses import dataclass, field
 from cluster.gateway.config import HealthSpec, PoolSpec
 
 RECENT = 512  # latencies kept per pool for /status's medians
-# The cost rule's prompt rate, measured per endpoint from its first outputs: a sample needs at
-# least RATE_MIN_TOKENS of work (below it the fixed latency -- the network, a decode step -- is
-# most of a TTFT), samples are averaged with weight RATE_EMA, and a rate not refreshed for
-# RATE_TTL_S (the endpoint got no streamed work, or none big enough) gives way to the pool's
-# configured prefill_tokens_per_s again: an engine's load a minute ago says little about now.
+# The cost rule's prompt rate, measured per endpoint from streamed requests' first outputs. A
+# sample is a request's own uncached tokens plus those of the requests whose first output came
+# while it waited (the prompt work the engine did meanwhile, in whatever order it chose), over
+# its wait; it needs at least RATE_MIN_TOKENS of such work (below it the fixed latency -- the
+# network, a decode step -- is most of a TTFT). Samples are averaged as seconds per token (what
+# the cost rule multiplies by) with weight RATE_EMA, starting from the pool's configured
+# prefill_tokens_per_s, each clamped to within RATE_CLAMP times of it so that one outlier (a
+# prompt the engine held in a cache the index did not know of) cannot swing the estimate.
 RATE_MIN_TOKENS = 256
 RATE_EMA = 0.25
-RATE_TTL_S = 60.0
+RATE_CLAMP = 32.0
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: each is one endpoint's live state
@@ -35,6 +38,7 @@ class Endpoint:
     pool: str
     url: str  # base URL (no trailing slash); the own pool's is OWN_ENDPOINT
     health: HealthSpec
+    configured_seconds_per_token: float  # 1 / the pool's prefill_tokens_per_s: the rate's prior
     inflight: int = 0
     inflight_tokens: int = 0  # uncached prompt tokens of requests sent and not answered yet (queued)
     failures: int = 0  # consecutive
@@ -49,29 +53,28 @@ class Endpoint:
     hit_tokens: int = 0  # the index's estimate, when chosen
     cached_tokens: int = 0  # what the engine reported
     kv_events: str | None = None  # its publisher's address, when its index entries are precise
-    measured_rate: float | None = None  # uncached prompt tokens/s it served, queue included (RATE_*)
-    measured_at: float = 0.0
+    prefilled_tokens: int = 0  # uncached prompt tokens of the streamed requests whose first output came
+    seconds_per_token: float | None = None  # the measured prompt rate, inverted (RATE_*); None: not yet
+    rate_samples: int = 0
+    sampled_at: float = 0.0
 
-    def prompt_rate(self, configured: float, now: float) -> float:
-        """The rate the cost rule divides by: the measured one while fresh, else `configured`."""
-        return self.rate_and_source(configured, now)[0]
+    def prompt_rate(self, configured: float) -> float:
+        """The rate the cost rule divides by (tokens/s): the measured one, else `configured`."""
+        return configured if self.seconds_per_token is None else 1.0 / self.seconds_per_token
 
-    def rate_and_source(self, configured: float, now: float) -> tuple[float, str]:
-        if self.measured_rate is not None and now - self.measured_at <= RATE_TTL_S:
-            return self.measured_rate, "measured"
-        return configured, "configured"
-
-    def observe_first_output(self, work_tokens: int, seconds: float, now: float) -> None:
-        """A request's first output came `seconds` after it was sent, with `work_tokens` of
-        uncached prompt ahead of it and in it (what the gateway had queued there, plus its own)."""
-        if work_tokens < RATE_MIN_TOKENS or not seconds > 0:
+    def first_output(self, own_tokens: int, prefilled_before: int, seconds: float, now: float) -> None:
+        """A streamed request's first output came `seconds` after it was sent, with `own_tokens`
+        uncached; `prefilled_before` was `prefilled_tokens` when it was sent."""
+        work = own_tokens + self.prefilled_tokens - prefilled_before
+        self.prefilled_tokens += own_tokens
+        if work < RATE_MIN_TOKENS or not seconds > 0:
             return
-        sample = work_tokens / seconds
-        if self.measured_rate is not None and now - self.measured_at <= RATE_TTL_S:
-            self.measured_rate += RATE_EMA * (sample - self.measured_rate)
-        else:
-            self.measured_rate = sample
-        self.measured_at = now
+        configured = self.configured_seconds_per_token
+        sample = min(max(seconds / work, configured / RATE_CLAMP), configured * RATE_CLAMP)
+        prior = configured if self.seconds_per_token is None else self.seconds_per_token
+        self.seconds_per_token = prior + RATE_EMA * (sample - prior)
+        self.rate_samples += 1
+        self.sampled_at = now
 
     def is_available(self, now: float) -> bool:
         return now >= self.ejected_until
@@ -105,7 +108,9 @@ class Pool:
     def of(cls, spec: PoolSpec, own_endpoint: str) -> Pool:
         urls = (own_endpoint,) if spec.is_own else tuple(u.rstrip("/") for u in spec.endpoints)
         events = spec.kv_events or (None,) * len(urls)
-        return cls(spec, [Endpoint(spec.name, u, spec.health, kv_events=e) for u, e in zip(urls, events, strict=True)])
+        prior = 1.0 / spec.prefill_tokens_per_s
+        return cls(spec, [Endpoint(spec.name, u, spec.health, prior, kv_events=e)
+                          for u, e in zip(urls, events, strict=True)])
 
     @property
     def name(self) -> str:

@@ -72,15 +72,14 @@ class _RouterState(Collector):
         up = GaugeMetricFamily("baton_pool_endpoint_up", "1 while an endpoint takes requests, 0 while ejected",
                                labels=["pool", "endpoint"])  # fmt: skip
         rate = GaugeMetricFamily("baton_pool_prompt_rate_tokens_per_second",
-                                 "The prompt rate the cost rule uses per endpoint: measured from its first "
-                                 "outputs while fresh, else the pool's prefill_tokens_per_s",
-                                 labels=["pool", "endpoint", "source"])  # fmt: skip
+                                 "The prompt rate the cost rule uses per endpoint: measured from streamed first "
+                                 "outputs, starting from the pool's prefill_tokens_per_s",
+                                 labels=["pool", "endpoint"])  # fmt: skip
         for pool in router.pools.values():
             for e in pool.endpoints:
                 inflight.add_metric([pool.name, e.url], e.inflight)
                 up.add_metric([pool.name, e.url], 1.0 if e.is_available(now) else 0.0)
-                tokens_s, source = e.rate_and_source(pool.spec.prefill_tokens_per_s, now)
-                rate.add_metric([pool.name, e.url, source], tokens_s)
+                rate.add_metric([pool.name, e.url], e.prompt_rate(pool.spec.prefill_tokens_per_s))
         overlap = GaugeMetricFamily(
             "baton_route_overlap_ratio",
             "Per route key, the token-weighted share of prompt tokens its earlier requests had sent (window)",

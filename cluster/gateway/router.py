@@ -11,12 +11,13 @@
 
 Predicted TTFT of an endpoint = (prompt tokens it has queued -- sent, no output yet -- + this
 prompt's tokens it does not hold) / its prompt rate, where what it holds comes from the prefix
-index (precise from KV events, else what the gateway sent it). The prompt rate is measured: each
-streamed request's first output gives one sample (the uncached tokens queued ahead of it and its
-own, over the time to its first output), so a pool on slower hardware, or one already carrying
-many decode streams, is seen to be slower; the pool's configured prefill_tokens_per_s stands in
-until an endpoint has been measured, and again once its measurement is a minute old
-(cluster.gateway.endpoints, RATE_*). A pool at its max_concurrency takes
+index (precise from KV events, else what the gateway sent it). The prompt rate is measured for
+external endpoints: each streamed request's first output is a sample (its own uncached tokens
+and those of the requests that got their first output while it waited, over its wait), so a pool
+on slower hardware, or one already carrying many decode streams, is seen to be slower; the pool's
+configured prefill_tokens_per_s is where the average starts (cluster.gateway.endpoints, RATE_*).
+The own pool's answers are not watched for their first output: it keeps the configured rate.
+A pool at its max_concurrency takes
 nothing more: the cost rule passes it by, and a model or rule that names it is refused with 429.
 
 `admit` teaches the overlap measure and the approximate index what is being sent (at once, so
@@ -60,7 +61,7 @@ class Route:
     overlap: float | None
     prompt_tokens: int
     hit_tokens: int  # of the prompt, what the endpoint is estimated to hold
-    queued_ahead: int  # uncached prompt tokens the endpoint had queued when this one was sent
+    prefilled_before: int  # the endpoint's prefilled_tokens when this one was sent (its rate's sample)
     hashes: list[bytes]  # the prompt's pages in the pool's block size
     overlap_hashes: list[bytes]
     started: float = field(default_factory=time.monotonic)
@@ -128,7 +129,6 @@ class Router:
         pool.inflight += 1
         endpoint.inflight += 1
         endpoint.num_routed += 1
-        queued_ahead = endpoint.inflight_tokens
         endpoint.inflight_tokens += len(tokens) - hit
         overlap_hashes = page_hashes(tokens, OVERLAP_PAGE, b"", _OVERLAP_FP)
         # Learned as the request is sent, not when it ends: a burst that shares a prefix sees its
@@ -137,7 +137,7 @@ class Router:
             self.meter.observe(route_key, overlap_hashes, len(tokens), OVERLAP_PAGE)
         if endpoint.kv_events is None:  # a publisher's own events are the truth for its endpoint
             self.index.sent(endpoint_id(pool.name, endpoint.url), hashes[pool.name])
-        return Route(pool, endpoint, reason, route_key, overlap, len(tokens), hit, queued_ahead, hashes[pool.name],
+        return Route(pool, endpoint, reason, route_key, overlap, len(tokens), hit, endpoint.prefilled_tokens, hashes[pool.name],
                      overlap_hashes, started=now)  # fmt: skip
 
     def first_output(self, route: Route) -> None:
@@ -148,7 +148,7 @@ class Router:
             uncached = route.prompt_tokens - route.hit_tokens
             route.endpoint.inflight_tokens -= uncached
             now = self.clock()
-            route.endpoint.observe_first_output(route.queued_ahead + uncached, now - route.started, now)
+            route.endpoint.first_output(uncached, route.prefilled_before, now - route.started, now)
 
     def finish(self, route: Route, ok: bool, failed_endpoint: bool = False) -> None:
         """The request ended: `ok` (answered), or not; `failed_endpoint`: the endpoint's fault
@@ -192,11 +192,10 @@ class Router:
         """Each live endpoint with the prompt tokens it holds and its predicted TTFT (one index lookup)."""
         spec = pool.spec
         held = self.index.hits(hashes, [endpoint_id(pool.name, e.url) for e in live])
-        now = self.clock()
         out = []
         for i, e in enumerate(live):
             hit_tokens = min(held[endpoint_id(pool.name, e.url)].num_pages * spec.block_size, max(0, num_tokens - 1))
-            cost = (e.inflight_tokens + num_tokens - hit_tokens) / e.prompt_rate(spec.prefill_tokens_per_s, now)
+            cost = (e.inflight_tokens + num_tokens - hit_tokens) / e.prompt_rate(spec.prefill_tokens_per_s)
             out.append(_Option((cost, e.inflight, e.num_routed, i), e, hit_tokens))
         return out
 

@@ -156,9 +156,10 @@ class Gateway:
 
 
 def _prompt_rate(endpoint: Endpoint, configured: float, now: float) -> dict[str, Any]:
-    """What the cost rule divides by for `endpoint` (cluster.gateway.router), and where it came from."""
-    tokens_s, source = endpoint.rate_and_source(configured, now)
-    return {"tokens_per_s": round(tokens_s, 1), "source": source}
+    """What the cost rule divides by for `endpoint` (cluster.gateway.router): tokens/s, the
+    samples behind it (0: the configured rate) and the age of the last."""
+    return {"tokens_per_s": round(endpoint.prompt_rate(configured), 1), "samples": endpoint.rate_samples,
+            "age_s": round(now - endpoint.sampled_at, 1) if endpoint.rate_samples else None}
 
 
 def _load_tokenizers(spec: GatewaySpec) -> dict[str, Tokenizer]:

@@ -14,7 +14,7 @@ from bench.trace import TraceEntry
 from cluster.cluster_config import parse_cluster_file, to_server_config
 from cluster.errors import EdgeError, Kind
 from cluster.gateway.config import OWN, GatewaySpec, HealthSpec, PoolSpec, RoutingSpec, Rule, check
-from cluster.gateway.endpoints import RATE_TTL_S
+from cluster.gateway.endpoints import RATE_CLAMP, RATE_EMA
 from cluster.gateway.overlap import OverlapMeter
 from cluster.gateway.prefix_index import PrefixIndex
 from cluster.gateway.route_log import hash_id
@@ -130,43 +130,60 @@ def test_the_cost_rule_weighs_the_uncached_prompt_against_the_queue() -> None:
 
 
 def test_the_cost_rule_learns_each_endpoints_prompt_rate_from_its_first_outputs() -> None:
-    """Both pools configured alike; p turns out 8x slower (a smaller machine, or one carrying
-    decode streams): once measured, the cost rule sends the queue where it drains soonest."""
+    """Both pools configured at 4,000 tokens/s; p turns out slower (a smaller machine, or one
+    carrying decode streams): once measured, the cost rule sends the work where it drains soonest.
+    A sample is a request's own uncached tokens and those prefilled while it waited, over its
+    wait; the average is of seconds per token, from the configured rate."""
     clock = Clock()
     router = Router(spec(ext("p", ("http://a:1",)), ext("q", ("http://b:1",))), clock)
+    prior = 1 / 4000
+
+    def rate_after(spt: float, sample: float) -> float:
+        return 1 / (spt + RATE_EMA * (sample - spt))
+
     a = router.admit("m", "k", list(range(1000)))
-    assert a.pool.name == "p" and a.endpoint.prompt_rate(4000.0, clock.now) == 4000.0  # configured, until measured
+    assert a.pool.name == "p"  # a tie at the configured rate: the first pool
     clock.now += 2.0
-    router.first_output(a)  # 1,000 uncached tokens, none queued ahead, in 2 s
+    router.first_output(a)  # 1,000 uncached tokens, nothing prefilled meanwhile, in 2 s
     router.finish(a, ok=True)
     p = a.endpoint
-    assert p.prompt_rate(4000.0, clock.now) == 500.0
-    b = router.admit("m", "k", list(range(2000, 3000)))  # p: 1,000 / 500 = 2 s; q: 0.25 s
+    assert p.prompt_rate(4000.0) == pytest.approx(rate_after(prior, 2.0 / 1000))
+    b = router.admit("m", "k", list(range(2000, 3000)))  # p now ~1,450 tokens/s: 0.69 s; q 0.25 s
     assert b.pool.name == "q"
-    c = router.admit("m", "k", list(range(4000, 5000)))  # queued behind b: (1,000 + 1,000) / 4,000 tokens/s
-    assert c.pool.name == "q" and c.queued_ahead == 1000
+    c = router.admit("m", "k", list(range(4000, 5000)))  # behind b: 0.5 s on q, still less than p
+    assert c.pool.name == "q"
     clock.now += 0.25
     router.first_output(b)  # 1,000 tokens in 0.25 s
     clock.now += 0.25
-    router.first_output(c)  # 2,000 tokens of work (its own and b's) in 0.5 s: 4,000 tokens/s too
+    router.first_output(c)  # its 1,000 and b's, prefilled while it waited, in 0.5 s
     q = b.endpoint
-    assert q.prompt_rate(4000.0, clock.now) == 4000.0 and q.measured_rate == 4000.0
+    assert q.prompt_rate(4000.0) == pytest.approx(4000.0) and q.rate_samples == 2
+    # a request that ends before its first output (cancelled; or not streamed) is no work done
+    gone = router.admit("m", "k", list(range(6000, 6600)))
+    router.finish(gone, ok=False)
+    d = router.admit("m", "k", list(range(7000, 7600)))
+    assert gone.endpoint is q and d.endpoint is q
+    clock.now += 0.3
+    router.first_output(d)  # 600 tokens in 0.3 s: 2,000 tokens/s, not (600 + 600) / 0.3
+    assert q.prompt_rate(4000.0) == pytest.approx(rate_after(prior, 0.3 / 600))
+    assert q.prefilled_tokens == 2600
     # a short prompt's first output is mostly fixed latency: not a sample
-    d = router.admit("m", "k", list(range(6000, 6100)))
+    short = router.admit("m", "k", list(range(8000, 8100)))
     clock.now += 5.0
-    router.first_output(d)
-    assert d.endpoint.measured_rate in (500.0, 4000.0) and d.endpoint.measured_at < clock.now
-    for route in (b, c, d):
+    router.first_output(short)
+    assert short.endpoint.rate_samples in (1, 3) and short.endpoint.sampled_at < clock.now
+    # an outlier (a prompt the engine had cached) moves the average by at most a clamped sample
+    spt = 1 / q.prompt_rate(4000.0)
+    fast = router.admit("m", "k", list(range(9000, 10000)))
+    assert fast.endpoint is q
+    clock.now += 1e-6
+    router.first_output(fast)
+    assert q.prompt_rate(4000.0) == pytest.approx(rate_after(spt, prior / RATE_CLAMP))
+    # and the measurement stays (no expiry back to a configured guess)
+    clock.now += 3600
+    assert q.prompt_rate(4000.0) == pytest.approx(rate_after(spt, prior / RATE_CLAMP))
+    for route in (b, c, d, short, fast):
         router.finish(route, ok=True)
-    # samples average (RATE_EMA), and a measurement a minute old gives way to the configuration
-    e = router.admit("m", "k", list(range(7000, 8000)))
-    clock.now += 1.0
-    router.first_output(e)
-    router.finish(e, ok=True)
-    assert e.endpoint is q and q.measured_rate == pytest.approx(4000.0 + 0.25 * (1000.0 - 4000.0))
-    clock.now += RATE_TTL_S + 0.1
-    assert q.rate_and_source(4000.0, clock.now) == (4000.0, "configured")
-    assert p.rate_and_source(4000.0, clock.now) == (4000.0, "configured")
 
 
 def test_an_endpoint_is_ejected_after_failures_and_comes_back() -> None:
