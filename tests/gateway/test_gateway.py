@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.server_proc import BatonProcess
 from cluster.cli import main
 from cluster.gateway.config import HealthSpec, RoutingSpec, Rule
+from cluster.gateway.endpoints import RATE_CLAMP, RATE_EMA
 from engine.tokenizer import Tokenizer
 from tests.cluster.conftest import ServerHandle, all_pages_free
 from tests.cluster.test_metrics_catalog import (
@@ -102,7 +103,10 @@ def test_model_routing_sends_each_model_to_its_pool(
                       json={"model": EXT, "prompt": text(300, 100), "max_tokens": 4, "stream": True}) as r:  # fmt: skip
         assert r.status_code == 200 and [line for line in r.iter_lines() if line.startswith("data: ")][-1] == "data: [DONE]"
     rate = httpx.get(gw.url + "/status").json()["pools"]["pools"]["ext"]["endpoints"][0]["prompt_rate"]
+    # one sample moved the average off the configured 4,000 tokens/s, by at most a clamped sample
+    # (RATE_EMA of the way to 32x slower or faster in seconds per token)
     assert rate["samples"] == 1 and rate["tokens_per_s"] != 4000.0 and rate["age_s"] >= 0
+    assert 4000 / (1 - RATE_EMA + RATE_EMA * RATE_CLAMP) <= rate["tokens_per_s"] <= 4000 / (1 - RATE_EMA + RATE_EMA / RATE_CLAMP)
     assert count(gw.url, "baton_pool_prompt_rate_tokens_per_second", pool="ext") == pytest.approx(
         rate["tokens_per_s"], abs=0.05)
     # docs/metrics.md, whole: the colocated rows and the gateway's (tests/cluster/test_metrics_catalog.py)

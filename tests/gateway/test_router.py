@@ -171,7 +171,7 @@ def test_the_cost_rule_learns_each_endpoints_prompt_rate_from_its_first_outputs(
     short = router.admit("m", "k", list(range(8000, 8100)))
     clock.now += 5.0
     router.first_output(short)
-    assert short.endpoint.rate_samples in (1, 3) and short.endpoint.sampled_at < clock.now
+    assert short.endpoint is q and q.rate_samples == 3 and q.sampled_at < clock.now
     # an outlier (a prompt the engine had cached) moves the average by at most a clamped sample
     spt = 1 / q.prompt_rate(4000.0)
     fast = router.admit("m", "k", list(range(9000, 10000)))
