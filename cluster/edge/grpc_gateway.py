@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -55,6 +56,14 @@ def route_key(gateway: Gateway, context: grpc.aio.ServicerContext, tenant: Tenan
             if name == wanted and isinstance(value, str) and value:
                 return value[:256]
     return tenant.name
+
+
+def first_output(gateway: Gateway | None, route: Route | None) -> Callable[[], None] | None:
+    """What an own-pool stream calls at its first output (Upstreams.first_output), or None where
+    the gateway did not route it."""
+    if gateway is None or route is None:
+        return None
+    return lambda: gateway.upstreams.first_output(route, time.monotonic())
 
 
 @contextlib.contextmanager

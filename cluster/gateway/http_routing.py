@@ -25,12 +25,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from cluster.errors import EdgeError, Kind
 from cluster.gateway import tokenize_proxy
-from cluster.gateway.proxy import Attempt, Upstreams
+from cluster.gateway.proxy import Attempt, Upstreams, Watch
 from cluster.gateway.route_log import RouteLog
 from cluster.gateway.router import Route, Router
 from engine.tokenizer import Tokenizer
@@ -181,12 +182,20 @@ class GatewayRouting:
     async def _own(self, scope: Scope, receive: Receive, send: Send, raw: bytes, route: Route,
                    body: dict[str, Any]) -> None:  # fmt: skip
         status = 500
+        watch: Watch | None = None  # a streamed answer's, watched as an external pool's is
 
         async def watched(message: Message) -> None:
-            nonlocal status
+            nonlocal status, watch
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if status == 200 and any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                         for k, v in message.get("headers", ())):  # fmt: skip
+                    watch = Watch(route)
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-baton-pool", route.pool.name.encode())]}
+            elif watch is not None and message["type"] == "http.response.body":
+                # the first output ends the route's prompt work: the cost rule's queue for the
+                # own pool drains then, and its prompt rate is measured, as an external pool's
+                self.upstreams.watch(watch, message.get("body", b""), time.monotonic())
             await send(message)
 
         try:

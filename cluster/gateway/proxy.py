@@ -37,14 +37,23 @@ FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-r
 
 
 @dataclass(slots=True)
+class Watch:
+    """What one answer's bytes have shown as they passed: its first output (the route's TTFT,
+    the endpoint's prompt-rate sample), the time between outputs, the engine's cached tokens."""
+
+    route: Route
+    first_at: float | None = None
+    last_at: float | None = None
+    pending: bytes = b""  # a streamed answer's unfinished event; a whole answer's body (its usage)
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
 class Attempt:
     route: Route
     response: aiohttp.ClientResponse
     stream: bool
-    first_at: float | None = None
-    last_at: float | None = None
-    pending: bytes = b""
-    cached_tokens: int = 0
+    watch: Watch
     _finished: bool = field(default=False)
 
 
@@ -110,7 +119,7 @@ class Upstreams:
             except BaseException:
                 self.ended(route, "cancelled")
                 raise
-            return Attempt(route, response, stream and response.status == 200)
+            return Attempt(route, response, stream and response.status == 200, Watch(route))
 
     async def relay(self, attempt: Attempt) -> AsyncIterator[bytes]:
         """The response body as it arrives, each chunk passed on as it is. EdgeError
@@ -119,9 +128,9 @@ class Upstreams:
             async for chunk in attempt.response.content.iter_any():
                 now = time.monotonic()
                 if attempt.stream:
-                    self._watch(attempt, chunk, now)
-                elif len(attempt.pending) < MAX_SSE_EVENT_BYTES:  # kept for its usage
-                    attempt.pending += chunk
+                    self.watch(attempt.watch, chunk, now)
+                elif len(attempt.watch.pending) < MAX_SSE_EVENT_BYTES:  # kept for its usage
+                    attempt.watch.pending += chunk
                 yield chunk
         except (aiohttp.ClientError, OSError) as exc:
             pool = attempt.route.pool.name
@@ -168,7 +177,7 @@ class Upstreams:
             outcome = "error"
         failed = outcome == "broken" or status >= 500
         if not attempt.stream and outcome == "ok":
-            self._usage(attempt)
+            self._usage(attempt.watch)
         self.ended(route, outcome, failed_endpoint=failed)
 
     def ended(self, route: Route, outcome: str, failed_endpoint: bool = False) -> None:
@@ -194,15 +203,17 @@ class Upstreams:
 
     # -- what passes through -----------------------------------------------------------------
 
-    def _watch(self, attempt: Attempt, chunk: bytes, now: float) -> None:
-        data = (attempt.pending + chunk).replace(b"\r\n", b"\n")
-        *events, attempt.pending = data.split(b"\n\n")
-        if len(attempt.pending) > MAX_SSE_EVENT_BYTES:
-            attempt.pending = b""
+    def watch(self, w: Watch, chunk: bytes, now: float) -> None:
+        """One chunk of a streamed (SSE) answer, as it passes: the first output ends the route's
+        prompt work (Router.first_output) and is its TTFT; each one after, the time between."""
+        data = (w.pending + chunk).replace(b"\r\n", b"\n")
+        *events, w.pending = data.split(b"\n\n")
+        if len(w.pending) > MAX_SSE_EVENT_BYTES:
+            w.pending = b""
         for event in events:
             if not event.startswith(b"data:") or event.startswith(b"data: [DONE]"):
                 continue
-            if attempt.first_at is not None and b'"usage"' not in event:
+            if w.first_at is not None and b'"usage"' not in event:
                 output = True  # past the first output, each chunk is one (parsing them all cost the loop)
             else:
                 try:
@@ -211,22 +222,25 @@ class Upstreams:
                     continue
                 if not isinstance(body, dict):
                     continue
-                self._cached_from(attempt, body)
+                self._cached_from(w, body)
                 output = _has_output(body)
             if output:
-                pool, url = attempt.route.pool.name, attempt.route.endpoint.url
-                if attempt.first_at is None:
-                    attempt.first_at = now
-                    self.router.first_output(attempt.route)
-                    self.metrics.ttft.labels(pool, url).observe(now - attempt.route.started)
-                    attempt.route.pool.ttfts.append(now - attempt.route.started)
-                elif attempt.last_at is not None:
-                    self.metrics.itl.labels(pool, url).observe(now - attempt.last_at)
-                    attempt.route.pool.itls.append(now - attempt.last_at)
-                attempt.last_at = now
+                if w.first_at is None:
+                    w.first_at = now
+                    self.first_output(w.route, now)
+                elif w.last_at is not None:
+                    self.metrics.itl.labels(w.route.pool.name, w.route.endpoint.url).observe(now - w.last_at)
+                    w.route.pool.itls.append(now - w.last_at)
+                w.last_at = now
 
-    def _usage(self, attempt: Attempt) -> None:
-        body = attempt.pending
+    def first_output(self, route: Route, now: float) -> None:
+        """The route's first output came (its TTFT): the endpoint has done its prompt work."""
+        self.router.first_output(route)
+        self.metrics.ttft.labels(route.pool.name, route.endpoint.url).observe(now - route.started)
+        route.pool.ttfts.append(now - route.started)
+
+    def _usage(self, w: Watch) -> None:
+        body = w.pending
         if not body:
             return
         try:
@@ -234,17 +248,17 @@ class Upstreams:
         except ValueError:
             return
         if isinstance(parsed, dict):
-            self._cached_from(attempt, parsed)
+            self._cached_from(w, parsed)
 
-    def _cached_from(self, attempt: Attempt, body: dict[str, object]) -> None:
+    def _cached_from(self, w: Watch, body: dict[str, object]) -> None:
         usage = body.get("usage")
         if not isinstance(usage, dict):
             return
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        if isinstance(cached, int) and 0 <= cached <= 1 << 31 and not attempt.cached_tokens:
-            attempt.cached_tokens = cached
-            route = attempt.route
+        if isinstance(cached, int) and 0 <= cached <= 1 << 31 and not w.cached_tokens:
+            w.cached_tokens = cached
+            route = w.route
             route.endpoint.cached_tokens += cached
             self.metrics.cached_tokens.labels(route.pool.name, route.endpoint.url).inc(cached)
 

@@ -109,6 +109,14 @@ def test_model_routing_sends_each_model_to_its_pool(
     assert 4000 / (1 - RATE_EMA + RATE_EMA * RATE_CLAMP) <= rate["tokens_per_s"] <= 4000 / (1 - RATE_EMA + RATE_EMA / RATE_CLAMP)
     assert count(gw.url, "baton_pool_prompt_rate_tokens_per_second", pool="ext") == pytest.approx(
         rate["tokens_per_s"], abs=0.05)
+    # the own pool's streams are watched the same way: its first output ends its prompt work
+    assert count(gw.url, "baton_pool_ttft_seconds_count", pool="baton") == 0  # non-streamed so far
+    with httpx.stream("POST", gw.url + "/v1/completions", timeout=60,
+                      json={"model": "baton-tiny", "prompt": text(302, 100), "max_tokens": 4, "stream": True}) as r:  # fmt: skip
+        assert r.headers["x-baton-pool"] == "baton" and [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    own = httpx.get(gw.url + "/status").json()["pools"]["pools"]["baton"]["endpoints"][0]
+    assert own["prompt_rate"]["samples"] == 1 and own["inflight"] == 0
+    assert count(gw.url, "baton_pool_ttft_seconds_count", pool="baton") == 1
     # docs/metrics.md, whole: the colocated rows and the gateway's (tests/cluster/test_metrics_catalog.py)
     rows = catalog()
     check_exports(gw.url, {**section(rows, None, RAY_ONLY_FROM), **section(rows, GATEWAY_FROM, None)})
@@ -284,6 +292,8 @@ def test_grpc_clients_are_served_from_an_http_pool(
         parts = list(stub.Generate(pb.GenerateRequest(model=EXT, text=prompt, sampling=sampling), timeout=60))
         whole = stub.Complete(pb.CompleteRequest(model=EXT, text=prompt, sampling=sampling), timeout=60)
         own = stub.Complete(pb.CompleteRequest(model="baton-tiny", text=prompt, sampling=sampling), timeout=60)
+        own_parts = list(stub.Generate(pb.GenerateRequest(model="baton-tiny", text=text(303, 100), sampling=sampling),
+                                       timeout=60))  # fmt: skip
         alias = stub.Complete(pb.CompleteRequest(model="tiny-alias", text=prompt, sampling=sampling), timeout=60)
         renamed = stub.Complete(pb.CompleteRequest(model="chat", text=prompt, sampling=sampling), timeout=60)
         with pytest.raises(grpc.RpcError) as refused:  # constrained output stays with the own pool
@@ -295,7 +305,12 @@ def test_grpc_clients_are_served_from_an_http_pool(
     assert (alias.text, alias.token_ids) == (own.text, own.token_ids) and renamed.text == want  # sent upstream as EXT
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert count(gw.url, "baton_route_decisions_total", pool="ext") == 5
-    assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 5
+    assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 6
+    # an own-pool stream over gRPC: its first output is the own pool's TTFT and prompt-rate sample
+    assert sum(len(p.token_ids) for p in own_parts) == 8
+    assert count(gw.url, "baton_pool_ttft_seconds_count", pool="baton") == 1
+    own_rate = httpx.get(gw.url + "/status").json()["pools"]["pools"]["baton"]["endpoints"][0]["prompt_rate"]
+    assert own_rate["samples"] == 1
 
 
 def word_tokenizer(directory: Path, words: set[str]) -> Tokenizer:
