@@ -54,13 +54,17 @@ class Endpoint:
     cached_tokens: int = 0  # what the engine reported
     kv_events: str | None = None  # its publisher's address, when its index entries are precise
     prefilled_tokens: int = 0  # uncached prompt tokens of the streamed requests whose first output came
-    seconds_per_token: float | None = None  # the measured prompt rate, inverted (RATE_*); None: not yet
+    seconds_per_token: float = 0.0  # the prompt rate, inverted: the prior until samples move it (RATE_*)
     rate_samples: int = 0
     sampled_at: float = 0.0
 
-    def prompt_rate(self, configured: float) -> float:
-        """The rate the cost rule divides by (tokens/s): the measured one, else `configured`."""
-        return configured if self.seconds_per_token is None else 1.0 / self.seconds_per_token
+    def __post_init__(self) -> None:
+        self.seconds_per_token = self.configured_seconds_per_token
+
+    @property
+    def prompt_rate(self) -> float:
+        """The rate the cost rule divides by (tokens/s)."""
+        return 1.0 / self.seconds_per_token
 
     def first_output(self, own_tokens: int, prefilled_before: int, seconds: float, now: float) -> None:
         """A streamed request's first output came `seconds` after it was sent, with `own_tokens`
@@ -71,8 +75,7 @@ class Endpoint:
             return
         configured = self.configured_seconds_per_token
         sample = min(max(seconds / work, configured / RATE_CLAMP), configured * RATE_CLAMP)
-        prior = configured if self.seconds_per_token is None else self.seconds_per_token
-        self.seconds_per_token = prior + RATE_EMA * (sample - prior)
+        self.seconds_per_token += RATE_EMA * (sample - self.seconds_per_token)
         self.rate_samples += 1
         self.sampled_at = now
 

@@ -79,7 +79,7 @@ class _RouterState(Collector):
             for e in pool.endpoints:
                 inflight.add_metric([pool.name, e.url], e.inflight)
                 up.add_metric([pool.name, e.url], 1.0 if e.is_available(now) else 0.0)
-                rate.add_metric([pool.name, e.url], e.prompt_rate(pool.spec.prefill_tokens_per_s))
+                rate.add_metric([pool.name, e.url], e.prompt_rate)
         overlap = GaugeMetricFamily(
             "baton_route_overlap_ratio",
             "Per route key, the token-weighted share of prompt tokens its earlier requests had sent (window)",

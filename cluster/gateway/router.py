@@ -12,12 +12,12 @@
 Predicted TTFT of an endpoint = (prompt tokens it has queued -- sent, no output yet -- + this
 prompt's tokens it does not hold) / its prompt rate, where what it holds comes from the prefix
 index (precise from KV events, else what the gateway sent it). The prompt rate is measured for
-external endpoints: each streamed request's first output is a sample (its own uncached tokens
-and those of the requests that got their first output while it waited, over its wait), so a pool
-on slower hardware, or one already carrying many decode streams, is seen to be slower; the pool's
-configured prefill_tokens_per_s is where the average starts (cluster.gateway.endpoints, RATE_*).
-The own pool's answers are not watched for their first output: it keeps the configured rate.
-A pool at its max_concurrency takes
+every endpoint, the own pool's too: each streamed request's first output (`first_output`, from
+the proxy's watch of the answer, or an own-pool gRPC stream) takes its tokens off the queue and
+is a sample (its own uncached tokens and those of the requests that got their first output while
+it waited, over its wait), so a pool on slower hardware, or one already carrying many decode
+streams, is seen to be slower; the pool's configured prefill_tokens_per_s is where the average
+starts (cluster.gateway.endpoints, RATE_*). A pool at its max_concurrency takes
 nothing more: the cost rule passes it by, and a model or rule that names it is refused with 429.
 
 `admit` teaches the overlap measure and the approximate index what is being sent (at once, so
@@ -195,7 +195,7 @@ class Router:
         out = []
         for i, e in enumerate(live):
             hit_tokens = min(held[endpoint_id(pool.name, e.url)].num_pages * spec.block_size, max(0, num_tokens - 1))
-            cost = (e.inflight_tokens + num_tokens - hit_tokens) / e.prompt_rate(spec.prefill_tokens_per_s)
+            cost = (e.inflight_tokens + num_tokens - hit_tokens) / e.prompt_rate
             out.append(_Option((cost, e.inflight, e.num_routed, i), e, hit_tokens))
         return out
 

@@ -148,17 +148,17 @@ class Gateway:
                     "index": "kv-events" if e.kv_events else "approximate" if not pool.spec.is_own else "engine",
                     "prompt_tokens": e.prompt_tokens, "estimated_hit_tokens": e.hit_tokens,
                     "reported_cached_tokens": e.cached_tokens,
-                    "prompt_rate": _prompt_rate(e, pool.spec.prefill_tokens_per_s, now),
+                    "prompt_rate": _prompt_rate(e, now),
                 } for e in pool.endpoints],
             }  # fmt: skip
         return {"pools": pools, "route_key": self.spec.routing.route_key,
                 "overlap": self.router.meter.snapshot(), "indexed_pages": self.router.index.num_pages}  # fmt: skip
 
 
-def _prompt_rate(endpoint: Endpoint, configured: float, now: float) -> dict[str, Any]:
+def _prompt_rate(endpoint: Endpoint, now: float) -> dict[str, Any]:
     """What the cost rule divides by for `endpoint` (cluster.gateway.router): tokens/s, the
     samples behind it (0: the configured rate) and the age of the last."""
-    return {"tokens_per_s": round(endpoint.prompt_rate(configured), 1), "samples": endpoint.rate_samples,
+    return {"tokens_per_s": round(endpoint.prompt_rate, 1), "samples": endpoint.rate_samples,
             "age_s": round(now - endpoint.sampled_at, 1) if endpoint.rate_samples else None}
 
 

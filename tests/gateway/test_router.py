@@ -147,7 +147,7 @@ def test_the_cost_rule_learns_each_endpoints_prompt_rate_from_its_first_outputs(
     router.first_output(a)  # 1,000 uncached tokens, nothing prefilled meanwhile, in 2 s
     router.finish(a, ok=True)
     p = a.endpoint
-    assert p.prompt_rate(4000.0) == pytest.approx(rate_after(prior, 2.0 / 1000))
+    assert p.prompt_rate == pytest.approx(rate_after(prior, 2.0 / 1000))
     b = router.admit("m", "k", list(range(2000, 3000)))  # p now ~1,450 tokens/s: 0.69 s; q 0.25 s
     assert b.pool.name == "q"
     c = router.admit("m", "k", list(range(4000, 5000)))  # behind b: 0.5 s on q, still less than p
@@ -157,7 +157,7 @@ def test_the_cost_rule_learns_each_endpoints_prompt_rate_from_its_first_outputs(
     clock.now += 0.25
     router.first_output(c)  # its 1,000 and b's, prefilled while it waited, in 0.5 s
     q = b.endpoint
-    assert q.prompt_rate(4000.0) == pytest.approx(4000.0) and q.rate_samples == 2
+    assert q.prompt_rate == pytest.approx(4000.0) and q.rate_samples == 2
     # a request that ends before its first output (cancelled; or not streamed) is no work done
     gone = router.admit("m", "k", list(range(6000, 6600)))
     router.finish(gone, ok=False)
@@ -165,7 +165,7 @@ def test_the_cost_rule_learns_each_endpoints_prompt_rate_from_its_first_outputs(
     assert gone.endpoint is q and d.endpoint is q
     clock.now += 0.3
     router.first_output(d)  # 600 tokens in 0.3 s: 2,000 tokens/s, not (600 + 600) / 0.3
-    assert q.prompt_rate(4000.0) == pytest.approx(rate_after(prior, 0.3 / 600))
+    assert q.prompt_rate == pytest.approx(rate_after(prior, 0.3 / 600))
     assert q.prefilled_tokens == 2600
     # a short prompt's first output is mostly fixed latency: not a sample
     short = router.admit("m", "k", list(range(8000, 8100)))
@@ -173,15 +173,15 @@ def test_the_cost_rule_learns_each_endpoints_prompt_rate_from_its_first_outputs(
     router.first_output(short)
     assert short.endpoint is q and q.rate_samples == 3 and q.sampled_at < clock.now
     # an outlier (a prompt the engine had cached) moves the average by at most a clamped sample
-    spt = 1 / q.prompt_rate(4000.0)
+    spt = 1 / q.prompt_rate
     fast = router.admit("m", "k", list(range(9000, 10000)))
     assert fast.endpoint is q
     clock.now += 1e-6
     router.first_output(fast)
-    assert q.prompt_rate(4000.0) == pytest.approx(rate_after(spt, prior / RATE_CLAMP))
+    assert q.prompt_rate == pytest.approx(rate_after(spt, prior / RATE_CLAMP))
     # and the measurement stays (no expiry back to a configured guess)
     clock.now += 3600
-    assert q.prompt_rate(4000.0) == pytest.approx(rate_after(spt, prior / RATE_CLAMP))
+    assert q.prompt_rate == pytest.approx(rate_after(spt, prior / RATE_CLAMP))
     for route in (b, c, d, short, fast):
         router.finish(route, ok=True)
 
