@@ -2,6 +2,12 @@
 one retry on a connection failure before the first byte, never after, and what passes through
 watched on the way (TTFT, the time between chunks, the engine's reported cached tokens).
 
+Pooled connections are closed after UPSTREAM_IDLE_S idle, below the idle timeout engines' HTTP
+servers close theirs at, so a request is not written into a connection the engine is closing
+(the race answers it with a reset or a bare close). A connection that still closes before any
+byte of an answer (`dropped`) is dialled again once, anywhere in the pool, the endpoint not
+blamed: it was reached. Only a connection that cannot be made counts toward ejection.
+
     attempt = await upstreams.send(route_for, path, body, headers)
         route_for(exclude) -> Route   the router's choice (again, elsewhere, for the retry)
         -> Attempt: the route it went to and the response, headers read, body not yet
@@ -34,6 +40,19 @@ logger = logging.getLogger(__name__)
 
 MAX_SSE_EVENT_BYTES = 1 << 20  # an event longer than this is passed on without being looked at
 FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
+# An idle pooled connection is closed after this long: under the 5 s after which uvicorn (vLLM,
+# SGLang) and cpp-httplib (llama-server) close one. aiohttp's default, 15 s, let the gateway reuse
+# connections the engine was closing: in a routed run on 2026-12-07, three requests to vLLM were
+# reset in 90 ms after a lull of about 5 s, which ejected the pool's one endpoint for 10 s.
+UPSTREAM_IDLE_S = 2.0
+
+
+def dropped(exc: BaseException) -> bool:
+    """The connection was open and closed (reset, or shut) before any byte of an answer: most
+    often a pooled one the engine had just closed; not a connection that could not be made."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
 
 
 @dataclass(slots=True)
@@ -75,7 +94,8 @@ class Upstreams:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # made in the serving loop, on first use
-            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, enable_cleanup_closed=True)
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, enable_cleanup_closed=True,
+                                             keepalive_timeout=UPSTREAM_IDLE_S)
             self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False)
         return self._session
 
@@ -99,8 +119,10 @@ class Upstreams:
         incoming: Mapping[str, str], stream: bool,
     ) -> Attempt:
         """POST `body` to the chosen endpoint's `path`; once more elsewhere when the first could
-        not be reached (no byte of an answer had come). EdgeError(UNAVAILABLE) when neither could."""
+        not be reached (no byte of an answer had come). EdgeError(UNAVAILABLE) when neither could.
+        A connection dropped before the answer began is dialled again once first (`dropped`)."""
         tried: list[Endpoint] = []
+        redialled = False
         while True:
             route = route_for(tried)
             spec = route.pool.spec
@@ -109,6 +131,12 @@ class Upstreams:
                 response = await self.session.post(route.endpoint.url + path, data=body, timeout=timeout,
                                                    headers=self.headers_for(route, incoming))  # fmt: skip
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                if dropped(exc) and not redialled:
+                    redialled = True  # the endpoint was reached: not its failure, and not excluded
+                    self.ended(route, "dropped")
+                    logger.info("pool %s endpoint %s dropped a connection (%s): dialled again",
+                                route.pool.name, route.endpoint.url, exc)  # fmt: skip
+                    continue
                 self.ended(route, "unreachable", failed_endpoint=True)
                 logger.warning("pool %s endpoint %s unreachable: %s", route.pool.name, route.endpoint.url, exc)
                 tried.append(route.endpoint)
@@ -198,7 +226,7 @@ class Upstreams:
             e.hit_tokens += route.hit_tokens
             self.metrics.prompt_tokens.labels(pool, url).inc(route.prompt_tokens)
             self.metrics.hit_tokens.labels(pool, url).inc(route.hit_tokens)
-        elif outcome != "cancelled":
+        elif outcome not in ("cancelled", "dropped"):
             e.num_failed += 1
 
     # -- what passes through -----------------------------------------------------------------

@@ -428,3 +428,67 @@ def test_health_probes_eject_an_endpoint_and_bring_it_back(make_gateway: Callabl
         server.shutdown()
         server.server_close()
     assert endpoint["up"] is True and endpoint["failures"] == 0 and endpoint["ejections"] >= 1
+
+
+def test_a_connection_the_engine_closes_is_dialled_again_without_blaming_it(
+    make_gateway: Callable[..., ServerHandle],
+) -> None:
+    """An engine that closes a pooled connection as the next request goes out (its keep-alive
+    timer firing just then): the request is sent again on a new connection and answered; the
+    endpoint stays in, nothing counted as its failure."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench.server_proc import free_port
+
+    seen = {"connections": 0, "posts": 0}  # connections that carried a POST, POSTs read
+    answer = json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": EXT,
+                         "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
+                         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()  # fmt: skip
+
+    class ClosesOnReuse(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the gateway pools the connection
+        posts = 0  # on this connection
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            # the health probe; its connection closes, so the gateway pools only the POSTs'
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("content-length", "0")
+            self.send_header("connection", "close")
+            self.close_connection = True
+            self.end_headers()
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            seen["posts"] += 1
+            self.posts += 1
+            if self.posts > 1:  # the second request on a connection: closed unanswered
+                self.close_connection = True
+                return
+            seen["connections"] += 1
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    port = free_port()
+    server = ThreadingHTTPServer(("127.0.0.1", port), ClosesOnReuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        gw = make_gateway([pool("ext", [url], kind="llama.cpp")])  # one endpoint: nowhere else to go
+        first, second = complete(gw.url, "hello"), complete(gw.url, "hello again")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (first.status_code, second.status_code) == (200, 200), second.text
+    # the second went out on the first's pooled connection, was dropped, and went again on a new one
+    assert seen == {"connections": 2, "posts": 3}
+    assert count(gw.url, "baton_pool_requests_total", endpoint=url, outcome="dropped") == 1
+    assert count(gw.url, "baton_pool_requests_total", endpoint=url, outcome="unreachable") == 0
+    assert count(gw.url, "baton_pool_requests_total", endpoint=url, outcome="ok") == 2
+    endpoint = httpx.get(gw.url + "/status").json()["pools"]["pools"]["ext"]["endpoints"][0]
+    assert endpoint["up"] is True and endpoint["failures"] == 0 and endpoint["failed"] == 0
