@@ -117,6 +117,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="the host with the baton_prefill resource (default 1 when N >= 3)")
     hosts.add_argument("--decode-host", type=int, default=None,
                        help="the host with the baton_decode resource (default 2 when N >= 3)")
+    hosts.add_argument("--write-config", type=Path, default=None, metavar="PATH",
+                       help="also write the hosts' cluster.yaml to PATH (replaced if there), for `baton serve --config`")
     hosts.add_argument("--sweep", action="store_true", help="only remove what killed runs left behind")
     hosts.set_defaults(func=_cmd_dev_hosts)
 
@@ -444,7 +446,11 @@ def _cmd_dev_hosts(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     print(f"baton: starting {args.n} hosts ...", file=sys.stderr)
     with devhosts.DevHosts(args.n, resources=resources) as hosts:
-        print(devhosts.describe(hosts, roles, str(Path(sys.executable).parent / "baton")), flush=True)
+        written = None
+        if args.write_config is not None:  # the addresses change from run to run: written anew
+            args.write_config.write_text(devhosts.cluster_yaml(hosts, roles))
+            written = str(args.write_config)
+        print(devhosts.describe(hosts, roles, str(Path(sys.executable).parent / "baton"), written), flush=True)
         try:
             while True:
                 signal.pause()

@@ -392,8 +392,9 @@ def cluster_yaml(hosts: DevHosts, roles: Mapping[str, int]) -> str:
     return "\n".join(lines)
 
 
-def describe(hosts: DevHosts, roles: Mapping[str, int], baton: str) -> str:
-    """How to use running dev hosts: each host, the Ray address and token, a serve line."""
+def describe(hosts: DevHosts, roles: Mapping[str, int], baton: str, written: str | None = None) -> str:
+    """How to use running dev hosts: each host, the Ray address and token, a serve line (its
+    --config the file `written`, where the cluster.yaml was saved, else cluster.yaml to make)."""
     by_host = {i: f"baton_{role}" for role, i in roles.items()}
     rows = [f"  host {h.index}  {h.netns:<14} {h.ip:<13} {'Ray head  ' if h.index == 0 else ''}"
             f"{by_host.get(h.index, '')}".rstrip() for h in hosts.hosts]
@@ -406,11 +407,11 @@ def describe(hosts: DevHosts, roles: Mapping[str, int], baton: str) -> str:
         "Ray's token, for drivers and `ray status`:",
         f"  export {token}",
         "",
-        "cluster.yaml:",
+        f"cluster.yaml (written to {written}):" if written else "cluster.yaml (save it as such):",
         *("  " + line for line in cluster_yaml(hosts, roles).splitlines()),
         "",
         "serve from host 0 (drivers belong there):",
-        f"  ip netns exec {hosts.hosts[0].netns} env {token} {baton} serve --config cluster.yaml",
+        f"  ip netns exec {hosts.hosts[0].netns} env {token} {baton} serve --config {written or 'cluster.yaml'}",
         f"  curl http://{hosts.hosts[0].ip}:8000/v1/models",
         "",
         "Ctrl-C (or SIGTERM) stops every host and removes them.",

@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 
 from cluster.cluster_config import parse_cluster_file
-from cluster.devhosts import STATE_DIR, DevHosts, DevHostsError, Host, cluster_yaml, sweep_stale
+from cluster.devhosts import (
+    STATE_DIR,
+    DevHosts,
+    DevHostsError,
+    Host,
+    cluster_yaml,
+    describe,
+    sweep_stale,
+)
 from tests.multihost.conftest import require_devhosts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,10 +258,15 @@ def test_actors_land_on_the_hosts_their_resources_name(three_hosts: DevHosts) ->
 
 
 def test_the_printed_cluster_yaml_is_valid(three_hosts: DevHosts) -> None:
-    f = parse_cluster_file(cluster_yaml(three_hosts, {"prefill": 1, "decode": 2}))
+    roles = {"prefill": 1, "decode": 2}
+    f = parse_cluster_file(cluster_yaml(three_hosts, roles))
     assert f.ray.address == three_hosts.ray_address
     assert f.workers.prefill.resources == {"baton_prefill": 1} and f.workers.decode.resources == {"baton_decode": 1}
     assert f.api.host == three_hosts.hosts[0].ip
+    # `baton dev hosts --write-config PATH`: the serve line names the file written
+    assert "serve --config cluster.yaml\n" in describe(three_hosts, roles, "baton")
+    said = describe(three_hosts, roles, "baton", "/run/dev.yaml")
+    assert "cluster.yaml (written to /run/dev.yaml):" in said and "serve --config /run/dev.yaml\n" in said
 
 
 def test_a_killed_host_rejoins_as_a_new_node(three_hosts: DevHosts) -> None:
