@@ -62,7 +62,7 @@ from cluster.edge.grpc_fields import (
 from cluster.edge.grpc_gateway import (
     call_pool,
     detokenize_at_pool,
-    first_output,
+    output_watch,
     own_route,
     route_key,
     tokenize_at_pool,
@@ -156,11 +156,11 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
             await call_pool(self.frontend, route, request, context)
             return
         with own_route(self.frontend.gateway, route):
-            await self._generate_here(request, context, trace, first_output(self.frontend.gateway, route))
+            await self._generate_here(request, context, trace, output_watch(self.frontend.gateway, route))
 
     async def _generate_here(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, trace: RequestTrace,
-        on_first: Callable[[], None] | None = None,
+        on_output: Callable[[], None] | None = None,
     ) -> None:
         reqs, tickets, spec = await self._open(request, context, trace)
         parsers = [spec.tools.parser() if spec.tools is not None and spec.tools.is_parsed else None for _ in reqs]
@@ -173,9 +173,8 @@ class GenerationService(pb_grpc.GenerationServiceServicer):
                     message.index = index
                     await context.write(message)
                     request_id = ""  # only the first message carries it
-                    if on_first is not None and (message.text or message.token_ids):
-                        on_first()  # the gateway's route: its prompt work is done
-                        on_first = None
+                    if on_output is not None and (message.text or message.token_ids):
+                        on_output()  # the gateway's route: its TTFT, then the time between outputs
         finally:
             for ticket in tickets:
                 ticket.release()

@@ -15,6 +15,7 @@ A cancelled call closes the upstream request (cluster.gateway.proxy), as an HTTP
     call_pool(frontend, route, ...)        the whole trip to an external pool, counted as the
                                            edge counts a call (baton_requests_total{api="grpc"})
     own_route(gateway, route)              a call the gateway sent to its own pool, ended there
+    output_watch(gateway, route)           its stream's outputs, watched as an external one's (TTFT, ITL)
     tokenize_at_pool(frontend, pool, ...)  Tokenize and Detokenize for an external pool's model,
     detokenize_at_pool(...)                by its engine
 """
@@ -35,7 +36,7 @@ from cluster.edge.tenants import Tenant
 from cluster.errors import EdgeError, Kind
 from cluster.gateway import tokenize_proxy
 from cluster.gateway.endpoints import Endpoint, Pool
-from cluster.gateway.proxy import Attempt, Upstreams
+from cluster.gateway.proxy import Attempt, Upstreams, Watch
 from cluster.gateway.router import Route, Router
 from cluster.gateway.service import Gateway
 
@@ -58,12 +59,14 @@ def route_key(gateway: Gateway, context: grpc.aio.ServicerContext, tenant: Tenan
     return tenant.name
 
 
-def first_output(gateway: Gateway | None, route: Route | None) -> Callable[[], None] | None:
-    """What an own-pool stream calls at its first output (Upstreams.first_output), or None where
-    the gateway did not route it."""
+def output_watch(gateway: Gateway | None, route: Route | None) -> Callable[[], None] | None:
+    """What an own-pool stream calls at each message with output (Upstreams.output: the first is
+    its TTFT and ends its prompt work, the rest give the pool's ITL), or None where the gateway
+    did not route it."""
     if gateway is None or route is None:
         return None
-    return lambda: gateway.upstreams.first_output(route, time.monotonic())
+    watch, upstreams = Watch(route), gateway.upstreams
+    return lambda: upstreams.output(watch, time.monotonic())
 
 
 @contextlib.contextmanager

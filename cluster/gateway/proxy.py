@@ -253,13 +253,19 @@ class Upstreams:
                 self._cached_from(w, body)
                 output = _has_output(body)
             if output:
-                if w.first_at is None:
-                    w.first_at = now
-                    self.first_output(w.route, now)
-                elif w.last_at is not None:
-                    self.metrics.itl.labels(w.route.pool.name, w.route.endpoint.url).observe(now - w.last_at)
-                    w.route.pool.itls.append(now - w.last_at)
-                w.last_at = now
+                self.output(w, now)
+
+    def output(self, w: Watch, now: float) -> None:
+        """An output of a streamed answer (an SSE chunk with text or tokens; an own-pool gRPC
+        message): the first is its TTFT, the route's prompt work done; each one after, the time
+        since the one before (its pool's ITL)."""
+        if w.first_at is None:
+            w.first_at = now
+            self.first_output(w.route, now)
+        elif w.last_at is not None:
+            self.metrics.itl.labels(w.route.pool.name, w.route.endpoint.url).observe(now - w.last_at)
+            w.route.pool.itls.append(now - w.last_at)
+        w.last_at = now
 
     def first_output(self, route: Route, now: float) -> None:
         """The route's first output came (its TTFT): the endpoint has done its prompt work."""

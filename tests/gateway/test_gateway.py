@@ -306,9 +306,12 @@ def test_grpc_clients_are_served_from_an_http_pool(
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert count(gw.url, "baton_route_decisions_total", pool="ext") == 5
     assert count(gw.url, "baton_requests_total", api="grpc", outcome="ok") == 6
-    # an own-pool stream over gRPC: its first output is the own pool's TTFT and prompt-rate sample
+    # an own-pool stream over gRPC: its first output is the own pool's TTFT and prompt-rate sample,
+    # the time between its outputs the pool's ITL
     assert sum(len(p.token_ids) for p in own_parts) == 8
     assert count(gw.url, "baton_pool_ttft_seconds_count", pool="baton") == 1
+    outputs = [p for p in own_parts if p.text or p.token_ids]
+    assert len(outputs) >= 2 and count(gw.url, "baton_pool_itl_seconds_count", pool="baton") == len(outputs) - 1
     own_rate = httpx.get(gw.url + "/status").json()["pools"]["pools"]["baton"]["endpoints"][0]["prompt_rate"]
     assert own_rate["samples"] == 1
 
