@@ -152,7 +152,8 @@ class Gateway:
                 } for e in pool.endpoints],
             }  # fmt: skip
         return {"pools": pools, "route_key": self.spec.routing.route_key,
-                "overlap": self.router.meter.snapshot(), "indexed_pages": self.router.index.num_pages}  # fmt: skip
+                "overlap": self.router.meter.snapshot(), "indexed_pages": self.router.index.num_pages,
+                "expected_pages": self.router.index.num_expected}  # fmt: skip
 
 
 def _prompt_rate(endpoint: Endpoint, now: float) -> dict[str, Any]:

@@ -388,12 +388,15 @@ def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_p
     finally:
         for sock in pubs:
             sock.close()
-    endpoints = httpx.get(gw.url + "/status").json()["pools"]["pools"]["ext"]["endpoints"]
+    status = httpx.get(gw.url + "/status").json()["pools"]
+    endpoints = status["pools"]["ext"]["endpoints"]
     assert {e["index"] for e in endpoints} == {"kv-events"}
     if engine_tokens == "gateway's" or named:
         assert [e["ok"] for e in endpoints] == [0, 1] and endpoints[1]["estimated_hit_tokens"] == blocks * 16
+        assert status["expected_pages"] == 0  # the events had said it holds every page it was sent
     else:  # nothing matched: a tie, which the first endpoint takes
         assert [e["ok"] for e in endpoints] == [1, 0] and endpoints[1]["estimated_hit_tokens"] == 0
+        assert status["expected_pages"] >= 3  # what it was sent counts until its events say (10 s)
 
 
 def test_health_probes_eject_an_endpoint_and_bring_it_back(make_gateway: Callable[..., ServerHandle]) -> None:

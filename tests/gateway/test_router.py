@@ -365,3 +365,39 @@ def test_a_retry_is_placed_again_but_measured_once() -> None:
     again = router.admit("m", "k", list(range(64)), exclude=[first.endpoint], only_pool="p")
     assert again.endpoint is not first.endpoint
     assert router.meter.snapshot()["k"]["requests"] == 1
+
+
+def test_pages_sent_to_a_publisher_count_until_its_events_confirm_or_the_guess_expires() -> None:
+    clock = Clock()
+    index = PrefixIndex(clock=clock, expect_s=10.0)
+    hashes = page_hashes(list(range(64)), 16, b"", FP)
+    index.add_endpoint("v1")
+    index.add_endpoint("v2")
+    index.expect("v1", hashes)  # sent, no event yet
+    hits = index.hits(hashes, ["v1", "v2"])
+    assert (hits["v1"].num_device, hits["v2"].num_pages) == (4, 0) and index.num_expected == 4
+    index.stored("v1", hashes[:2], Tier.DEVICE)  # the events confirm two: no longer guesses
+    assert index.hits(hashes, ["v1"])["v1"].num_pages == 4 and index.num_expected == 2
+    clock.now += 11  # the rest never came: the guess goes, and with it nothing the events said
+    assert index.hits(hashes, ["v1"])["v1"].num_pages == 2 and index.num_expected == 0
+    index.expect("v1", hashes)  # sent again: only what the events do not hold is a guess
+    assert index.num_expected == 2
+    index.removed("v1", hashes[2:3], Tier.DEVICE)  # evicted: neither held nor expected past it
+    assert index.hits(hashes, ["v1"])["v1"].num_pages == 2
+    index.cleared("v1")
+    assert index.hits(hashes, ["v1"])["v1"].num_pages == 0 and index.num_expected == 0
+
+
+def test_a_burst_sharing_a_prefix_is_computed_once_per_publisher_before_its_events_come() -> None:
+    """Two endpoints that publish KV events, none received yet, and a burst of six prompts that
+    share a 2,000-token prefix: each endpoint computes the prefix once (the cost rule sends the
+    second prompt to the idle one), and every later prompt finds it where it was sent -- not six
+    computations of it, as when only events counted."""
+    router = Router(spec(ext("v", ("http://a:1", "http://b:1"),
+                             kv_events=("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"))))  # fmt: skip
+    shared = list(range(2000))
+    burst = [router.admit("m", "k", [*shared, 10_000 + i]) for i in range(6)]
+    assert [r.hit_tokens for r in burst] == [0, 0, 2000, 2000, 2000, 2000]
+    assert {r.endpoint.url for r in burst[:2]} == {"http://a:1", "http://b:1"}
+    for r in burst:
+        router.finish(r, ok=True)
