@@ -135,9 +135,9 @@ class Router:
         # own first requests (the overlap measure, and where the prefix is going to be).
         if only_pool is None:
             self.meter.observe(route_key, overlap_hashes, len(tokens), OVERLAP_PAGE)
-        if endpoint.kv_events is None:  # a publisher's own events are the truth for its endpoint,
+        if endpoint.kv_events is None:  # what it was sent stands for what it holds
             self.index.sent(endpoint_id(pool.name, endpoint.url), hashes[pool.name])
-        else:  # once they come: until then, what it was sent
+        else:  # its own events are the truth; what it was sent counts only until they come
             self.index.expect(endpoint_id(pool.name, endpoint.url), hashes[pool.name])
         return Route(pool, endpoint, reason, route_key, overlap, len(tokens), hit, endpoint.prefilled_tokens, hashes[pool.name],
                      overlap_hashes, started=now)  # fmt: skip

@@ -384,6 +384,9 @@ def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_p
             if subs[1][2].stats()["events"] >= 1:
                 break
             threading.Event().wait(0.01)
+        # what the request is sent stays expected until this test reads /status, however slow the
+        # machine (10 s by default: a timing the assertion below must not ride on)
+        gw.running.frontend.gateway.router.index.expect_s = 3600.0  # type: ignore[union-attr]
         assert complete(gw.url, prompt).status_code == 200
     finally:
         for sock in pubs:
@@ -396,7 +399,7 @@ def test_kv_events_from_a_publisher_steer_requests_to_the_endpoint_holding_the_p
         assert status["expected_pages"] == 0  # the events had said it holds every page it was sent
     else:  # nothing matched: a tie, which the first endpoint takes
         assert [e["ok"] for e in endpoints] == [1, 0] and endpoints[1]["estimated_hit_tokens"] == 0
-        assert status["expected_pages"] >= 3  # what it was sent counts until its events say (10 s)
+        assert status["expected_pages"] >= 3  # what it was sent counts until its events say
 
 
 def test_health_probes_eject_an_endpoint_and_bring_it_back(make_gateway: Callable[..., ServerHandle]) -> None:
