@@ -47,6 +47,9 @@ class _Receiver:
     def accept(self, header: pb.PageChunkHeader) -> bool:
         return self.inner.accept(header)
 
+    def refusal(self, header: pb.PageChunkHeader) -> str:
+        return self.inner.refusal(header)
+
     def store(self, header: pb.PageChunkHeader, pages: torch.Tensor) -> int:
         done = self.inner.store(header, pages)
         if self.inner.is_complete(header.transfer_id):
@@ -145,9 +148,10 @@ class DecodeWorker:
     def is_complete(self, dest: KVDestination) -> bool:
         return dest.transfer_id in self.book.completed
 
-    def cancel(self, dest: KVDestination) -> None:
-        """The transfer failed or the request went elsewhere: the pages go back."""
-        if not self.book.release(dest.transfer_id):
+    def cancel(self, dest: KVDestination, aborted: bool = False) -> None:
+        """The transfer failed or the request went elsewhere (or, `aborted`, its caller left:
+        a chunk still on its way is told so): the pages go back."""
+        if not self.book.release(dest.transfer_id, aborted):
             done = self.book.completed.pop(dest.transfer_id, None)
             if done is not None:
                 self._release(done)
@@ -172,7 +176,7 @@ class DecodeWorker:
         self._aborted.add(req_id)
         dest = self._dests.get(req_id)
         if dest is not None:
-            self.cancel(dest)
+            self.cancel(dest, aborted=True)
         self.engine.abort(req_id)
 
     # -- the loop -----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def receive_all(receiver: KVReceiver, chunks: Sequence[WireChunk], limits: Codec
         for chunk in chunks:
             pages = decode_chunk(chunk, limits)
             if not receiver.accept(chunk.header):
-                raise TransferError("refused")
+                raise TransferError(receiver.refusal(chunk.header))
             transfer_id = chunk.header.transfer_id
             receiver.store(chunk.header, pages)
             if receiver.is_complete(transfer_id):

@@ -274,7 +274,7 @@ class NcclReceiver:
             raise TransferError("payload length does not match the header")
         if not self.receiver.accept(header):
             self.refused += 1
-            raise TransferError("refused")
+            raise TransferError(self.receiver.refusal(header))
         return torch.empty((len(header.dest_page_ids), *header.shape), dtype=dtype, device=self.device)
 
     def finish(self, header: pb.PageChunkHeader, staging: torch.Tensor) -> int:

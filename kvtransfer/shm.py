@@ -279,8 +279,10 @@ async def _open(
     if msg is None:
         return "malformed header"
     header = msg.header
-    if header.dest_page_ids or header.payload_bytes or msg.length or not receiver.accept(header):
-        return "refused"  # no detail: the token may be a guess
+    if header.dest_page_ids or header.payload_bytes or msg.length:
+        return "refused"
+    if not receiver.accept(header):
+        return receiver.refusal(header)
     return None
 
 

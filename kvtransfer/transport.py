@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 10.0
 TOKEN_BYTES = 16
+# a push's ack error when the decode side released its reservation because the request was
+# aborted there (a client that left): the sender ends the push as aborted, not refused
+ABORTED = "aborted"
 
 Chunks = AsyncIterable[WireChunk] | Iterable[WireChunk]
 T = TypeVar("T")
@@ -83,6 +86,12 @@ class KVSender(Protocol):
 
 class KVReceiver(Protocol):
     def accept(self, header: pb.PageChunkHeader) -> bool: ...
+
+    def refusal(self, header: pb.PageChunkHeader) -> str:
+        """Why accept() refused `header`, for the sender's ack: ABORTED when its reservation
+        was released by its request's abort (the chunk's token proves the sender held it),
+        else "refused" -- no detail, the token may be a guess."""
+        ...
 
     def store(self, header: pb.PageChunkHeader, pages: torch.Tensor) -> int:
         """Write a verified chunk; return how many pages of the transfer are now complete."""
@@ -119,6 +128,9 @@ class ReservationBook:
         self._on_release = on_release
         self._clock = clock
         self._open: dict[str, Reservation] = {}
+        # transfer_id -> (token, deadline) of a reservation its request's abort released: a
+        # chunk still on its way is refused as ABORTED (not a fault), until the deadline it had
+        self._aborted: dict[str, tuple[bytes, float]] = {}
         self.completed: dict[str, Reservation] = {}  # the decode loop pops these to admit
         self.refused_bad_token = 0
         self.refused_stale_epoch = 0
@@ -170,16 +182,28 @@ class ReservationBook:
             self.completed[res.transfer_id] = self._open.pop(res.transfer_id)
         return done
 
-    def release(self, transfer_id: str) -> bool:
-        """Drop an open reservation and hand its pages back; False if it was not open."""
+    def release(self, transfer_id: str, aborted: bool = False) -> bool:
+        """Drop an open reservation and hand its pages back; False if it was not open.
+        `aborted`: its request was aborted, which refusal() tells a chunk still on its way."""
         res = self._open.pop(transfer_id, None)
         if res is not None:
+            if aborted:
+                self._aborted[transfer_id] = (res.token, res.deadline)
             self._on_release(res)
         return res is not None
+
+    def refusal(self, header: pb.PageChunkHeader) -> str:
+        """KVReceiver.refusal for a chunk check() refused."""
+        ended = self._aborted.get(header.transfer_id)
+        if ended is not None and hmac.compare_digest(ended[0], header.transfer_token):
+            return ABORTED
+        return "refused"
 
     def expire(self) -> list[str]:
         """Release every open reservation past its deadline; return their transfer ids."""
         now = self._clock()
+        for tid in [tid for tid, (_, deadline) in self._aborted.items() if deadline <= now]:
+            del self._aborted[tid]
         stale = [tid for tid, res in self._open.items() if res.deadline <= now]
         for tid in stale:
             self.num_expired += 1
@@ -202,6 +226,9 @@ class PoolReceiver:
 
     def accept(self, header: pb.PageChunkHeader) -> bool:
         return self.book.check(header)
+
+    def refusal(self, header: pb.PageChunkHeader) -> str:
+        return self.book.refusal(header)
 
     def store(self, header: pb.PageChunkHeader, pages: torch.Tensor) -> int:
         # pages: [n, layer_end - layer_start, 2, page_size, kv_heads, head_dim]
@@ -314,7 +341,7 @@ async def receive_push(
             state.same_transfer(chunk.header)
             pages = decode_chunk(chunk, limits)  # bounds, checksum; a view over a gRPC message's bytes
             if not receiver.accept(chunk.header):
-                raise TransferError("refused")  # no detail: the token may be a guess
+                raise TransferError(receiver.refusal(chunk.header))
             state.transfer_id = chunk.header.transfer_id
             state.done = receiver.store(chunk.header, pages)
             if chunk.header.is_last or receiver.is_complete(state.transfer_id):

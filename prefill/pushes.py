@@ -44,7 +44,7 @@ from kvtransfer.jobs import TransferReport
 from kvtransfer.nccl_link import NcclSender
 from kvtransfer.shm import ShmSender
 from kvtransfer.tls import KVTls
-from kvtransfer.transport import KVDestination, KVSender
+from kvtransfer.transport import ABORTED, KVDestination, KVSender
 from prefill.worker import Chunk
 
 logger = logging.getLogger(__name__)
@@ -325,9 +325,12 @@ def _damaged(chunk: Chunk) -> Chunk:
 
 def _end_of(error: str) -> str:
     """END_REASONS' name for a sender's failed PushResult: its own deadline or transport
-    (kvtransfer.grpc_transport.failed_call), else the decode side's refusal."""
+    (kvtransfer.grpc_transport.failed_call), the request aborted on the decode side (which
+    can come before its abort here), else the decode side's refusal."""
     if error == "deadline exceeded":
         return "deadline"
+    if error == ABORTED:
+        return "aborted"
     return "transport" if error.startswith("transport error") else "refused"
 
 

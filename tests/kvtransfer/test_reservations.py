@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
-from kvtransfer.transport import KVDestination, Reservation, ReservationBook
+from kvtransfer.transport import ABORTED, KVDestination, Reservation, ReservationBook
 
 
 class Clock:
@@ -89,3 +89,21 @@ def test_expired_reservations_are_released_once_and_their_token_dies() -> None:
     assert not book.check(_header(old, [1]))
     assert not book.release(old.transfer_id)  # already gone: no second release
     assert len(released) == 1
+
+
+def test_a_chunk_for_a_reservation_its_abort_released_is_told_aborted_until_its_deadline() -> None:
+    """The request's abort reached the decode side before the prefill side: a chunk still on
+    its way is refused as ABORTED (the sender ends its push as aborted, not as a refusal), but
+    only with the reservation's own token, and only until the deadline it had."""
+    book, released, clock = _book()
+    aborted = book.reserve("w", "r1", [1, 2], sender_epoch=3, ttl_s=10)
+    failed = book.reserve("w", "r2", [3], sender_epoch=3, ttl_s=10)
+    assert book.release(aborted.transfer_id, aborted=True) and book.release(failed.transfer_id)
+    assert len(released) == 2
+    header = _header(aborted, [1])
+    assert not book.check(header) and book.refusal(header) == ABORTED
+    assert book.refusal(_header(aborted, [1], transfer_token=b"x" * 16)) == "refused"  # a guess learns nothing
+    assert book.refusal(_header(failed, [3])) == "refused"  # released for another reason
+    clock.now += 10
+    book.expire()
+    assert book.refusal(header) == "refused"

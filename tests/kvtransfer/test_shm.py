@@ -20,7 +20,7 @@ from batonpb.baton.kv.v1 import kvtransfer_pb2 as pb
 from kvtransfer.codec import WireChunk
 from kvtransfer.grpc_transport import start_kv_server
 from kvtransfer.shm import PUSH_SHM, REGION_DIR, ShmRegion, ShmSender, shm_handler
-from kvtransfer.transport import KVDestination, build_chunks
+from kvtransfer.transport import ABORTED, KVDestination, build_chunks
 from tests.kvtransfer.test_transports import EPOCH, Decode, _assert_landed, _prefill_pages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,6 +123,17 @@ async def test_wrong_reused_token_and_stale_epoch_are_refused_and_counted(
     replay = await sender.send(dest, build_chunks(dest, pages, EPOCH), 5.0)  # the token is spent
     assert not replay.accepted and decode.book.refused_bad_token == 2
     _assert_landed(decode, dest, pages)
+    assert side.region.num_free == 3
+
+
+async def test_a_push_whose_request_was_aborted_on_the_decode_side_ends_aborted(
+    side: Side, sender: ShmSender
+) -> None:
+    decode, pages = side.decode, _prefill_pages(4)
+    dest = decode.reserve(side.address, 4)
+    assert decode.book.release(dest.transfer_id, aborted=True)
+    result = await sender.send(dest, build_chunks(dest, pages, EPOCH), 5.0)
+    assert (result.accepted, result.error) == (False, ABORTED)
     assert side.region.num_free == 3
 
 
@@ -267,7 +278,7 @@ async def test_oversized_empty_and_short_transfers_fail_with_their_reason(
 _DYING_SENDER = """
 import asyncio, sys, torch
 from kvtransfer.shm import ShmSender
-from kvtransfer.transport import KVDestination, build_chunks
+from kvtransfer.transport import ABORTED, KVDestination, build_chunks
 address, req_id, transfer_id, token, epoch, ids = sys.argv[1:]
 dest = KVDestination(address, req_id, transfer_id, bytes.fromhex(token), int(epoch),
                      tuple(int(i) for i in ids.split(",")))

@@ -17,6 +17,7 @@ from kvtransfer.local import LocalSender
 from kvtransfer.nccl_link import PUSH_NCCL
 from kvtransfer.shm import PUSH_SHM
 from kvtransfer.transport import (
+    ABORTED,
     KVDestination,
     KVSender,
     PoolReceiver,
@@ -146,6 +147,22 @@ async def test_grpc_wrong_token_is_refused_and_the_reservation_untouched(
     assert not any(decode.pool.read_page(p).any() for p in dest.dest_page_ids)
     await _push(grpc_sender, dest, pages)  # the real sender still gets through
     _assert_landed(decode, dest, pages)
+
+
+@pytest.mark.parametrize("kind", ["local", "grpc"])
+async def test_a_push_whose_request_was_aborted_on_the_decode_side_ends_aborted(
+    kind: str, grpc_decode: tuple[Decode, str], grpc_sender: GrpcSender
+) -> None:
+    """The client left and the decode side's abort came before the prefill side's: the push's
+    ack says aborted (prefill.pushes ends it as such), not a refusal."""
+    decode, address = grpc_decode
+    pages = _prefill_pages(4)
+    dest = decode.reserve(address, 4)
+    assert decode.book.release(dest.transfer_id, aborted=True)
+    sender: KVSender = grpc_sender if kind == "grpc" else LocalSender({address: decode.receiver})
+    result = await sender.send(dest, build_chunks(dest, pages, EPOCH), 5.0)
+    assert (result.accepted, result.error) == (False, ABORTED)
+    assert not any(decode.pool.read_page(p).any() for p in dest.dest_page_ids)
 
 
 async def test_grpc_corrupt_chunk_after_acceptance_releases_the_reservation(

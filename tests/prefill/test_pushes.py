@@ -122,6 +122,24 @@ async def test_a_held_push_ends_at_its_deadline_or_when_dropped(decode: tuple[De
         await short.close()
 
 
+async def test_a_push_whose_request_the_decode_side_aborted_first_ends_aborted(
+    decode: tuple[Decode, str], pushes: Pushes
+) -> None:
+    """A client that leaves aborts its request on both sides; the decode side can hear it
+    first. Its reservation released, the push's next chunk is told so: the push ends aborted
+    (as when this side hears first), never as a refusal (tests/faults/test_cancellation.py)."""
+    side, address = decode
+    dest = side.reserve(address, 4)
+    chunks = build_chunks(dest, _prefill_pages(4), EPOCH, pages_per_chunk=2)
+    push = pushes.open("req-1", dest)
+    assert side.book.release(dest.transfer_id, aborted=True)  # the decode side's abort
+    pushes.first_token(push, tuple(chunks))
+    report = await pushes.result(dest.transfer_id)
+    assert (report.accepted, report.error) == (False, "aborted") and pushes.ended == {"aborted": 1}
+    pushes.abort("req-1")  # this side's abort, after: nothing more to end
+    assert pushes.ended == {"aborted": 1} and not pushes.num_running
+
+
 def _stored(side: Decode, dest: KVDestination) -> int:
     return sum(bool(side.pool.read_page(p).any()) for p in dest.dest_page_ids)
 
