@@ -240,10 +240,17 @@ def test_the_planners_add_and_drain_serve_every_request(pd3: ServerHandle) -> No
 
 
 def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) -> None:
-    """The planner on the real gateway: long prompts from several clients keep the prefill
-    queue over its TTFT SLO -> it adds a prefill actor; the load stops -> it drains one away
-    (the least valuable cache), back to the minimum. Every client request succeeds."""
-    import httpx
+    """The planner on the real gateway: prompts queued at the prefill worker while first
+    tokens come late -> it adds a prefill actor; the load stops -> it drains one away (the least
+    valuable cache), back to the minimum. Every client request succeeds.
+
+    The load is made, not hoped for: the prefill worker is stalled (a drill) while a wave of
+    prompts queues there, so the wave's first tokens are late however fast the machine is; a
+    second wave then queues the same way, and only then does the planner take a sample -- it
+    sees the first wave's late first tokens and the second wave's prompts waiting. (Real load
+    from client loops decided nothing on some machines: a ~300-token prefill is short on a fast
+    one, and its queue was empty at most samples.)"""
+    from dataclasses import replace
 
     from cluster.ops.planner import Limits, Planner, PlannerConfig
     from cluster.ops.planner_loop import LatencyWindow, LocalRayScaler, run, sample_from
@@ -251,69 +258,99 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     front, frontend = pd3.running.front, pd3.running.frontend
     assert isinstance(front, RayFront)
     before = {p.name for p in front.fleet.prefills if p.is_routable}
+    prefill = front.fleet.prefills[0].actor
     cfg = PlannerConfig(ttft_slo_s=0.02, itl_slo_s=30.0, out_samples=1, in_samples=3, cooldown_s=0.5,
                         settle_timeout_s=120.0, prefill_queue_tokens=64, scale_in_frac=0.5,
                         limits=Limits(min_prefill=len(before), max_prefill=len(before) + 1, min_decode=1,
                                       max_decode=2, min_total=2, max_total=4))  # fmt: skip
     planner, window, stop = Planner(cfg), LatencyWindow(frontend.metrics), asyncio.Event()
     reasons: list[str] = []  # planner.last_reason before each sample: what it saw, for a failure's message
+    tickets, flowing, lock = [0], threading.Event(), threading.Lock()  # samples let through; all once flowing
 
-    def sample() -> Any:
+    def take() -> bool:
+        with lock:
+            if tickets[0]:
+                tickets[0] -= 1
+                return True
+        return flowing.is_set()
+
+    async def sample() -> Any:
+        while not take():  # the test's own state, not the load's: no sample is taken until it says
+            await asyncio.sleep(0.05)
         if not reasons or reasons[-1] != planner.last_reason:
             reasons.append(planner.last_reason)
-        return sample_from(frontend, window)
+        taken = await sample_from(frontend, window)
+        seen.append(f"TTFT p90 {taken.ttft_p90_s}, ITL p90 {taken.itl_p90_s}, "
+                    f"{[(n.name, n.health, n.pending_tokens) for n in taken.nodes]}")  # fmt: skip
+        return taken
 
-    # Every sample is observed, however long the gateway takes to answer on a loaded machine
-    # (at period_s, the default bound, a slow sample is skipped: the decisions would then hang
-    # on how fast the machine is, not on the load the samples show).
-    planning = asyncio.run_coroutine_threadsafe(
-        run(planner, LocalRayScaler(front.fleet), sample, 0.5, stop, action_timeout_s=180.0, max_samples=600,
-            sample_timeout_s=60.0), pd3.loop)  # fmt: skip
+    seen: list[str] = []  # each sample as the planner got it
+    ok, failed = [0], []
 
-    halt, failed, ok = threading.Event(), [], [0]
+    def wave(seed: int, n: int = 4) -> list[threading.Thread]:
+        def one(i: int) -> None:
+            rng = random.Random(seed * 100 + i)
+            prompt = " ".join(str(rng.randrange(10**6)) for _ in range(100))  # ~300 tokens
+            r = httpx.post(f"{pd3.url}/v1/completions", json={"model": "baton-tiny", "prompt": prompt,
+                                                               "max_tokens": 2}, timeout=120)  # fmt: skip
+            if r.status_code == 200:
+                ok[0] += 1
+            else:
+                failed.append(r.status_code)
 
-    # The loops run until the planner has decided (halt; at most 1,000 requests each), and one
-    # sample under pressure (TTFT p90 over the SLO with prompt tokens queued) decides an add: a
-    # prefill of ~300 tokens is short on a fast machine, its queue empty at most samples, and
-    # with 200 requests a loop and two pressured samples in a row asked for, the load was over in
-    # seconds without an add decided (twice in make test on an AVX-512 machine). More load is no
-    # way out: eight loops of ~350 tokens were refused (429, no decode worker with room) after the
-    # module's earlier tests had run.
-    def client(seed: int) -> None:
-        rng = random.Random(seed)
-        with httpx.Client(base_url=pd3.url, timeout=60) as http:
-            for _ in range(1000):  # bounded
-                if halt.is_set():
-                    return
-                prompt = " ".join(str(rng.randrange(10**6)) for _ in range(100))  # ~300 tokens
-                r = http.post("/v1/completions", json={"model": "baton-tiny", "prompt": prompt, "max_tokens": 2})
-                if r.status_code == 200:
-                    ok[0] += 1
-                else:
-                    failed.append(r.status_code)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        return threads
 
-    clients = [threading.Thread(target=client, args=(s,)) for s in range(6)]
-    for c in clients:
-        c.start()
+    def queued(n: int) -> Callable[[], bool]:  # n prompts wait at the stalled prefill worker
+        return lambda: ray.get(prefill.stats.remote(), timeout=30).num_running >= n
+
+    def seen_queued() -> bool:  # as the planner's sample will read it (the stats the gateway last got)
+        nodes = on_loop(pd3, frontend.nodes())
+        return any(n.name == front.fleet.prefills[0].name and n.pending_tokens > 0 for n in nodes)
 
     def added() -> bool:
         return len({p.name for p in front.fleet.prefills if p.is_routable}) > len(before)
 
-    def deciding_to_add() -> bool:  # the load has done its part once the add is under way (or done)
+    def deciding_to_add() -> bool:
         pending = planner.pending
         return (pending is not None and pending.action == "add" and pending.role == "prefill") or added()
 
-    try:  # an actor starts in seconds on an idle machine, and in up to 45 s beside the load
-        wait_for(deciding_to_add, lambda: f"the planner decided to add no prefill worker; it saw: {reasons[-8:]}", 120)
-    finally:
-        halt.set()
-        for c in clients:
-            c.join(60)
-    assert failed == [] and ok[0] > 0
-    wait_for(added, lambda: f"the planner added no prefill worker; it saw: {reasons[-8:]}", 120)
-    wait_for(lambda: len({p.name for p in front.fleet.prefills if p.is_routable}) == len(before),
-             lambda: f"the planner did not scale back in; it saw: {reasons[-8:]}", 120)  # fmt: skip
-    stop.set()
+    placement = front.cfg  # every prompt to the prefill worker (the cost model would prefill some on decode)
+    front.cfg = replace(placement, placement="round_robin")
+    planning = asyncio.run_coroutine_threadsafe(
+        run(planner, LocalRayScaler(front.fleet), sample, 0.2, stop, action_timeout_s=180.0, max_samples=2000,
+            sample_timeout_s=60.0), pd3.loop)  # fmt: skip
+    try:
+        try:
+            ray.get(prefill.stall.remote(600), timeout=30)  # the first wave queues, its first tokens late
+            first = wave(1)
+            wait_for(queued(len(first)), "the first wave did not queue at the prefill worker", 60)
+            time.sleep(0.3)  # its first tokens at least this late: 15x the TTFT SLO
+            ray.get(prefill.stall.remote(0), timeout=30)
+            for t in first:
+                t.join(120)
+            ray.get(prefill.stall.remote(600), timeout=30)  # the second wave queues
+            second = wave(2)
+            wait_for(queued(len(second)), "the second wave did not queue at the prefill worker", 60)
+            wait_for(seen_queued, "the gateway's view of the prefill worker never showed the second wave", 60)
+            with lock:
+                tickets[0] += 1  # one sample: the first wave's TTFTs, the second wave's queue
+            wait_for(deciding_to_add, lambda: f"the planner decided to add no prefill worker ({planner.last_reason}); "
+                                              f"it saw: {seen[-2:]}", 60)  # fmt: skip
+        finally:
+            flowing.set()
+            ray.get(prefill.stall.remote(0), timeout=30)
+            front.cfg = placement
+        for t in second:
+            t.join(120)
+        assert failed == [] and ok[0] == len(first) + len(second)
+        wait_for(added, lambda: f"the planner added no prefill worker; it saw: {reasons[-8:]}", 120)
+        wait_for(lambda: len({p.name for p in front.fleet.prefills if p.is_routable}) == len(before),
+                 lambda: f"the planner did not scale back in; it saw: {reasons[-8:]}", 120)  # fmt: skip
+    finally:  # the planner stops with the test, also a failed one (the module's gateway goes on)
+        pd3.loop.call_soon_threadsafe(stop.set)
     decisions = planning.result(30)
     assert [(d.action, d.role) for d in decisions] == [("add", "prefill"), ("remove", "prefill")], decisions
 
