@@ -3,7 +3,19 @@ FakeOpenAIServer, a test double that only exercises the client's parsing and tim
 
 from __future__ import annotations
 
-from bench.client import ClientConfig, SSEDecoder, StreamClient, completion_payload, list_models
+import json
+from collections.abc import AsyncIterator
+
+from bench.client import (
+    MAX_LINE_BYTES,
+    ClientConfig,
+    SSEDecoder,
+    StreamClient,
+    _read_events,
+    _Stream,
+    completion_payload,
+    list_models,
+)
 from bench.transport import CompletionRequest
 from tests.bench.conftest import FAKE_MODEL, Behaviour, FakeOpenAIServer, fake_output_ids
 
@@ -24,6 +36,39 @@ def test_sse_decoder_joins_data_lines_and_skips_comments() -> None:
     d = SSEDecoder()
     assert [d.feed(x) for x in (": ping", "", "data: {\"a\":", "data:1}", "")] == [None, None, None, None, '{"a":\n1}']
     assert d.feed("") is None
+
+
+class Pieces:
+    """A body that arrives in the given reads."""
+
+    def __init__(self, *pieces: bytes) -> None:
+        self.pieces = pieces
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for piece in self.pieces:
+            yield piece
+
+
+def _chunk(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\r\n\r\n"
+
+
+async def test_events_are_read_as_they_arrive_split_anywhere() -> None:
+    """Events split across reads, several in one read (timed at that read), CRLF line ends."""
+    whole = _chunk("a") + _chunk("b") + _chunk("c") + b"data: [DONE]\n\n"
+    cut = len(_chunk("a")) + 7  # inside the second event's data line
+    stream = _Stream(0.0)
+    assert await _read_events(Pieces(whole[:3], whole[3:cut], whole[cut:]), stream, 100) is None
+    result = stream.result(1.0, None)
+    assert result.text == "abc" and stream.done and result.num_chunks == 3
+    assert result.itl_s[1] == 0.0  # "b" and "c" arrived in the last read, together
+
+
+async def test_a_runaway_line_or_stream_is_refused() -> None:
+    huge = b"data: " + b"x" * (MAX_LINE_BYTES + 1)
+    assert await _read_events(Pieces(huge), _Stream(0.0), 100) == f"an SSE line over {MAX_LINE_BYTES} bytes"
+    many = _chunk("a") * 10
+    assert await _read_events(Pieces(many), _Stream(0.0), 15) == "stream exceeded 15 lines"
 
 
 async def test_stream_records_ttft_itl_usage_and_cached_tokens(fake_server: FakeOpenAIServer) -> None:
