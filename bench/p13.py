@@ -5,8 +5,8 @@ offline decode step of the same model, measured in turns on the same machine.
                         [--requests 16] [--threads N] [--out p13.json]
 
 Each round runs, one after the other (never at once):
-    offline  `bench.offline` in a child process: one request, 256 prompt tokens, 128 out,
-             greedy; its mean decode step (in-process, no HTTP)
+    offline  `bench.offline` in a child process: --requests requests one after the other, each
+             256 prompt tokens and 128 out, greedy; their mean decode step (in-process, no HTTP)
     served   `random` at c=1 against --url (256 prompt tokens, 128 out, streamed, fresh
              prompts every round): its ITL p50
 and the round's ratio is served / offline. A shared machine's speed drifts by 10-30% within
@@ -53,16 +53,22 @@ class Round:
     ratio: float  # served ITL p50 / offline step
 
 
-def offline_step_ms(model: str, threads: int | None) -> float:
-    """bench.offline's batch-1 decode step, in a child process (its engine gone before the
-    served half starts)."""
-    cmd = [sys.executable, "-m", "bench.offline", "--models", model, "--batch-sizes", "1",
+def offline_step_ms(model: str, threads: int | None, requests: int = 1) -> float:
+    """bench.offline's batch-1 decode step over `requests` requests one after the other (the
+    served half's number: both halves then span about as long a stretch of the machine's
+    time; one request's 128 steps took a tenth of a second, against seconds served, and a
+    shared machine's speed moves within that), in a child process (its engine gone before
+    the served half starts)."""
+    cmd = [sys.executable, "-m", "bench.offline", "--models", model, "--batch-sizes", ",".join(["1"] * requests),
            "--prompt-len", str(PROMPT_LEN), "--output-len", str(OUTPUT_LEN)]  # fmt: skip
     if threads is not None:
         cmd += ["--threads", str(threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
-    [line] = [x for x in done.stdout.splitlines() if x.startswith("{")]
-    return float(json.loads(line)["decode_step_ms"])
+    results = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    if len(results) != requests:
+        raise RuntimeError(f"bench.offline printed {len(results)} results for {requests} requests")
+    steps = sum(r["decode_steps"] for r in results)
+    return sum(r["decode_step_ms"] * r["decode_steps"] for r in results) / steps
 
 
 async def served(url: str, model: str, renderer: PromptRenderer, seed: str, requests: int) -> tuple[float, float, float]:
@@ -84,7 +90,7 @@ async def run(args: argparse.Namespace) -> list[Round]:
     await served(args.url, model, renderer, f"{args.seed}/warm-up", 2)  # the server's first-call costs
     rounds = []
     for i in range(args.rounds):
-        step = await asyncio.to_thread(offline_step_ms, args.offline_model or model, args.threads)
+        step = round(await asyncio.to_thread(offline_step_ms, args.offline_model or model, args.threads, args.requests), 3)
         p50, p99, tpot = await served(args.url, model, renderer, f"{args.seed}/{i}", args.requests)
         r = Round(i, step, p50, p99, tpot, round(p50 / step, 3))
         print(json.dumps(asdict(r)), flush=True)
