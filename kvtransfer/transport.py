@@ -135,6 +135,7 @@ class ReservationBook:
         self.refused_bad_token = 0
         self.refused_stale_epoch = 0
         self.refused_bad_page = 0
+        self.refused_aborted = 0  # chunks still on their way when their request's abort released them
         self.num_expired = 0
 
     def reserve(
@@ -156,7 +157,10 @@ class ReservationBook:
         res = self._open.get(header.transfer_id)
         # an unknown transfer id is a wrong or spent token: completion and release drop it
         if res is None or not hmac.compare_digest(res.token, header.transfer_token):
-            self.refused_bad_token += 1
+            if self.refusal(header) == ABORTED:  # its request's abort came first: no fault
+                self.refused_aborted += 1
+            else:
+                self.refused_bad_token += 1
             return False
         if header.sender_epoch != res.sender_epoch or header.req_id != res.req_id:
             self.refused_stale_epoch += 1

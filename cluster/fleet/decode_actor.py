@@ -367,7 +367,7 @@ class DecodeActor(WorkerActor):
             book.refused_bad_token, book.refused_stale_epoch, book.refused_bad_page,
             self.kv_log.last_seq, cache.stats.query_tokens if cache else 0, cache.stats.hit_tokens if cache else 0,
             self._cache_report(), engine.num_preempted_total, os.getpid(), self.handing_off, w.num_kept_pages,
-            self.hand_offs.num_handed_off, self.kernels,
+            self.hand_offs.num_handed_off, self.kernels, book.refused_aborted,
         )  # fmt: skip
 
     def _cache_report(self) -> CacheReport:

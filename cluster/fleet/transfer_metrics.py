@@ -152,7 +152,7 @@ class _WorkerCollector(Collector):
                 kept.add_metric([d.name], s.num_kept_pages)
                 handed.add_metric([d.name], s.num_handed_off)
                 for reason, n in (("token", s.refused_bad_token), ("epoch", s.refused_stale_epoch),
-                                  ("page", s.refused_bad_page)):  # fmt: skip
+                                  ("page", s.refused_bad_page), ("aborted", s.refused_aborted)):  # fmt: skip
                     refused.add_metric([d.name, reason], n)
         for kind, n in self.workers.num_member_events.items():
             changes.add_metric([kind], n)

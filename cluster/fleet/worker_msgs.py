@@ -75,6 +75,7 @@ class DecodeStats:
     num_kept_pages: int = 0  # verified pages of failed transfers it kept cached (decode.worker)
     num_handed_off: int = 0  # requests it pushed to another decode worker while draining (decode.handoff)
     kernels: EngineKernels = EngineKernels()  # as PrefillStats
+    refused_aborted: int = 0  # push chunks for reservations their requests' aborts had released
 
 
 @dataclass(frozen=True, slots=True)

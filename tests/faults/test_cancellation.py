@@ -149,6 +149,7 @@ def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, sta
     prefill = front_of(slow1).fleet.prefills[0].actor
     held = state == "transferring"
     ended = _prefill(slow1).pushes_ended
+    bad_tokens = _decode(slow1).refused_bad_token
     if held:  # the push stays open until the pages are back: only the client's leaving ends it
         ray.get(prefill.hold_pushes.remote(True), timeout=30)
     try:
@@ -166,6 +167,8 @@ def test_a_client_leaving_at_any_state_frees_every_page(slow1: ServerHandle, sta
         assert moved_pushes == {"aborted": 1}, moved_pushes  # not its deadline (also inside the 5 s)
     else:  # the pages moved before the client left
         assert moved_pushes == {"ok": 1}, moved_pushes
+    # whichever side heard of the abort first, no chunk was refused as a wrong token (kvtransfer.transport)
+    assert _decode(slow1).refused_bad_token == bad_tokens
     # The request is counted once: cancelled, or (finishing: every token was out) ok.
     expected = {"cancelled"} if state != "finishing" else {"cancelled", "ok"}
     deadline = time.monotonic() + 5.0

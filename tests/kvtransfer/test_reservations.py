@@ -102,7 +102,10 @@ def test_a_chunk_for_a_reservation_its_abort_released_is_told_aborted_until_its_
     assert len(released) == 2
     header = _header(aborted, [1])
     assert not book.check(header) and book.refusal(header) == ABORTED
-    assert book.refusal(_header(aborted, [1], transfer_token=b"x" * 16)) == "refused"  # a guess learns nothing
+    assert (book.refused_aborted, book.refused_bad_token) == (1, 0)  # not counted as a bad token
+    forged = _header(aborted, [1], transfer_token=b"x" * 16)
+    assert not book.check(forged) and book.refusal(forged) == "refused"  # a guess learns nothing
+    assert (book.refused_aborted, book.refused_bad_token) == (1, 1)
     assert book.refusal(_header(failed, [3])) == "refused"  # released for another reason
     clock.now += 10
     book.expire()
