@@ -206,8 +206,6 @@ class StreamClient:
             if response.status != 200:
                 return f"HTTP {response.status}: {await _read_bounded(response)}"
             return await _read_events(response.content, stream, LINES_PER_TOKEN * (req.output_len + 8))
-            # No break at [DONE]: reading the body to its end is what lets the connection go
-            # back to the pool for keep-alive reuse.
 
 
 class Body(Protocol):
@@ -220,7 +218,8 @@ async def _read_events(body: Body, stream: _Stream, max_lines: int) -> str | Non
     """Feed `stream` the events of an SSE body, read as it arrives (whatever the socket has, not
     a line at a time: on two cores the client's CPU per token comes out of the server's, and
     aiohttp's readline cost two awaits and a buffer scan per event); events that arrived in one
-    read are timed at that read. None, or why the body was refused."""
+    read are timed at that read. None, or why the body was refused. No break at [DONE]: reading
+    the body to its end is what lets the connection go back to the pool for keep-alive reuse."""
     decoder, tail, n = SSEDecoder(), b"", 0
     async for piece in body.iter_any():
         now = time.perf_counter()

@@ -264,7 +264,6 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
                         limits=Limits(min_prefill=len(before), max_prefill=len(before) + 1, min_decode=1,
                                       max_decode=2, min_total=2, max_total=4))  # fmt: skip
     planner, window, stop = Planner(cfg), LatencyWindow(frontend.metrics), asyncio.Event()
-    reasons: list[str] = []  # planner.last_reason before each sample: what it saw, for a failure's message
     tickets, flowing, lock = [0], threading.Event(), threading.Lock()  # samples let through; all once flowing
 
     def take() -> bool:
@@ -277,14 +276,12 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
     async def sample() -> Any:
         while not take():  # the test's own state, not the load's: no sample is taken until it says
             await asyncio.sleep(0.05)
-        if not reasons or reasons[-1] != planner.last_reason:
-            reasons.append(planner.last_reason)
         taken = await sample_from(frontend, window)
-        seen.append(f"TTFT p90 {taken.ttft_p90_s}, ITL p90 {taken.itl_p90_s}, "
+        seen.append(f"(after: {planner.last_reason}) TTFT p90 {taken.ttft_p90_s}, ITL p90 {taken.itl_p90_s}, "
                     f"{[(n.name, n.health, n.pending_tokens) for n in taken.nodes]}")  # fmt: skip
         return taken
 
-    seen: list[str] = []  # each sample as the planner got it
+    seen: list[str] = []  # each sample as the planner got it, after what it said of the one before: a failure's message
     ok, failed = [0], []
 
     def wave(seed: int, n: int = 4) -> list[threading.Thread]:
@@ -346,9 +343,9 @@ def test_the_planner_adds_and_removes_actors_with_the_load(pd3: ServerHandle) ->
         for t in second:
             t.join(120)
         assert failed == [] and ok[0] == len(first) + len(second)
-        wait_for(added, lambda: f"the planner added no prefill worker; it saw: {reasons[-8:]}", 120)
+        wait_for(added, lambda: f"the planner added no prefill worker; it saw: {seen[-8:]}", 120)
         wait_for(lambda: len({p.name for p in front.fleet.prefills if p.is_routable}) == len(before),
-                 lambda: f"the planner did not scale back in; it saw: {reasons[-8:]}", 120)  # fmt: skip
+                 lambda: f"the planner did not scale back in ({planner.last_reason}); it saw: {seen[-8:]}", 120)  # fmt: skip
     finally:  # the planner stops with the test, also a failed one (the module's gateway goes on)
         pd3.loop.call_soon_threadsafe(stop.set)
     decisions = planning.result(30)
